@@ -1,0 +1,515 @@
+/*
+ * One-pass CPU optimizer kernels for ZeRO-Offload (Adam/AdamW, Adagrad, Lion).
+ *
+ * Every kernel reads the 16-bit (or fp32) gradient, reads and writes the fp32
+ * state and optionally writes the 16-bit copy of the weights, all in a single
+ * pass over memory.  The update is memory bound (28 B/param for Adam), so the
+ * one thing that matters for speed is to touch each byte exactly once; the
+ * casts that torch's fused AdamW needs as separate passes are done in registers.
+ *
+ * SIMD is chosen at run time (cpu_select_level): AVX-512F, AVX2+F16C, or the
+ * portable scalar path.  The vector functions carry GCC/Clang target attributes
+ * so the binary is built for baseline x86-64 and still runs everywhere.
+ *
+ * Bitwise contract: the vector and scalar paths perform the same IEEE operations
+ * in the same order (no FMA: the build uses -ffp-contract=off), and sqrt/div are
+ * correctly rounded, so both paths give identical fp32 results.  Rounding to
+ * 16 bits is round-to-nearest-even in both.
+ *
+ * The caller (cpu_adam.pyx) validates every argument; nothing here checks.
+ */
+#ifndef ZO_KERNELS_H
+#define ZO_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+static int zo_openmp_enabled(void) { return 1; }
+static int zo_max_threads(void) { return omp_get_max_threads(); }
+#else
+static int zo_openmp_enabled(void) { return 0; }
+static int zo_max_threads(void) { return 1; }
+#endif
+
+/* dtype codes shared with the Cython wrapper */
+#define ZO_F32 0
+#define ZO_F16 1
+#define ZO_BF16 2
+#define ZO_NONE 3
+
+#define ZO_SCALAR 0
+#define ZO_AVX2 1
+#define ZO_AVX512 2
+
+/* Hyper-parameters, already folded into the constants the loop needs.
+ * Bias corrections and 1-beta are computed in double by the caller and only
+ * then rounded to fp32 (DeepSpeed computes 1-beta in fp32, which biases v). */
+typedef struct {
+    float grad_scale;
+    float beta1, one_minus_beta1;
+    float beta2, one_minus_beta2;
+    float eps;
+    float step_size;      /* lr / (1 - beta1^t)          (adam), lr (adagrad, lion) */
+    float inv_sqrt_bc2;   /* 1 / sqrt(1 - beta2^t)       (adam) */
+    float decay;          /* 1 - lr*wd for decoupled decay, else 1 */
+    float l2;             /* wd for L2 (Adam, Adagrad), else 0 */
+    int decoupled;        /* apply `decay` to p before the update */
+} zo_hparams;
+
+/* ---------------------------------------------------------------- scalar conversions */
+
+static inline float zo_f16_to_f32(uint16_t h) {
+    uint32_t sign = ((uint32_t)h & 0x8000u) << 16;
+    uint32_t em = (uint32_t)h & 0x7fffu;
+    uint32_t x;
+    float r;
+    if (em >= 0x7c00u) {
+        x = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+    } else if (em >= 0x0400u) {
+        x = sign | ((em + ((127u - 15u) << 10)) << 13);
+    } else {
+        float f = (float)em * 5.9604644775390625e-08f; /* exact: em * 2^-24 */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    }
+    memcpy(&r, &x, 4);
+    return r;
+}
+
+static inline uint16_t zo_f32_to_f16(float f) {
+    uint32_t x, ax, sign;
+    memcpy(&x, &f, 4);
+    sign = (x >> 16) & 0x8000u;
+    ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf stays inf; NaN stays a quiet NaN */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? (0x200u | ((ax >> 13) & 0x3ffu)) : 0u));
+    if (ax >= 0x477ff000u) /* >= 65520 rounds (to even) past the largest half */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) { /* result is subnormal: let the FPU round at 2^-24 */
+        float af, s;
+        uint32_t r;
+        memcpy(&af, &ax, 4);
+        s = af + 0.5f;
+        memcpy(&r, &s, 4);
+        return (uint16_t)(sign | (r - 0x3f000000u));
+    }
+    ax += 0xc8000fffu + ((ax >> 13) & 1u); /* rebias (-112 << 23) and round to even */
+    return (uint16_t)(sign | (ax >> 13));
+}
+
+static inline float zo_bf16_to_f32(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    float r;
+    memcpy(&r, &x, 4);
+    return r;
+}
+
+static inline uint16_t zo_f32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+static inline float zo_load_grad(const void *g, int kind, int64_t i) {
+    if (kind == ZO_F16) return zo_f16_to_f32(((const uint16_t *)g)[i]);
+    if (kind == ZO_BF16) return zo_bf16_to_f32(((const uint16_t *)g)[i]);
+    return ((const float *)g)[i];
+}
+
+static inline void zo_store_out(void *o, int kind, int64_t i, float v) {
+    if (kind == ZO_F16) ((uint16_t *)o)[i] = zo_f32_to_f16(v);
+    else if (kind == ZO_BF16) ((uint16_t *)o)[i] = zo_f32_to_bf16(v);
+}
+
+/* ---------------------------------------------------------------- scalar loops */
+/* These are the reference the vector paths are tested against, and the tail
+ * of every vector loop, so each line mirrors the vector code op for op. */
+
+static void zo_adam_scalar(float *p, float *m, float *v, const void *g, int gk,
+                           void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float pi = p[i];
+        float mi, vi, denom;
+        gi = gi + h->l2 * pi;
+        mi = h->beta1 * m[i] + h->one_minus_beta1 * gi;
+        vi = h->beta2 * v[i] + h->one_minus_beta2 * (gi * gi);
+        denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
+        if (h->decoupled) pi = pi * h->decay;
+        pi = pi - h->step_size * (mi / denom);
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        zo_store_out(out, ok, i, pi);
+    }
+}
+
+static void zo_adagrad_scalar(float *p, float *s, const void *g, int gk,
+                              void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float pi = p[i];
+        float si;
+        gi = gi + h->l2 * pi;
+        si = s[i] + gi * gi;
+        pi = pi - h->step_size * (gi / (sqrtf(si) + h->eps));
+        s[i] = si;
+        p[i] = pi;
+        zo_store_out(out, ok, i, pi);
+    }
+}
+
+static inline float zo_signf(float x) {
+    return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f);
+}
+
+static void zo_lion_scalar(float *p, float *m, const void *g, int gk,
+                           void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float mi = m[i];
+        float c = h->beta1 * mi + h->one_minus_beta1 * gi;
+        float pi = p[i] * h->decay;
+        pi = pi - h->step_size * zo_signf(c);
+        m[i] = h->beta2 * mi + h->one_minus_beta2 * gi;
+        p[i] = pi;
+        zo_store_out(out, ok, i, pi);
+    }
+}
+
+/* ---------------------------------------------------------------- x86 vector paths */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define ZO_HAVE_X86 1
+#include <immintrin.h>
+
+#define ZO_T512 __attribute__((target("avx512f,avx2,f16c,fma")))
+#define ZO_T256 __attribute__((target("avx2,f16c,fma")))
+
+/* ---- AVX-512: 16 lanes */
+static inline ZO_T512 __m512 zo512_load_grad(const void *g, int gk, int64_t i) {
+    if (gk == ZO_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i)));
+    if (gk == ZO_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i))), 16));
+    return _mm512_loadu_ps((const float *)g + i);
+}
+
+static inline ZO_T512 void zo512_store_out(void *o, int ok, int64_t i, __m512 v) {
+    if (ok == ZO_F16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)o + i),
+                            _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else if (ok == ZO_BF16) {
+        __m512i x = _mm512_castps_si512(v);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        __m512i ax = _mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff));
+        __mmask16 nan = _mm512_cmpgt_epi32_mask(ax, _mm512_set1_epi32(0x7f800000));
+        __m512i q = _mm512_or_si512(x, _mm512_set1_epi32(0x400000));
+        r = _mm512_mask_mov_epi32(r, nan, q);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+}
+
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
+        float *p, float *m, float *v, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
+        __m512 pi = _mm512_loadu_ps(p + i);
+        __m512 mi, vi, denom;
+        gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(m + i)), _mm512_mul_ps(omb1, gi));
+        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(v + i)),
+                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+        denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
+        if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
+        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
+        _mm512_storeu_ps(m + i, mi);
+        _mm512_storeu_ps(v + i, vi);
+        _mm512_storeu_ps(p + i, pi);
+        zo512_store_out(out, ok, i, pi);
+    }
+    zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
+}
+
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adagrad_body(
+        float *p, float *s, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 eps = _mm512_set1_ps(h->eps), ss = _mm512_set1_ps(h->step_size);
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
+        __m512 pi = _mm512_loadu_ps(p + i);
+        __m512 si;
+        gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        si = _mm512_add_ps(_mm512_loadu_ps(s + i), _mm512_mul_ps(gi, gi));
+        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(gi, _mm512_add_ps(_mm512_sqrt_ps(si), eps))));
+        _mm512_storeu_ps(s + i, si);
+        _mm512_storeu_ps(p + i, pi);
+        zo512_store_out(out, ok, i, pi);
+    }
+    zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
+}
+
+static inline ZO_T512 __attribute__((always_inline)) void zo512_lion_body(
+        float *p, float *m, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f), mone = _mm512_set1_ps(-1.0f);
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
+        __m512 mi = _mm512_loadu_ps(m + i);
+        __m512 c = _mm512_add_ps(_mm512_mul_ps(b1, mi), _mm512_mul_ps(omb1, gi));
+        __m512 sg = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), one);
+        __m512 pi;
+        sg = _mm512_mask_mov_ps(sg, _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), mone);
+        pi = _mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(p + i), dec), _mm512_mul_ps(ss, sg));
+        _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_mul_ps(b2, mi), _mm512_mul_ps(omb2, gi)));
+        _mm512_storeu_ps(p + i, pi);
+        zo512_store_out(out, ok, i, pi);
+    }
+    zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
+}
+
+/* ---- AVX2 + F16C: 8 lanes */
+static inline ZO_T256 __m256 zo256_load_grad(const void *g, int gk, int64_t i) {
+    if (gk == ZO_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i)));
+    if (gk == ZO_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)g + i))), 16));
+    return _mm256_loadu_ps((const float *)g + i);
+}
+
+static inline ZO_T256 void zo256_store_out(void *o, int ok, int64_t i, __m256 v) {
+    if (ok == ZO_F16) {
+        _mm_storeu_si128((__m128i *)((uint16_t *)o + i),
+                         _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else if (ok == ZO_BF16) {
+        __m256i x = _mm256_castps_si256(v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+        __m256i ax = _mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff));
+        __m256i nan = _mm256_cmpgt_epi32(ax, _mm256_set1_epi32(0x7f800000));
+        __m256i q = _mm256_or_si256(x, _mm256_set1_epi32(0x400000));
+        __m256i hi16;
+        r = _mm256_blendv_epi8(r, q, nan);
+        hi16 = _mm256_srli_epi32(r, 16);
+        /* pack 8 x u32 (all < 65536) to 8 x u16 in order */
+        hi16 = _mm256_packus_epi32(hi16, hi16);
+        hi16 = _mm256_permute4x64_epi64(hi16, 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)o + i), _mm256_castsi256_si128(hi16));
+    }
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
+        float *p, float *m, float *v, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
+        __m256 pi = _mm256_loadu_ps(p + i);
+        __m256 mi, vi, denom;
+        gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(m + i)), _mm256_mul_ps(omb1, gi));
+        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v + i)),
+                           _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
+        denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
+        if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
+        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
+        _mm256_storeu_ps(m + i, mi);
+        _mm256_storeu_ps(v + i, vi);
+        _mm256_storeu_ps(p + i, pi);
+        zo256_store_out(out, ok, i, pi);
+    }
+    zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adagrad_body(
+        float *p, float *s, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 eps = _mm256_set1_ps(h->eps), ss = _mm256_set1_ps(h->step_size);
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
+        __m256 pi = _mm256_loadu_ps(p + i);
+        __m256 si;
+        gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+        si = _mm256_add_ps(_mm256_loadu_ps(s + i), _mm256_mul_ps(gi, gi));
+        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(gi, _mm256_add_ps(_mm256_sqrt_ps(si), eps))));
+        _mm256_storeu_ps(s + i, si);
+        _mm256_storeu_ps(p + i, pi);
+        zo256_store_out(out, ok, i, pi);
+    }
+    zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_lion_body(
+        float *p, float *m, const void *g, int gk, void *out, int ok,
+        int64_t lo, int64_t hi, const zo_hparams *h) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), mone = _mm256_set1_ps(-1.0f);
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
+        __m256 mi = _mm256_loadu_ps(m + i);
+        __m256 c = _mm256_add_ps(_mm256_mul_ps(b1, mi), _mm256_mul_ps(omb1, gi));
+        __m256 sg = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_GT_OQ), one),
+                                 _mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_LT_OQ), mone));
+        __m256 pi = _mm256_sub_ps(_mm256_mul_ps(_mm256_loadu_ps(p + i), dec), _mm256_mul_ps(ss, sg));
+        _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_mul_ps(b2, mi), _mm256_mul_ps(omb2, gi)));
+        _mm256_storeu_ps(p + i, pi);
+        zo256_store_out(out, ok, i, pi);
+    }
+    zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
+}
+
+/* Specialise each body on the (grad kind, out kind) pair: with both constant the
+ * per-vector dtype branches fold away. */
+#define ZO_SPECIALISE(FN, BODY, ATTR, PARAMS, ARGS)                                  \
+    static ATTR void FN PARAMS {                                                     \
+        if (gk == ZO_F16 && ok == ZO_F16) BODY(ARGS_F16_F16);                        \
+        else if (gk == ZO_BF16 && ok == ZO_BF16) BODY(ARGS_BF16_BF16);               \
+        else BODY ARGS;                                                              \
+    }
+
+#define ADAM_PARAMS (float *p, float *m, float *v, const void *g, int gk, void *out, int ok, \
+                     int64_t lo, int64_t hi, const zo_hparams *h)
+#define ADAGRAD_PARAMS (float *p, float *m, const void *g, int gk, void *out, int ok, \
+                        int64_t lo, int64_t hi, const zo_hparams *h)
+
+#define ARGS_F16_F16 p, m, v, g, ZO_F16, out, ZO_F16, lo, hi, h
+#define ARGS_BF16_BF16 p, m, v, g, ZO_BF16, out, ZO_BF16, lo, hi, h
+ZO_SPECIALISE(zo512_adam, zo512_adam_body, ZO_T512, ADAM_PARAMS, (p, m, v, g, gk, out, ok, lo, hi, h))
+ZO_SPECIALISE(zo256_adam, zo256_adam_body, ZO_T256, ADAM_PARAMS, (p, m, v, g, gk, out, ok, lo, hi, h))
+#undef ARGS_F16_F16
+#undef ARGS_BF16_BF16
+#define ARGS_F16_F16 p, m, g, ZO_F16, out, ZO_F16, lo, hi, h
+#define ARGS_BF16_BF16 p, m, g, ZO_BF16, out, ZO_BF16, lo, hi, h
+ZO_SPECIALISE(zo512_adagrad, zo512_adagrad_body, ZO_T512, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
+ZO_SPECIALISE(zo256_adagrad, zo256_adagrad_body, ZO_T256, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
+ZO_SPECIALISE(zo512_lion, zo512_lion_body, ZO_T512, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
+ZO_SPECIALISE(zo256_lion, zo256_lion_body, ZO_T256, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
+#undef ARGS_F16_F16
+#undef ARGS_BF16_BF16
+
+static int zo_cpu_best_level(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return ZO_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return ZO_AVX2;
+    return ZO_SCALAR;
+}
+#else
+#define ZO_HAVE_X86 0
+static int zo_cpu_best_level(void) { return ZO_SCALAR; }
+#endif
+
+/* ---------------------------------------------------------------- bandwidth probe */
+/* The Adam access pattern with trivial arithmetic: read 2 B, read+write 3 x 4 B,
+ * write 2 B per element.  Its speed is the bound the real kernel is held to. */
+static void zo_stream_scalar(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
+                             int64_t lo, int64_t hi) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_f16_to_f32(g[i]);
+        p[i] += gi; m[i] += gi; v[i] += gi;
+        out[i] = zo_f32_to_f16(p[i]);
+    }
+}
+#if ZO_HAVE_X86
+static ZO_T512 void zo512_stream(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
+                                 int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + i)));
+        __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), gi);
+        _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), gi));
+        _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), gi));
+        _mm512_storeu_ps(p + i, pi);
+        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    zo_stream_scalar(p, m, v, g, out, i, hi);
+}
+static ZO_T256 void zo256_stream(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
+                                 int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 gi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i)));
+        __m256 pi = _mm256_add_ps(_mm256_loadu_ps(p + i), gi);
+        _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
+        _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
+        _mm256_storeu_ps(p + i, pi);
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    zo_stream_scalar(p, m, v, g, out, i, hi);
+}
+#endif
+static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
+                            int64_t lo, int64_t hi) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_stream(p, m, v, g, out, lo, hi); return; }
+    if (level == ZO_AVX2) { zo256_stream(p, m, v, g, out, lo, hi); return; }
+#endif
+    zo_stream_scalar(p, m, v, g, out, lo, hi);
+}
+
+/* ---------------------------------------------------------------- dispatch on one chunk */
+
+static void zo_adam_chunk(int level, float *p, float *m, float *v, const void *g, int gk,
+                          void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_adam(p, m, v, g, gk, out, ok, lo, hi, h); return; }
+    if (level == ZO_AVX2) { zo256_adam(p, m, v, g, gk, out, ok, lo, hi, h); return; }
+#endif
+    zo_adam_scalar(p, m, v, g, gk, out, ok, lo, hi, h);
+}
+
+static void zo_adagrad_chunk(int level, float *p, float *s, const void *g, int gk,
+                             void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_adagrad(p, s, g, gk, out, ok, lo, hi, h); return; }
+    if (level == ZO_AVX2) { zo256_adagrad(p, s, g, gk, out, ok, lo, hi, h); return; }
+#endif
+    zo_adagrad_scalar(p, s, g, gk, out, ok, lo, hi, h);
+}
+
+static void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
+                          void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_lion(p, m, g, gk, out, ok, lo, hi, h); return; }
+    if (level == ZO_AVX2) { zo256_lion(p, m, g, gk, out, ok, lo, hi, h); return; }
+#endif
+    zo_lion_scalar(p, m, g, gk, out, ok, lo, hi, h);
+}
+
+#endif /* ZO_KERNELS_H */

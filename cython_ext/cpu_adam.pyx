@@ -1,0 +1,394 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""Fused one-pass CPU optimizers for ZeRO-Offload: Adam/AdamW, Adagrad, Lion.
+
+Each ``*_step`` reads the gradient (fp16, bf16 or fp32), updates the fp32 state in
+place and, when ``param_out`` is given, writes the round-to-nearest-even 16-bit
+copy of the new weights in the same pass.  The thin ``def`` wrappers validate
+everything first (dtype, contiguity, lengths, hyper-parameters) and only then
+release the GIL and run the C loop from ``_kernels.h``, so a bad argument never
+leaves a partial update behind.
+
+bfloat16: NumPy has no bf16 dtype.  Pass the raw 16-bit words as a uint16 or
+int16 array (``torch_bf16_tensor.view(torch.int16).numpy()``) together with
+``grad_dtype="bf16"`` / ``out_dtype="bf16"``.  float16 arrays need no keyword.
+
+The SIMD path is chosen once at import from what the CPU supports; the
+environment variable ``ZERO_OFFLOAD_SIMD=scalar|avx2|avx512`` or
+``set_simd_level()`` forces a lower one (tests compare them).
+"""
+import math
+import os
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE
+from libc.stdint cimport int64_t
+from cython.parallel cimport prange
+
+cdef extern from "_kernels.h" nogil:
+    ctypedef struct zo_hparams:
+        float grad_scale
+        float beta1
+        float one_minus_beta1
+        float beta2
+        float one_minus_beta2
+        float eps
+        float step_size
+        float inv_sqrt_bc2
+        float decay
+        float l2
+        int decoupled
+    int ZO_F32, ZO_F16, ZO_BF16, ZO_NONE
+    int ZO_SCALAR, ZO_AVX2, ZO_AVX512
+    int zo_openmp_enabled()
+    int zo_max_threads()
+    int zo_cpu_best_level()
+    void zo_adam_chunk(int level, float *p, float *m, float *v, const void *g, int gk,
+                       void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
+    void zo_adagrad_chunk(int level, float *p, float *s, const void *g, int gk,
+                          void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
+    void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
+                       void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
+    void zo_stream_chunk(int level, float *p, float *m, float *v, const unsigned short *g,
+                         unsigned short *out, int64_t lo, int64_t hi)
+
+cdef enum:
+    # Elements per parallel work item.  A multiple of 16 so only the last chunk
+    # has a scalar tail; large enough (256 KiB of fp32) that scheduling is free.
+    CHUNK = 65536
+    # Below this a second thread costs more to wake than it saves.
+    MIN_PARALLEL = 262144
+
+_LEVEL_NAMES = {ZO_SCALAR: "scalar", ZO_AVX2: "avx2", ZO_AVX512: "avx512"}
+_LEVEL_CODES = {v: k for k, v in _LEVEL_NAMES.items()}
+cdef int _best_level = zo_cpu_best_level()
+cdef int _level = _best_level
+
+
+def openmp_enabled():
+    """True when the extension was compiled with OpenMP (threads > 1 possible)."""
+    return bool(zo_openmp_enabled())
+
+
+def simd_level():
+    """The SIMD path that runs: "avx512", "avx2" or "scalar"."""
+    return _LEVEL_NAMES[_level]
+
+
+def best_simd_level():
+    """The best SIMD path this CPU supports."""
+    return _LEVEL_NAMES[_best_level]
+
+
+def set_simd_level(level):
+    """Force a SIMD path ("scalar", "avx2", "avx512", or None for the best one).
+
+    Raises ValueError for an unknown name or a path this CPU cannot run.
+    Returns the previous level's name so tests can restore it.
+    """
+    global _level
+    prev = _LEVEL_NAMES[_level]
+    if level is None:
+        _level = _best_level
+        return prev
+    if level not in _LEVEL_CODES:
+        raise ValueError(f"simd level must be one of {sorted(_LEVEL_CODES)} or None, got {level!r}")
+    code = _LEVEL_CODES[level]
+    if code > _best_level:
+        raise ValueError(f"simd level {level!r} is not supported by this CPU (best: {_LEVEL_NAMES[_best_level]!r})")
+    _level = code
+    return prev
+
+
+_env_level = os.environ.get("ZERO_OFFLOAD_SIMD")
+if _env_level:
+    set_simd_level(_env_level)
+
+
+cdef class _Buf:
+    """A C-contiguous writable-or-not buffer held for the duration of one call."""
+    cdef Py_buffer view
+    cdef bint held
+    cdef public str fmt
+    cdef public Py_ssize_t n
+    cdef public Py_ssize_t itemsize
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+            self.held = False
+
+
+cdef _Buf _get(obj, str name, bint writable):
+    cdef _Buf b = _Buf()
+    cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT
+    if writable:
+        flags |= PyBUF_WRITABLE
+    if obj is None:
+        raise TypeError(f"{name} must be a 1-D array, got None")
+    try:
+        PyObject_GetBuffer(obj, &b.view, flags)
+    except (BufferError, ValueError) as e:
+        need = "C-contiguous, writable" if writable else "C-contiguous"
+        raise ValueError(f"{name} must be a {need} 1-D buffer ({e}); pass np.ascontiguousarray(...)") from None
+    except TypeError:
+        raise TypeError(f"{name} must support the buffer protocol (a NumPy array, or tensor.numpy()), "
+                        f"got {type(obj).__name__}") from None
+    b.held = True
+    if b.view.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got {b.view.ndim}-D; pass .reshape(-1)")
+    fmt = (<bytes>b.view.format).decode("ascii") if b.view.format != NULL else "B"
+    b.fmt = fmt.lstrip("@=<")
+    b.itemsize = b.view.itemsize
+    b.n = b.view.shape[0]
+    return b
+
+
+cdef int _kind_of(_Buf b, str name, dtype_kw, bint allow_f32) except -1:
+    """Map a buffer's format (plus the dtype keyword) to a ZO_* code."""
+    if dtype_kw is not None and dtype_kw not in ("fp16", "bf16", "fp32"):
+        raise ValueError(f"{name} dtype keyword must be 'fp16', 'bf16' or 'fp32', got {dtype_kw!r}")
+    if b.fmt == "e":
+        if dtype_kw not in (None, "fp16"):
+            raise TypeError(f"{name} is float16 but its dtype keyword says {dtype_kw!r}")
+        return ZO_F16
+    if b.fmt in ("H", "h"):
+        if dtype_kw != "bf16":
+            raise TypeError(f"{name} is a 16-bit integer array; for bfloat16 pass it with "
+                            f"{'grad_dtype' if name == 'grad' else 'out_dtype'}='bf16'")
+        return ZO_BF16
+    if b.fmt == "f" and allow_f32:
+        if dtype_kw not in (None, "fp32"):
+            raise TypeError(f"{name} is float32 but its dtype keyword says {dtype_kw!r}")
+        return ZO_F32
+    allowed = "float16, float32, or uint16 with dtype 'bf16'" if allow_f32 else "float16, or uint16 with dtype 'bf16'"
+    raise TypeError(f"{name} must be {allowed}; got buffer format {b.fmt!r}")
+
+
+cdef _check_f32(_Buf b, str name):
+    if b.fmt != "f":
+        raise TypeError(f"{name} must be float32, got buffer format {b.fmt!r}")
+
+
+cdef _check_len(_Buf b, str name, Py_ssize_t n):
+    if b.n != n:
+        raise ValueError(f"{name} has {b.n} elements but param has {n}; all buffers must have the same length")
+
+
+cdef double _finite(x, str name) except? -1.0:
+    cdef double d
+    try:
+        d = float(x)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}") from None
+    if not math.isfinite(d):
+        raise ValueError(f"{name} must be finite, got {d}")
+    return d
+
+
+cdef double _beta(x, str name) except? -1.0:
+    cdef double d = _finite(x, name)
+    if not (0.0 <= d < 1.0):
+        raise ValueError(f"{name} must be in [0, 1), got {d}")
+    return d
+
+
+cdef int _threads(num_threads) except -1:
+    if not isinstance(num_threads, int) or num_threads < 0:
+        raise ValueError(f"num_threads must be an int >= 0 (0 = OpenMP default), got {num_threads!r}")
+    if num_threads == 0:
+        return zo_max_threads()
+    return num_threads
+
+
+cdef int _out_kind(_Buf out, out_dtype) except -1:
+    if out is None:
+        return ZO_NONE
+    return _kind_of(out, "param_out", out_dtype, False)
+
+
+def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
+              step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+              adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+    """One Adam (adamw=False, L2 decay) or AdamW (decoupled decay) step, in place.
+
+    param, exp_avg, exp_avg_sq: 1-D C-contiguous float32, updated in place.
+    grad: float16, float32, or uint16/int16 words with grad_dtype="bf16";
+    multiplied by grad_scale (1/loss_scale times the clip coefficient) first.
+    param_out: optional float16 (or bf16 words with out_dtype="bf16") that gets
+    the round-to-nearest-even copy of the new weights.  step is 1-based.
+    Non-finite gradients are not masked: the caller decides to skip the step.
+    """
+    cdef _Buf bp = _get(param, "param", True)
+    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
+    cdef _Buf bv = _get(exp_avg_sq, "exp_avg_sq", True)
+    cdef _Buf bg = _get(grad, "grad", False)
+    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
+    cdef Py_ssize_t n = bp.n
+    _check_f32(bp, "param"); _check_f32(bm, "exp_avg"); _check_f32(bv, "exp_avg_sq")
+    _check_len(bm, "exp_avg", n); _check_len(bv, "exp_avg_sq", n); _check_len(bg, "grad", n)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
+    cdef int ok = _out_kind(bo, out_dtype)
+    if bo is not None:
+        _check_len(bo, "param_out", n)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, for bias correction), got {step!r}")
+    cdef double dlr = _finite(lr, "lr")
+    cdef double b1 = _beta(beta1, "beta1")
+    cdef double b2 = _beta(beta2, "beta2")
+    cdef double deps = _finite(eps, "eps")
+    cdef double wd = _finite(weight_decay, "weight_decay")
+    cdef double gs = _finite(grad_scale, "grad_scale")
+    if deps <= 0.0:
+        raise ValueError(f"eps must be > 0, got {deps}")
+    if dlr < 0.0 or wd < 0.0:
+        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
+    cdef int nt = _threads(num_threads)
+    cdef zo_hparams h
+    # Bias corrections and 1-beta in double, rounded once (see REFERENCE.md §1).
+    h.grad_scale = <float>gs
+    h.beta1 = <float>b1
+    h.one_minus_beta1 = <float>(1.0 - b1)
+    h.beta2 = <float>b2
+    h.one_minus_beta2 = <float>(1.0 - b2)
+    h.eps = <float>deps
+    h.step_size = <float>(dlr / (1.0 - b1 ** step))
+    h.inv_sqrt_bc2 = <float>(1.0 / math.sqrt(1.0 - b2 ** step))
+    h.decoupled = 1 if adamw else 0
+    h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
+    h.l2 = 0.0 if adamw else <float>wd
+    _run(0, &h, bp, bm, bv, bg, gk, bo, ok, n, nt)
+
+
+def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weight_decay=0.0,
+                 grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+    """One Adagrad step in place (torch.optim.Adagrad with lr_decay=0; L2 weight decay).
+
+    state_sum += g*g;  param -= lr * g / (sqrt(state_sum) + eps).
+    """
+    cdef _Buf bp = _get(param, "param", True)
+    cdef _Buf bs = _get(state_sum, "state_sum", True)
+    cdef _Buf bg = _get(grad, "grad", False)
+    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
+    cdef Py_ssize_t n = bp.n
+    _check_f32(bp, "param"); _check_f32(bs, "state_sum")
+    _check_len(bs, "state_sum", n); _check_len(bg, "grad", n)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
+    cdef int ok = _out_kind(bo, out_dtype)
+    if bo is not None:
+        _check_len(bo, "param_out", n)
+    cdef double dlr = _finite(lr, "lr")
+    cdef double deps = _finite(eps, "eps")
+    cdef double wd = _finite(weight_decay, "weight_decay")
+    cdef double gs = _finite(grad_scale, "grad_scale")
+    if deps <= 0.0:
+        raise ValueError(f"eps must be > 0, got {deps}")
+    if dlr < 0.0 or wd < 0.0:
+        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
+    cdef int nt = _threads(num_threads)
+    cdef zo_hparams h
+    h.grad_scale = <float>gs
+    h.beta1 = 0.0; h.one_minus_beta1 = 0.0; h.beta2 = 0.0; h.one_minus_beta2 = 0.0
+    h.eps = <float>deps
+    h.step_size = <float>dlr
+    h.inv_sqrt_bc2 = 1.0
+    h.decoupled = 0
+    h.decay = 1.0
+    h.l2 = <float>wd
+    _run(1, &h, bp, bs, None, bg, gk, bo, ok, n, nt)
+
+
+def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
+              grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+    """One Lion step in place (Chen et al. 2023; decoupled weight decay).
+
+    c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
+    """
+    cdef _Buf bp = _get(param, "param", True)
+    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
+    cdef _Buf bg = _get(grad, "grad", False)
+    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
+    cdef Py_ssize_t n = bp.n
+    _check_f32(bp, "param"); _check_f32(bm, "exp_avg")
+    _check_len(bm, "exp_avg", n); _check_len(bg, "grad", n)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
+    cdef int ok = _out_kind(bo, out_dtype)
+    if bo is not None:
+        _check_len(bo, "param_out", n)
+    cdef double dlr = _finite(lr, "lr")
+    cdef double b1 = _beta(beta1, "beta1")
+    cdef double b2 = _beta(beta2, "beta2")
+    cdef double wd = _finite(weight_decay, "weight_decay")
+    cdef double gs = _finite(grad_scale, "grad_scale")
+    if dlr < 0.0 or wd < 0.0:
+        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
+    cdef int nt = _threads(num_threads)
+    cdef zo_hparams h
+    h.grad_scale = <float>gs
+    h.beta1 = <float>b1
+    h.one_minus_beta1 = <float>(1.0 - b1)
+    h.beta2 = <float>b2
+    h.one_minus_beta2 = <float>(1.0 - b2)
+    h.eps = 0.0
+    h.step_size = <float>dlr
+    h.inv_sqrt_bc2 = 1.0
+    h.decoupled = 1
+    h.decay = <float>(1.0 - dlr * wd)
+    h.l2 = 0.0
+    _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt)
+
+
+def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
+    """Bandwidth probe for benchmarks: Adam's access pattern (fp16 grad in, three
+    fp32 read+write, fp16 out) with trivial arithmetic.  Modifies its buffers."""
+    cdef _Buf bp = _get(param, "param", True)
+    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
+    cdef _Buf bv = _get(exp_avg_sq, "exp_avg_sq", True)
+    cdef _Buf bg = _get(grad, "grad", False)
+    cdef _Buf bo = _get(param_out, "param_out", True)
+    cdef Py_ssize_t n = bp.n
+    _check_f32(bp, "param"); _check_f32(bm, "exp_avg"); _check_f32(bv, "exp_avg_sq")
+    _check_len(bm, "exp_avg", n); _check_len(bv, "exp_avg_sq", n); _check_len(bg, "grad", n)
+    _check_len(bo, "param_out", n)
+    if _kind_of(bg, "grad", None, False) != ZO_F16 or _kind_of(bo, "param_out", None, False) != ZO_F16:
+        raise TypeError("stream_probe takes float16 grad and param_out")
+    cdef zo_hparams h
+    _run(3, &h, bp, bm, bv, bg, ZO_F16, bo, ZO_F16, n, _threads(num_threads))
+
+
+cdef void _run(int which, zo_hparams *h, _Buf bp, _Buf bs1, _Buf bs2, _Buf bg, int gk,
+               _Buf bo, int ok, Py_ssize_t n, int nt):
+    cdef float *p = <float *>bp.view.buf
+    cdef float *s1 = <float *>bs1.view.buf
+    cdef float *s2 = <float *>bs2.view.buf if bs2 is not None else NULL
+    cdef const void *g = bg.view.buf
+    cdef void *o = bo.view.buf if bo is not None else NULL
+    cdef int level = _level
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    if n == 0:
+        return
+    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        with nogil:
+            _chunk(which, level, p, s1, s2, g, gk, o, ok, 0, n, h)
+        return
+    # Static schedule: each thread owns a contiguous run of chunks, which keeps
+    # its hardware prefetch streams long.  Elementwise, so any thread count gives
+    # bitwise identical results.
+    for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
+        lo = c * CHUNK
+        hi = lo + CHUNK
+        if hi > n:
+            hi = n
+        _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h)
+
+
+cdef inline void _chunk(int which, int level, float *p, float *s1, float *s2, const void *g, int gk,
+                        void *o, int ok, int64_t lo, int64_t hi, const zo_hparams *h) noexcept nogil:
+    if which == 0:
+        zo_adam_chunk(level, p, s1, s2, g, gk, o, ok, lo, hi, h)
+    elif which == 1:
+        zo_adagrad_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
+    elif which == 2:
+        zo_lion_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
+    else:
+        zo_stream_chunk(level, p, s1, s2, <const unsigned short *>g, <unsigned short *>o, lo, hi)

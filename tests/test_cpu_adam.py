@@ -1,0 +1,285 @@
+"""cython_ext.cpu_adam against independent references.
+
+Adam/AdamW and Adagrad are checked against torch.optim in float64 on the same
+(16-bit) gradients; Lion against a float64 NumPy transcription of its paper.
+Every SIMD path this CPU has is run, and compared with the scalar path.
+"""
+import numpy as np
+import pytest
+import torch
+
+from cython_ext import cpu_adam as ca
+
+LEVELS = [lv for lv in ("scalar", "avx2", "avx512")
+          if ["scalar", "avx2", "avx512"].index(lv) <= ["scalar", "avx2", "avx512"].index(ca.best_simd_level())]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    prev = ca.set_simd_level(request.param)
+    yield request.param
+    ca.set_simd_level(prev)
+
+
+def rel(a, b):
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    den = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / den if den > 0 else np.linalg.norm(a - b)
+
+
+def _buffers(rng, n, offset):
+    """fp32 state at an odd offset into a larger array (unaligned on purpose)."""
+    def make(x, dtype):
+        big = np.zeros(n + offset + 3, dtype)
+        big[offset:offset + n] = x
+        return big[offset:offset + n]
+    p0 = rng.standard_normal(n).astype(np.float32)
+    return make(p0, np.float32), make(np.zeros(n), np.float32), make(np.zeros(n), np.float32), p0
+
+
+@pytest.mark.parametrize("n,offset", [(0, 0), (1, 0), (15, 0), (17, 0), (1000, 0), (1000, 3), (1_000_003, 0)])
+@pytest.mark.parametrize("adamw", [True, False])
+def test_adam_matches_torch_float64(level, n, offset, adamw):
+    """20 steps on fresh random data.  Short lengths are run as many independent
+    calls (each a kernel call of exactly n elements at an odd offset) pooled into
+    one error norm: one element's update can be as small as its own fp32 ulp."""
+    rng = np.random.default_rng()  # fresh data every run
+    reps = max(1, 2048 // max(n, 1))
+    total = n * reps
+    p, m, v, p0 = _buffers(rng, total, offset)
+    out = np.empty(total, np.float16)
+    ref = torch.tensor(p0, dtype=torch.float64, requires_grad=True)
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    opt = (torch.optim.AdamW if adamw else torch.optim.Adam)([ref], **hp)
+    scale = 1.0 / 1024.0
+    for t in range(1, 21):
+        g16 = (rng.standard_normal(total) * 1024.0).astype(np.float16)
+        for r in range(reps):
+            s = slice(r * n, (r + 1) * n)
+            ca.adam_step(p[s], m[s], v[s], g16[s], out[s], step=t, lr=1e-2, beta1=0.9, beta2=0.999,
+                         eps=1e-8, weight_decay=0.1, adamw=adamw, grad_scale=scale, num_threads=2)
+        ref.grad = torch.tensor(g16.astype(np.float64) * scale)
+        opt.step()
+    if n == 0:
+        return
+    st = opt.state[ref]
+    r = ref.detach().numpy()
+    assert rel(p, r) < 1e-6
+    assert rel(m, st["exp_avg"].numpy()) < 1e-6
+    assert rel(v, st["exp_avg_sq"].numpy()) < 1e-6
+    assert rel(p.astype(np.float64) - p0, r - p0) < 1e-4
+    # the 16-bit copy is exactly round-to-nearest-even of the fp32 result
+    np.testing.assert_array_equal(out, torch.from_numpy(p.copy()).to(torch.float16).numpy())
+
+
+def test_grad_scale_equals_prescaled_gradient(level):
+    rng = np.random.default_rng()
+    n = 4099
+    a = [x.copy() for x in _buffers(rng, n, 0)[:3]]
+    b = [x.copy() for x in a]
+    for t in range(1, 6):
+        g = (rng.standard_normal(n) * 8).astype(np.float32)
+        ca.adam_step(*a, g, step=t, lr=1e-3, grad_scale=0.25)
+        ca.adam_step(*b, g * np.float32(0.25), step=t, lr=1e-3)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def _ulp_diff(a, b):
+    ai = a.view(np.int32).astype(np.int64)
+    bi = b.view(np.int32).astype(np.int64)
+    return int(np.max(np.abs(ai - bi))) if a.size else 0
+
+
+@pytest.mark.parametrize("which", ["adam", "adagrad", "lion"])
+@pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
+def test_simd_paths_agree_with_scalar(which, gdt):
+    rng = np.random.default_rng()
+    n = 70_001
+    g32 = rng.standard_normal(n).astype(np.float32)
+    if gdt == "fp16":
+        g, kw = g32.astype(np.float16), {}
+    elif gdt == "bf16":
+        g, kw = torch.from_numpy(g32).to(torch.bfloat16).view(torch.int16).numpy(), {"grad_dtype": "bf16"}
+    else:
+        g, kw = g32, {}
+    p0 = rng.standard_normal(n).astype(np.float32)
+    s0 = np.abs(rng.standard_normal(n)).astype(np.float32)
+    results = {}
+    for lv in LEVELS:
+        prev = ca.set_simd_level(lv)
+        try:
+            p, s1, s2 = p0.copy(), s0.copy(), s0.copy() * 0.5
+            out = np.empty(n, np.float16)
+            if which == "adam":
+                ca.adam_step(p, s1, s2, g, out, step=3, lr=1e-3, weight_decay=0.01, **kw)
+            elif which == "adagrad":
+                ca.adagrad_step(p, s1, g, out, lr=1e-2, weight_decay=0.01, **kw)
+            else:
+                ca.lion_step(p, s1, g, out, lr=1e-4, weight_decay=0.1, **kw)
+            results[lv] = (p, s1, s2, out)
+        finally:
+            ca.set_simd_level(prev)
+    base = results["scalar"]
+    for lv, res in results.items():
+        for x, y in zip(res[:3], base[:3]):
+            assert _ulp_diff(x, y) <= 1, lv
+        np.testing.assert_array_equal(res[3], base[3])
+
+
+def test_threads_bitwise_identical():
+    if not ca.openmp_enabled():
+        pytest.skip("built without OpenMP")
+    rng = np.random.default_rng()
+    n = 3_000_017
+    base = [x.copy() for x in _buffers(rng, n, 0)[:3]]
+    g = rng.standard_normal(n).astype(np.float16)
+    res = []
+    for nt in (1, 2):
+        bufs = [x.copy() for x in base]
+        out = np.empty(n, np.float16)
+        ca.adam_step(*bufs, g, out, step=1, lr=1e-3, num_threads=nt)
+        res.append(bufs + [out])
+    for a, b in zip(*res):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fp16_conversions_exhaustive(level):
+    """Every finite fp16 value loads exactly; every fp32 rounds like torch (RNE)."""
+    h = np.arange(65536, dtype=np.uint16).view(np.float16)
+    h = h[np.isfinite(h)]
+    n = h.size
+    p, m, v = np.zeros(n, np.float32), np.full(n, 7.0, np.float32), np.zeros(n, np.float32)
+    # beta1 = 0 makes m == g exactly
+    ca.adam_step(p, m, v, h, step=1, lr=0.0, beta1=0.0)
+    np.testing.assert_array_equal(m, h.astype(np.float32))
+    # fp32 -> fp16 over all exponents, subnormals, ties and overflow
+    rng = np.random.default_rng()
+    bits = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32)
+    f = bits.view(np.float32)
+    f = f[np.isfinite(f)]
+    ties = (h.astype(np.float32)[:-1] + h.astype(np.float32)[1:]) / 2  # exact halfway points
+    f = np.ascontiguousarray(np.concatenate([f, ties[np.isfinite(ties)], np.float32([65504, 65519.99, 65520, 1e-8, -0.0])]))
+    n = f.size
+    out16 = np.empty(n, np.float16)
+    outbf = np.empty(n, np.uint16)
+    z = np.zeros(n, np.float32)
+    ca.adam_step(f.copy(), z.copy(), z.copy(), np.zeros(n, np.float16), out16, step=1, lr=0.0)
+    ca.adam_step(f.copy(), z.copy(), z.copy(), np.zeros(n, np.float16), outbf, step=1, lr=0.0, out_dtype="bf16")
+    t = torch.from_numpy(f)
+    np.testing.assert_array_equal(out16.view(np.uint16), t.to(torch.float16).view(torch.int16).numpy().view(np.uint16))
+    np.testing.assert_array_equal(outbf, t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_bf16_grad_and_out_match_reference(level):
+    rng = np.random.default_rng()
+    n = 5003
+    p0 = rng.standard_normal(n).astype(np.float32)
+    p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    out = np.empty(n, np.uint16)
+    ref = torch.tensor(p0, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+    for t in range(1, 11):
+        gb = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+        ca.adam_step(p, m, v, gb.view(torch.int16).numpy(), out, step=t, lr=1e-3,
+                     grad_dtype="bf16", out_dtype="bf16")
+        ref.grad = gb.double()
+        opt.step()
+    assert rel(p, ref.detach().numpy()) < 1e-6
+    np.testing.assert_array_equal(out, torch.from_numpy(p).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_adagrad_matches_torch(level):
+    rng = np.random.default_rng()
+    n = 10_007
+    p0 = rng.standard_normal(n).astype(np.float32)
+    p, s = p0.copy(), np.zeros(n, np.float32)
+    ref = torch.tensor(p0, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adagrad([ref], lr=1e-2, eps=1e-10, weight_decay=0.05)
+    for _ in range(20):
+        g = rng.standard_normal(n).astype(np.float16)
+        ca.adagrad_step(p, s, g, lr=1e-2, eps=1e-10, weight_decay=0.05)
+        ref.grad = torch.tensor(g.astype(np.float64))
+        opt.step()
+    r = ref.detach().numpy()
+    assert rel(p, r) < 1e-6
+    assert rel(s, opt.state[ref]["sum"].numpy()) < 1e-6
+    assert rel(p - p0, r - p0) < 1e-4
+
+
+def test_lion_matches_float64_reference(level):
+    rng = np.random.default_rng()
+    n = 10_007
+    p0 = rng.standard_normal(n).astype(np.float32)
+    p, m = p0.copy(), np.zeros(n, np.float32)
+    rp, rm = p0.astype(np.float64), np.zeros(n)
+    lr, b1, b2, wd = 1e-3, 0.9, 0.99, 0.1
+    for _ in range(20):
+        g = rng.standard_normal(n).astype(np.float16)
+        ca.lion_step(p, m, g, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
+        g64 = g.astype(np.float64)
+        c = b1 * rm + (1 - b1) * g64
+        rp = rp * (1 - lr * wd) - lr * np.sign(c)
+        rm = b2 * rm + (1 - b2) * g64
+    assert rel(p, rp) < 1e-6
+    assert rel(m, rm) < 1e-6
+    assert rel(p - p0, rp - p0) < 1e-4
+
+
+def test_nonfinite_gradient_is_not_masked():
+    n = 64
+    p, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    g = np.zeros(n, np.float16)
+    g[3], g[40] = np.inf, np.nan
+    out = np.empty(n, np.float16)
+    ca.adam_step(p, m, v, g, out, step=1, lr=1e-3)
+    assert not np.isfinite(p[3]) and not np.isfinite(p[40])
+    assert np.isnan(out[40]) and np.isfinite(out[0])
+
+
+def _bad_calls():
+    n = 33
+    f = lambda: np.ones(n, np.float32)  # noqa: E731
+    g = np.ones(n, np.float16)
+    return [
+        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(n, np.float64), step=1, lr=1e-3)),
+        (TypeError, lambda p, m, v: ca.adam_step(p, m.astype(np.float64), v, g, step=1, lr=1e-3)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(n + 1, np.float16), step=1, lr=1e-3)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, np.empty(n - 1, np.float16), step=1, lr=1e-3)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(2 * n, np.float16)[::2], step=1, lr=1e-3)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=0, lr=1e-3)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("nan"))),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("inf"))),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta1=1.0)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta2=-0.1)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, eps=0.0)),
+        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, num_threads=-1)),
+        (ValueError, lambda p, m, v: ca.adam_step(p.reshape(3, 11), m, v, g, step=1, lr=1e-3)),
+        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, g.view(np.uint16), step=1, lr=1e-3)),
+        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, [1.0] * n, step=1, lr=1e-3)),
+        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr="x")),
+        (ValueError, lambda p, m, v: ca.lion_step(p, m, g, lr=1e-3, beta2=1.5)),
+        (ValueError, lambda p, m, v: ca.adagrad_step(p, m, g, lr=-1.0)),
+    ], f
+
+
+def test_bad_arguments_raise_and_change_nothing():
+    calls, f = _bad_calls()
+    for exc, call in calls:
+        p, m, v = f() * 2, f() * 3, f() * 4
+        ro = f()
+        ro.flags.writeable = False
+        with pytest.raises(exc):
+            call(p, m, v)
+        np.testing.assert_array_equal(p, f() * 2)
+        np.testing.assert_array_equal(m, f() * 3)
+        np.testing.assert_array_equal(v, f() * 4)
+    with pytest.raises(ValueError, match="writable"):
+        ca.adam_step(ro, f(), f(), np.ones(33, np.float16), step=1, lr=1e-3)
+
+
+def test_set_simd_level_validates():
+    with pytest.raises(ValueError):
+        ca.set_simd_level("sse9")
+    assert ca.simd_level() in ("scalar", "avx2", "avx512")
