@@ -1,0 +1,35 @@
+"""Run the optimizer server: ``python -m optimizer_server`` or ``zero-offload-server``.
+
+    zero-offload-server --address-file /tmp/zo.addr --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, ServerConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="zero-offload-server", description="ZeRO-Offload CPU optimizer server")
+    ap.add_argument("--address", default="", help="ipc://PATH or tcp://[HOST]:PORT (default: private ipc socket)")
+    ap.add_argument("--address-file", default="", help="write the bound address here once ready")
+    ap.add_argument("--token", default="", help="auth token (default: $ZERO_OFFLOAD_TOKEN or random)")
+    ap.add_argument("--threads", type=int, default=0, help="OpenMP threads per update (0: OpenMP default)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
+                    help="drop a worker silent for this many seconds")
+    ap.add_argument("--exit-when-idle", action="store_true", help="exit once the last worker is gone")
+    ap.add_argument("--log-level", default="INFO")
+    a = ap.parse_args(argv)
+    try:
+        cfg = ServerConfig(address=a.address, address_file=a.address_file, token=a.token, threads=a.threads,
+                           heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
+                           log_level=a.log_level)
+    except ValueError as e:
+        ap.error(str(e))
+    from .server import run  # imports the kernel; keep --help fast
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""Worker-side client of the optimizer server (one shard per client).
+
+Importable without torch: it exposes the shared segment as NumPy arrays, and the
+runtime wraps those in tensors.  Every wait is bounded; while it waits the client
+checks that the server process still lives (same node: its pid; a child: its exit
+status; any node: heartbeat replies), so a dead server surfaces as
+OptimizerServerDeadError within about a second instead of a hang.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from . import protocol as P
+from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
+from .procs import describe_exit, pid_alive
+from .shm import Segment
+from .shm import unlink as shm_unlink
+
+HEARTBEAT_INTERVAL_S = 1.0        # well under the server's default 5 s timeout
+LIVENESS_POLL_S = 0.05            # how often a blocked wait checks the server
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a STEP of a huge shard on one thread can take seconds
+HEARTBEAT_DEAD_AFTER_S = 10.0     # no heartbeat reply this long (tcp, other node) = dead
+
+
+class ShardClient:
+    """Register one shard with a server and drive it.
+
+    grads[slot], weights16 (uint16 words of fp16/bf16) and staging (float32) are
+    NumPy views onto the shared segment; see optimizer_server.protocol for who
+    writes what when.
+    """
+
+    def __init__(self, address: str, token: str, *, rank: int = 0, world_size: int = 1, numel: int,
+                 dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S):
+        self.address = address
+        self.token = token
+        self.request_timeout_s = request_timeout_s
+        self._proc = server_proc  # a Popen when we spawned the server: exact exit status
+        self._ctx = zmq.Context()
+        self._sock = self._new_socket()
+        self._closed = False
+        self._dead: OptimizerServerDeadError | None = None
+        self.server_pid = 0
+        self.segment: Segment | None = None
+        self._inflight: int | None = None  # step number of a STEP awaiting DONE
+        hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
+                        dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid())
+        try:
+            ok = self._request(hello, P.HelloOk, timeout_s=30.0)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.session = ok.session
+        self.server_pid = ok.server_pid
+        self.numel = ok.numel
+        self.segment_name = ok.segment
+        self.segment = Segment.attach(ok.segment, ok.segment_bytes)
+        n = ok.numel
+        self.grads = [self.segment.array(np.uint16, off, n) for off in ok.grad_offsets]
+        self.weights16 = self.segment.array(np.uint16, ok.weights_offset, n)
+        self.staging = self.segment.array(np.float32, ok.staging_offset, n)
+        self._hb_stop = threading.Event()
+        self._hb_last_ok = time.monotonic()
+        self._hb_interval_s = heartbeat_interval_s
+        self._hb = threading.Thread(target=self._heartbeat_loop, name="zo-heartbeat", daemon=True)
+        self._hb.start()
+
+    # ------------------------------------------------------------------ plumbing
+    def _new_socket(self):
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.address)
+        return s
+
+    def _server_gone(self) -> str | None:
+        """Why the server is considered dead, or None while it lives."""
+        if self._proc is not None:
+            rc = self._proc.poll()
+            if rc is not None:
+                return describe_exit(rc)
+        elif self.server_pid and self.address.startswith("ipc://") and not pid_alive(self.server_pid):
+            return "is no longer running"
+        if self.server_pid and time.monotonic() - getattr(self, "_hb_last_ok", time.monotonic()) > HEARTBEAT_DEAD_AFTER_S:
+            return f"has not answered heartbeats for {HEARTBEAT_DEAD_AFTER_S:.0f} s"
+        return None
+
+    def _raise_dead(self, why: str) -> None:
+        # The server cannot unlink its segment any more: the worker knows the name
+        # and cleans up so nothing stays in /dev/shm.
+        if self.segment is not None:
+            shm_unlink(self.segment.name)
+        self._dead = OptimizerServerDeadError(
+            f"optimizer server at {self.address} (pid {self.server_pid or '?'}) {why}; restart it and resume "
+            f"from the last checkpoint (engine.load_checkpoint)")
+        raise self._dead
+
+    def _recv(self, expect: type, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._sock.poll(int(LIVENESS_POLL_S * 1000), zmq.POLLIN):
+                msg = P.decode(self._sock.recv())
+                if isinstance(msg, P.Error):
+                    raise OptimizerServerError(f"optimizer server: {msg.message}", code=msg.code)
+                if not isinstance(msg, expect):
+                    raise OptimizerServerError(f"expected {expect.TYPE}, got {msg.TYPE}", code=P.E_DECODE)
+                return msg
+            why = self._server_gone()
+            if why:
+                self._raise_dead(why)
+            if time.monotonic() > deadline:
+                raise OptimizerServerTimeoutError(
+                    f"optimizer server at {self.address} did not answer within {timeout_s:.0f} s (it is alive; "
+                    f"raise request_timeout_s if updates are this slow)")
+
+    def _check_usable(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._closed:
+            raise OptimizerServerError("client is closed")
+
+    def _request(self, msg: P.Message, expect: type, timeout_s: float | None = None):
+        if self._dead is not None:
+            raise self._dead
+        if self._inflight is not None:
+            raise OptimizerServerError(f"{msg.TYPE} while step {self._inflight} is in flight: call wait_done() first",
+                                       code=P.E_ORDER)
+        self._sock.send(msg.encode())
+        return self._recv(expect, self.request_timeout_s if timeout_s is None else timeout_s)
+
+    def _heartbeat_loop(self) -> None:
+        sock = self._new_socket()
+        try:
+            hb = P.Heartbeat(session=self.session).encode()
+            while not self._hb_stop.wait(self._hb_interval_s):
+                sock.send(hb)
+                if sock.poll(int(self._hb_interval_s * 2000), zmq.POLLIN):
+                    sock.recv()
+                    self._hb_last_ok = time.monotonic()
+        except zmq.ZMQError:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ requests
+    def init_weights(self, fp32: np.ndarray | None = None) -> None:
+        """Send the initial fp32 master (written to staging unless already there)."""
+        self._check_usable()
+        if fp32 is not None:
+            np.copyto(self.staging, np.asarray(fp32, np.float32).reshape(-1))
+        self._request(P.Init(session=self.session), P.Ok)
+
+    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None):
+        self._check_usable()
+        if self._inflight is not None:
+            raise OptimizerServerError(f"step {step} sent while step {self._inflight} is in flight", code=P.E_ORDER)
+        self._sock.send(P.Step(session=self.session, step=step, slot=slot, lr=float(lr),
+                               grad_scale=float(grad_scale), hparams=dict(hparams or {})).encode())
+        self._inflight = step
+
+    def wait_done(self, timeout_s: float | None = None) -> P.Done:
+        self._check_usable()
+        if self._inflight is None:
+            raise OptimizerServerError("wait_done() with no step in flight", code=P.E_ORDER)
+        step, self._inflight = self._inflight, None
+        done = self._recv(P.Done, self.request_timeout_s if timeout_s is None else timeout_s)
+        assert done.step == step, (done.step, step)
+        return done
+
+    @property
+    def in_flight(self) -> int | None:
+        return self._inflight
+
+    def step(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None) -> P.Done:
+        self.step_async(step, slot, lr, grad_scale, hparams)
+        return self.wait_done()
+
+    def skip(self, step: int) -> None:
+        self._check_usable()
+        self._request(P.Skip(session=self.session, step=step), P.Ok)
+
+    def get_master(self) -> np.ndarray:
+        """A copy of the fp32 master weights of this shard."""
+        self._check_usable()
+        self._request(P.GetMaster(session=self.session), P.Ok)
+        return self.staging.copy()
+
+    def save(self, directory: str) -> dict:
+        self._check_usable()
+        return self._request(P.Save(session=self.session, dir=os.path.abspath(directory)), P.Ok).info
+
+    def load(self, directory: str) -> dict:
+        self._check_usable()
+        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory)), P.Ok).info
+
+    def stats(self) -> P.StatsOk:
+        self._check_usable()
+        return self._request(P.Stats(session=self.session), P.StatsOk, timeout_s=30.0)
+
+    # ------------------------------------------------------------------ teardown
+    def _close_sockets(self) -> None:
+        if getattr(self, "_hb", None) is not None:
+            self._hb_stop.set()
+            self._hb.join(5.0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """BYE (bounded; skipped if the server is dead), then detach."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._dead is None:
+                if self._inflight is not None:
+                    self._inflight = None
+                    self._recv(P.Done, timeout_s)
+                self._sock.send(P.Bye(session=self.session).encode())
+                self._recv(P.Ok, timeout_s)
+        except OptimizerServerError:
+            pass
+        finally:
+            self.grads = []
+            self.weights16 = self.staging = None
+            if self.segment is not None:
+                self.segment.close()
+            self._close_sockets()
+
+    def __enter__(self) -> "ShardClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

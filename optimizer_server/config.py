@@ -1,0 +1,46 @@
+"""Configuration of the optimizer server process."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+
+
+@dataclass(kw_only=True)
+class ServerConfig:
+    """Settings of one optimizer server.
+
+    address: ZeroMQ endpoint to bind. "" = ipc:// in a fresh private 0700 directory.
+        tcp://:PORT or tcp://PORT binds 127.0.0.1 only; name a host to listen wider.
+    address_file: write the bound address here (atomically) once ready; the token
+        goes to ADDRESS_FILE.token (0600) and the segment list to .segments, which
+        the next server with the same file uses to sweep a killed server's leftovers.
+    token: shared secret workers must present in HELLO ("" = ZERO_OFFLOAD_TOKEN or random).
+    threads: OpenMP threads per shard update (0 = OpenMP default).
+    heartbeat_timeout_s: a worker silent this long is dropped and its segment unlinked.
+    exit_when_idle: exit once the last worker has said BYE or been dropped.
+    max_ram_fraction: refuse a shard needing more than this fraction of MemAvailable.
+    log_level: logging level name.
+    """
+
+    address: str = ""
+    address_file: str = ""
+    token: str = ""
+    threads: int = 0
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    exit_when_idle: bool = False
+    max_ram_fraction: float = 0.9
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.address and not self.address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"address must start with ipc:// or tcp://, got {self.address!r}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = OpenMP default), got {self.threads}")
+        if not self.heartbeat_timeout_s > 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+        if not 0 < self.max_ram_fraction <= 1:
+            raise ValueError(f"max_ram_fraction must be in (0, 1], got {self.max_ram_fraction}")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"log_level must be a logging level name (DEBUG, INFO, ...), got {self.log_level!r}")

@@ -1,0 +1,320 @@
+"""Wire protocol between training workers and the optimizer server.
+
+Importable without torch.  Every control message is one ZeroMQ frame holding a
+msgpack map ``{"t": TYPE, field: value, ...}``; tensor bytes never travel here,
+they live in the shared segment described by ``optimizer_server.shm``.  The set
+of types is closed, each decoder accepts exactly its fields with their types
+(unknown or missing fields are errors) and no pickle is involved anywhere.
+
+Conversation (worker = DEALER, server = ROUTER; one request in flight per shard):
+
+    worker                                    server
+      HELLO(version, token, rank, ...)  --->    check version, token, RAM; create segment
+                                        <---  HELLO_OK(session, segment, layout, pid)
+      (write fp32 weights to staging)
+      INIT(session)                     --->    staging -> master; weights16 written
+                                        <---  OK
+      (write fp16 grads to slot s)
+      STEP(session, step, slot, lr, ...) --->   update on a worker thread
+                                        <---  DONE(step, update_s)    (weights16 ready)
+      SKIP(session, step)               --->  OK        (overflow: state untouched)
+      GET_MASTER(session)               --->  OK        (master copied into staging)
+      SAVE(session, dir) / LOAD(...)    --->  OK
+      STATS(session)                    --->  STATS_OK(...)
+      HEARTBEAT(session)                --->  HEARTBEAT_OK   (own socket, own thread)
+      BYE(session)                      --->  OK        (segment unlinked, state freed)
+    any request that fails              <---  ERROR(code, message)
+
+Shared segment of one shard (offsets in HELLO_OK's layout):
+
+     0                                   grad_bytes         weights_offset
+     +-----------------+-----------------+ . . . . . +-----------------+
+     | grad slot 0     | grad slot 1     |  padding  | weights16       |
+     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     |
+     +-----------------+-----------------+ . . . . . +-----------------+
+     |<---- staging fp32: numel x 4 B -->|
+       (aliases both gradient slots: used only when no step is in flight,
+        for the initial weights, GET_MASTER and LOAD)
+
+Writers: the worker writes a gradient slot and the staging area before the
+request that names them; the server writes weights16 (and staging on GET_MASTER)
+before its reply.  The reply is the only synchronisation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
+MAX_NUMEL = 1 << 40                    # sanity bound on one shard's length
+DTYPES = ("fp16", "bf16")
+OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
+NUM_GRAD_SLOTS = 2
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode to one of the known types."""
+
+
+# --------------------------------------------------------------------------- field checks
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+_CHECKS = {
+    int: (_is_int, "an int"),
+    float: (_is_num, "a number"),
+    str: (lambda x: isinstance(x, str), "a string"),
+    bool: (lambda x: isinstance(x, bool), "a bool"),
+    dict: (lambda x: isinstance(x, dict), "a map"),
+    list: (lambda x: isinstance(x, list), "a list"),
+}
+
+
+_TYPES = {t.__name__: t for t in _CHECKS}
+
+
+@dataclass(kw_only=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        d = {"t": self.TYPE}
+        d.update(dataclasses.asdict(self))
+        return msgpack.packb(d, use_bin_type=True)
+
+    def validate(self) -> None:
+        """Value checks beyond types; raise ProtocolError naming the field."""
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ProtocolError(msg)
+
+
+@dataclass(kw_only=True)
+class Hello(Message):
+    TYPE: ClassVar[str] = "HELLO"
+    version: int
+    token: str
+    rank: int
+    world_size: int
+    numel: int
+    dtype: str
+    optimizer: str
+    hparams: dict = field(default_factory=dict)  # lr, beta1, beta2, eps, weight_decay
+    pid: int = 0
+
+    def validate(self) -> None:
+        _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
+        _require(0 <= self.rank < self.world_size, f"rank must be in [0, world_size), got {self.rank}")
+        _require(0 <= self.numel <= MAX_NUMEL, f"numel must be in [0, {MAX_NUMEL}], got {self.numel}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        validate_hparams(self.hparams)
+
+
+HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def validate_hparams(h: dict) -> None:
+    for k, v in h.items():
+        _require(k in HPARAM_KEYS, f"unknown hyper-parameter {k!r}; known: {HPARAM_KEYS}")
+        _require(_is_num(v) and math.isfinite(v), f"hyper-parameter {k} must be a finite number, got {v!r}")
+    for k in ("beta1", "beta2"):
+        if k in h:
+            _require(0.0 <= h[k] < 1.0, f"{k} must be in [0, 1), got {h[k]}")
+    if "eps" in h:
+        _require(h["eps"] > 0, f"eps must be > 0, got {h['eps']}")
+    for k in ("lr", "weight_decay"):
+        if k in h:
+            _require(h[k] >= 0, f"{k} must be >= 0, got {h[k]}")
+
+
+@dataclass(kw_only=True)
+class HelloOk(Message):
+    TYPE: ClassVar[str] = "HELLO_OK"
+    session: str
+    segment: str
+    segment_bytes: int
+    numel: int
+    grad_offsets: list
+    weights_offset: int
+    staging_offset: int
+    server_pid: int
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(kw_only=True)
+class Init(Message):
+    TYPE: ClassVar[str] = "INIT"
+    session: str
+
+
+@dataclass(kw_only=True)
+class Step(Message):
+    TYPE: ClassVar[str] = "STEP"
+    session: str
+    step: int
+    slot: int
+    lr: float
+    grad_scale: float = 1.0
+    hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
+
+    def validate(self) -> None:
+        _require(self.step >= 1, f"step must be >= 1, got {self.step}")
+        _require(0 <= self.slot < NUM_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
+        _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
+        _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")
+        validate_hparams(self.hparams)
+
+
+@dataclass(kw_only=True)
+class Done(Message):
+    TYPE: ClassVar[str] = "DONE"
+    step: int
+    update_s: float
+
+
+@dataclass(kw_only=True)
+class Skip(Message):
+    TYPE: ClassVar[str] = "SKIP"
+    session: str
+    step: int
+
+
+@dataclass(kw_only=True)
+class GetMaster(Message):
+    TYPE: ClassVar[str] = "GET_MASTER"
+    session: str
+
+
+@dataclass(kw_only=True)
+class Save(Message):
+    TYPE: ClassVar[str] = "SAVE"
+    session: str
+    dir: str
+
+
+@dataclass(kw_only=True)
+class Load(Message):
+    TYPE: ClassVar[str] = "LOAD"
+    session: str
+    dir: str
+
+
+@dataclass(kw_only=True)
+class Stats(Message):
+    TYPE: ClassVar[str] = "STATS"
+    session: str
+
+
+@dataclass(kw_only=True)
+class StatsOk(Message):
+    TYPE: ClassVar[str] = "STATS_OK"
+    steps: int
+    skipped: int
+    last_update_s: float
+    mean_update_s: float
+    bytes_read: int
+    bytes_written: int
+    threads: int
+    simd: str
+
+
+@dataclass(kw_only=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT"
+    session: str
+
+
+@dataclass(kw_only=True)
+class HeartbeatOk(Message):
+    TYPE: ClassVar[str] = "HEARTBEAT_OK"
+    server_pid: int
+
+
+@dataclass(kw_only=True)
+class Bye(Message):
+    TYPE: ClassVar[str] = "BYE"
+    session: str
+
+
+@dataclass(kw_only=True)
+class Ok(Message):
+    TYPE: ClassVar[str] = "OK"
+    info: dict = field(default_factory=dict)
+
+
+# Error codes: what kind of failure, so a client can decide without parsing text.
+E_DECODE = "decode"          # not a message: bad bytes, wrong shape, unknown type/field
+E_VERSION = "version"        # protocol version mismatch
+E_AUTH = "auth"              # wrong or missing token
+E_SESSION = "session"        # unknown session
+E_ORDER = "order"            # out-of-order step, busy shard
+E_RESOURCE = "resource"      # not enough RAM / shm
+E_CHECKPOINT = "checkpoint"  # save/load failed or layout mismatch
+E_INTERNAL = "internal"
+
+
+@dataclass(kw_only=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "ERROR"
+    code: str
+    message: str
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, HelloOk, Init, Step, Done, Skip, GetMaster, Save, Load,
+                              Stats, StatsOk, Heartbeat, HeartbeatOk, Bye, Ok, Error)
+}
+
+
+def decode(data: bytes) -> Message:
+    """Decode one frame into its message, or raise ProtocolError saying why."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"a message is bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        obj = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message is a msgpack map, got {type(obj).__name__}")
+    t = obj.pop("t", None)
+    cls = MESSAGE_TYPES.get(t) if isinstance(t, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {t!r}; known: {sorted(MESSAGE_TYPES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, obj)) - set(fields))
+    if unknown:
+        raise ProtocolError(f"{t}: unknown field(s) {unknown}")
+    for name, f in fields.items():
+        if name not in obj:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ProtocolError(f"{t}: missing field {name!r}")
+            continue
+        typ = _TYPES[f.type] if isinstance(f.type, str) else f.type  # annotations are strings
+        check, what = _CHECKS[typ]
+        if not check(obj[name]):
+            raise ProtocolError(f"{t}: field {name!r} must be {what}, got {type(obj[name]).__name__}")
+        if typ is float:
+            obj[name] = float(obj[name])
+    msg = cls(**obj)
+    msg.validate()
+    return msg
+
+
+def error(code: str, message: str) -> bytes:
+    return Error(code=code, message=message).encode()

@@ -1,0 +1,216 @@
+"""One worker's shard on the server: fp32 master, optimizer state, its segment.
+
+The master weights and m/v live in the server's private memory; only the
+gradients and the 16-bit weights are shared (optimizer_server.shm).  The update
+runs on a thread of its own (the kernel releases the GIL), so the methods that
+touch state are called either from that thread (step) or from the socket
+thread while the shard is idle (init, get_master, save, load): the server's
+`busy` flag is the lock.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cython_ext import cpu_adam
+
+from . import protocol as P
+from .shm import Segment, ShardLayout
+
+log = logging.getLogger("optimizer_server")
+
+CHECKPOINT_FORMAT = 1
+DEFAULT_HPARAMS = {
+    "adamw": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+    "adam": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
+    "adagrad": dict(lr=1e-2, beta1=0.0, beta2=0.0, eps=1e-10, weight_decay=0.0),
+    "lion": dict(lr=1e-4, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0),
+}
+STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
+                "adagrad": ("state_sum",), "lion": ("exp_avg",)}
+
+
+def state_bytes_per_param(optimizer: str) -> int:
+    return 4 * (1 + len(STATE_ARRAYS[optimizer]))
+
+
+def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray) -> None:
+    """Round-to-nearest-even fp32 -> bf16 words (NaN stays NaN)."""
+    u = x.view(np.uint32)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    nan = np.isnan(x)
+    if nan.any():
+        r[nan] = (u[nan] >> np.uint32(16)) | np.uint32(0x40)
+    out[:] = r.astype(np.uint16)
+
+
+class Shard:
+    """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
+
+    def __init__(self, session: str, hello: P.Hello, segment: Segment, threads: int):
+        self.session = session
+        self.rank = hello.rank
+        self.world_size = hello.world_size
+        self.numel = hello.numel
+        self.dtype = hello.dtype
+        self.optimizer = hello.optimizer
+        self.pid = hello.pid
+        self.hparams = dict(DEFAULT_HPARAMS[hello.optimizer])
+        self.hparams.update(hello.hparams)
+        self.threads = threads
+        self.segment = segment
+        self.layout = ShardLayout(self.numel)
+        n = self.numel
+        self.master = np.zeros(n, np.float32)
+        self.state = {name: np.zeros(n, np.float32) for name in STATE_ARRAYS[self.optimizer]}
+        self.grads = [segment.array(np.uint16, off, n) for off in self.layout.grad_offsets]
+        self.weights16 = segment.array(np.uint16, self.layout.weights_offset, n)
+        self.staging = segment.array(np.float32, self.layout.staging_offset, n)
+        self.steps = 0
+        self.skipped = 0
+        self.initialized = False
+        self.busy = False
+        self.last_seen = time.monotonic()
+        self.update_times: list[float] = []
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # -- helpers ---------------------------------------------------------------
+    def _write_weights16(self) -> None:
+        if self.dtype == "fp16":
+            np.copyto(self.weights16.view(np.float16), self.master, casting="same_kind")
+        else:
+            f32_to_bf16_bits(self.master, self.weights16)
+
+    def close(self) -> None:
+        """Drop views, unmap and unlink the segment (the server created it)."""
+        self.grads = []
+        self.weights16 = self.staging = None
+        self.segment.close()
+        self.segment.unlink()
+        self.master = None
+        self.state = {}
+
+    # -- requests ------------------------------------------------------------
+    def init_from_staging(self) -> None:
+        np.copyto(self.master, self.staging)
+        for a in self.state.values():
+            a.fill(0.0)
+        self.steps = 0
+        self._write_weights16()
+        self.initialized = True
+
+    def step(self, msg: P.Step) -> float:
+        """Run one update from gradient slot msg.slot; returns seconds spent."""
+        self.hparams.update(msg.hparams)
+        self.hparams["lr"] = msg.lr
+        h = self.hparams
+        g = self.grads[msg.slot]
+        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
+                  num_threads=self.threads)
+        gin = g.view(np.float16) if self.dtype == "fp16" else g
+        out = self.weights16.view(np.float16) if self.dtype == "fp16" else self.weights16
+        if self.dtype == "fp16":
+            kw["grad_dtype"] = kw["out_dtype"] = None
+        t0 = time.perf_counter()
+        if self.optimizer in ("adamw", "adam"):
+            cpu_adam.adam_step(self.master, self.state["exp_avg"], self.state["exp_avg_sq"], gin, out,
+                               step=msg.step, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
+        elif self.optimizer == "adagrad":
+            cpu_adam.adagrad_step(self.master, self.state["state_sum"], gin, out, lr=h["lr"], eps=h["eps"],
+                                  weight_decay=h["weight_decay"], **kw)
+        else:
+            cpu_adam.lion_step(self.master, self.state["exp_avg"], gin, out, lr=h["lr"], beta1=h["beta1"],
+                               beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
+        dt = time.perf_counter() - t0
+        self.steps = msg.step
+        self.update_times.append(dt)
+        if len(self.update_times) > 1024:
+            del self.update_times[:512]
+        per = 4 * (1 + len(self.state))
+        self.bytes_read += self.numel * (2 + per)
+        self.bytes_written += self.numel * (2 + per)
+        return dt
+
+    def copy_master_to_staging(self) -> None:
+        np.copyto(self.staging, self.master)
+
+    def stats(self) -> P.StatsOk:
+        ut = self.update_times
+        return P.StatsOk(steps=self.steps, skipped=self.skipped, last_update_s=ut[-1] if ut else 0.0,
+                         mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
+                         bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level())
+
+    # -- checkpoints -----------------------------------------------------------
+    def _paths(self, d: Path) -> tuple[Path, Path]:
+        stem = f"shard-r{self.rank}-of-{self.world_size}"
+        return d / f"{stem}.bin", d / f"{stem}.json"
+
+    def manifest(self) -> dict:
+        return {"format": CHECKPOINT_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
+                "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
+                "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
+                "steps": self.steps, "skipped": self.skipped,
+                "arrays": ["master", *self.state.keys()]}
+
+    def save(self, directory: str) -> dict:
+        """Write master + state atomically: tmp file, fsync, rename; manifest last."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        bin_path, man_path = self._paths(d)
+        arrays = [self.master, *self.state.values()]
+        for path, writer in ((bin_path, lambda f: [f.write(memoryview(a)) for a in arrays]),
+                             (man_path, lambda f: f.write(json.dumps(self.manifest(), indent=1).encode()))):
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            try:
+                with open(tmp, "wb") as f:
+                    writer(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return {"path": str(bin_path), "bytes": sum(a.nbytes for a in arrays), "steps": self.steps}
+
+    def load(self, directory: str) -> dict:
+        bin_path, man_path = self._paths(Path(directory))
+        if not man_path.exists():
+            found = sorted(p.name for p in Path(directory).glob("shard-*.json")) if Path(directory).is_dir() else []
+            raise ValueError(f"no checkpoint for rank {self.rank} of {self.world_size} in {directory} "
+                             f"(expected {man_path.name}; found {found or 'nothing'}); loading needs the same "
+                             f"world size as saving")
+        man = json.loads(man_path.read_text())
+        mine = self.manifest()
+        keys = ("format", "world_size", "rank", "numel", "dtype", "optimizer")
+        diff = {k: (man.get(k), mine[k]) for k in keys if man.get(k) != mine[k]}
+        if diff:
+            desc = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"checkpoint {man_path} does not match this shard's layout ({desc})")
+        arrays = [self.master, *self.state.values()]
+        expect = sum(a.nbytes for a in arrays)
+        size = bin_path.stat().st_size
+        if size != expect:
+            raise ValueError(f"checkpoint {bin_path} has {size} bytes, expected {expect} (truncated?)")
+        # read into temporaries first so a failed read leaves the state untouched
+        with open(bin_path, "rb") as f:
+            loaded = [np.fromfile(f, np.float32, a.size) for a in arrays]
+        for dst, src in zip(arrays, loaded):
+            np.copyto(dst, src)
+        self.steps = int(man["steps"])
+        self.skipped = int(man.get("skipped", 0))
+        self.hparams.update(man.get("hparams", {}))
+        self.initialized = True
+        self._write_weights16()
+        return {"steps": self.steps}

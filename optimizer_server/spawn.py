@@ -1,0 +1,117 @@
+"""Start an optimizer server as a child process and wait until it is ready.
+
+    with optimizer_server.spawn(threads=1) as srv:
+        client = ShardClient(srv.address, srv.token, ...)
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .procs import describe_exit
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+class ServerHandle:
+    """A running server child: .address, .token, .pid, .stop(); a context manager."""
+
+    def __init__(self, proc: subprocess.Popen, address: str, token: str, address_file: str, tmpdir: str | None):
+        self.proc = proc
+        self.address = address
+        self.token = token
+        self.address_file = address_file
+        self._tmpdir = tmpdir
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait (bounded), SIGKILL if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _identity(path: str):
+    try:
+        st = os.stat(path)
+        return (st.st_ino, st.st_mtime_ns)
+    except FileNotFoundError:
+        return None
+
+
+def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token: str = "",
+          heartbeat_timeout_s: float | None = None, exit_when_idle: bool = False, log_level: str = "WARNING",
+          ready_timeout_s: float = READY_TIMEOUT_S, env: dict | None = None, stdout=None, stderr=None,
+          extra_args: list[str] | None = None) -> ServerHandle:
+    tmpdir = None
+    if not address_file:
+        tmpdir = tempfile.mkdtemp(prefix="zero-offload-spawn-")
+        address_file = os.path.join(tmpdir, "server.addr")
+    token = token or secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "optimizer_server", "--address-file", address_file, "--threads", str(threads),
+           "--log-level", log_level]
+    if address:
+        cmd += ["--address", address]
+    if heartbeat_timeout_s is not None:
+        cmd += ["--heartbeat-timeout", str(heartbeat_timeout_s)]
+    if exit_when_idle:
+        cmd.append("--exit-when-idle")
+    cmd += extra_args or []
+    child_env = dict(os.environ if env is None else env)
+    child_env["ZERO_OFFLOAD_TOKEN"] = token  # via the environment, not argv (visible in ps)
+    if threads > 0:
+        child_env["OMP_NUM_THREADS"] = str(threads)
+    before = _identity(address_file)  # a stale file from an earlier server is not "ready"
+    proc = subprocess.Popen(cmd, env=child_env, stdout=stdout if stdout is not None else subprocess.DEVNULL,
+                            stderr=stderr, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise RuntimeError(f"optimizer server {describe_exit(rc)} before it was ready; command: {' '.join(cmd)}")
+        ident = _identity(address_file)
+        if ident is not None and ident != before:
+            addr = Path(address_file).read_text().strip()
+            if addr:
+                return ServerHandle(proc, addr, token, address_file, tmpdir)
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(STOP_TIMEOUT_S)
+            if tmpdir:
+                shutil.rmtree(tmpdir, ignore_errors=True)
+            raise TimeoutError(f"optimizer server not ready after {ready_timeout_s:.0f} s; command: {' '.join(cmd)}")
+        time.sleep(0.01)
