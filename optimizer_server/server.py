@@ -269,11 +269,17 @@ class OptimizerServer:
             return P.error(P.E_ORDER, f"{msg.TYPE} while step {shard.steps + 1} is still updating; "
                                       f"wait for its DONE first")
         if isinstance(msg, P.Bye):
-            self._drop(session, "said BYE")
+            self._drop(session, "said BYE", logging.INFO)
             return P.Ok().encode()
         if isinstance(msg, P.Init):
             shard.init_from_staging()
             return P.Ok().encode()
+        if isinstance(msg, P.Load):
+            try:
+                info = shard.load(msg.dir)
+            except (OSError, ValueError) as e:
+                return P.error(P.E_CHECKPOINT, str(e))
+            return P.Ok(info=info).encode()
         if not shard.initialized:
             return P.error(P.E_ORDER, f"{msg.TYPE} before INIT: write the initial weights to staging "
                                       f"and send INIT (or LOAD a checkpoint) first")
@@ -302,12 +308,6 @@ class OptimizerServer:
             except OSError as e:
                 return P.error(P.E_CHECKPOINT, f"saving to {msg.dir} failed: {e.strerror or e} "
                                                f"(errno {e.errno}); the previous checkpoint there is intact")
-            return P.Ok(info=info).encode()
-        if isinstance(msg, P.Load):
-            try:
-                info = shard.load(msg.dir)
-            except (OSError, ValueError) as e:
-                return P.error(P.E_CHECKPOINT, str(e))
             return P.Ok(info=info).encode()
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
 
@@ -386,7 +386,7 @@ class OptimizerServer:
             self.pending.pop(r.session, None)
             if shard is not None:
                 shard.busy = False
-                if getattr(shard, "drop_reason", None):
+                if shard.drop_reason:
                     self._drop(r.session, shard.drop_reason)
                     continue
             self._send(r.identity, r.reply)
@@ -406,15 +406,14 @@ class OptimizerServer:
                 else:
                     self._drop(session, reason)
 
-    def _drop(self, session: str, reason: str) -> None:
+    def _drop(self, session: str, reason: str, level: int = logging.WARNING) -> None:
         shard = self.shards.pop(session, None)
         ex = self.executors.pop(session, None)
         if ex is not None:
             ex.shutdown(wait=True)
         if shard is not None:
-            log.warning("rank %d dropped (%s); freed %d params, unlinked %s", shard.rank, reason, shard.numel,
-                        shard.segment.name) if "BYE" not in reason else \
-                log.info("rank %d said BYE; unlinked %s", shard.rank, shard.segment.name)
+            log.log(level, "rank %d dropped (%s); freed %d params, unlinked %s", shard.rank, reason, shard.numel,
+                    shard.segment.name)
             shard.close()
             self._write_registry()
 
@@ -427,7 +426,7 @@ class OptimizerServer:
             except Exception:
                 pass
         for session in list(self.shards):
-            self._drop(session, "server shutting down")
+            self._drop(session, "server shutting down", logging.INFO)
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None

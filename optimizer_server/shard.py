@@ -75,6 +75,7 @@ class Shard:
         self.skipped = 0
         self.initialized = False
         self.busy = False
+        self.drop_reason: str | None = None  # set when its worker died mid-update
         self.last_seen = time.monotonic()
         self.update_times: list[float] = []
         self.bytes_read = 0

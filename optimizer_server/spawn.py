@@ -102,7 +102,8 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
         if rc is not None:
             if tmpdir:
                 shutil.rmtree(tmpdir, ignore_errors=True)
-            raise RuntimeError(f"optimizer server {describe_exit(rc)} before it was ready; command: {' '.join(cmd)}")
+            said = proc.stderr.read().strip() if proc.stderr is not None else "(its output is above)"
+            raise RuntimeError(f"optimizer server {describe_exit(rc)} before it was ready: {said}")
         ident = _identity(address_file)
         if ident is not None and ident != before:
             addr = Path(address_file).read_text().strip()

@@ -1,0 +1,90 @@
+"""optimizer_server.protocol: round trips and rejections (no server involved)."""
+import dataclasses
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from optimizer_server import protocol as P
+
+SAMPLES = [
+    P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
+            hparams={"lr": 1e-3, "beta1": 0.9}, pid=5),
+    P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
+              weights_offset=4096, staging_offset=0, server_pid=1),
+    P.Init(session="s"),
+    P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}),
+    P.Done(step=3, update_s=0.01),
+    P.Skip(session="s", step=4),
+    P.GetMaster(session="s"),
+    P.Save(session="s", dir="/tmp/x"),
+    P.Load(session="s", dir="/tmp/x"),
+    P.Stats(session="s"),
+    P.StatsOk(steps=1, skipped=0, last_update_s=0.1, mean_update_s=0.1, bytes_read=1, bytes_written=2,
+              threads=1, simd="avx512"),
+    P.Heartbeat(session="s"),
+    P.HeartbeatOk(server_pid=3),
+    P.Bye(session="s"),
+    P.Ok(info={"a": 1}),
+    P.Error(code="decode", message="m"),
+]
+
+
+def test_every_type_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(P.MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: m.TYPE)
+def test_round_trip(msg):
+    assert P.decode(msg.encode()) == msg
+
+
+def _raw(d):
+    return msgpack.packb(d, use_bin_type=True)
+
+
+def _hello_dict(**over):
+    d = {"t": "HELLO", **dataclasses.asdict(SAMPLES[0])}
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("data,match", [
+    (b"", "not valid msgpack"),
+    (b"\xc1", "not valid msgpack"),
+    (_raw([1, 2]), "map"),
+    (_raw({"t": "NOPE"}), "unknown message type"),
+    (_raw({"x": 1}), "unknown message type"),
+    (_raw(_hello_dict(extra=1)), "unknown field"),
+    (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 0}), "missing field 'lr'"),
+    (_raw(_hello_dict(rank="0")), "'rank' must be an int"),
+    (_raw(_hello_dict(numel=True)), "'numel' must be an int"),
+    (_raw(_hello_dict(numel=-1)), "numel"),
+    (_raw(_hello_dict(rank=2)), "rank"),
+    (_raw(_hello_dict(dtype="fp8")), "dtype"),
+    (_raw(_hello_dict(hparams={"lr": float("nan")})), "finite"),
+    (_raw(_hello_dict(hparams={"momentum": 0.9})), "unknown hyper-parameter"),
+    (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 2, "lr": 0.1}), "slot"),
+    (_raw({"t": "STEP", "session": "s", "step": 0, "slot": 0, "lr": 0.1}), "step"),
+    (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 0, "lr": float("inf")}), "lr"),
+    (b"\x00" * (P.MAX_MESSAGE_BYTES + 1), "exceeds"),
+])
+def test_rejections(data, match):
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode(data)
+
+
+def test_truncated_messages_are_rejected():
+    full = SAMPLES[0].encode()
+    for cut in range(len(full)):
+        with pytest.raises(P.ProtocolError):
+            P.decode(full[:cut])
+
+
+def test_importable_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import optimizer_server.protocol, optimizer_server.client, optimizer_server.spawn\n"
+            "print('ok')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr

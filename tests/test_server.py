@@ -1,0 +1,257 @@
+"""The optimizer server in a subprocess, driven by a minimal client written here.
+
+The client below speaks the protocol with a raw DEALER socket and maps the
+segment itself (no optimizer_server.client), and the expected weights come from
+torch.optim.AdamW in float64.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from optimizer_server import protocol as P
+from optimizer_server import spawn
+from tests.conftest import our_segments
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class MiniClient:
+    def __init__(self, address: str, token: str, numel: int, rank: int = 0, world_size: int = 1, pid: int = 0,
+                 **hp):
+        self.ctx = zmq.Context()
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(address)
+        self.numel = numel
+        hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
+                        dtype="fp16", optimizer="adamw", hparams=hp, pid=pid)
+        ok = self.req(hello)
+        assert isinstance(ok, P.HelloOk), ok
+        self.session, self.seg = ok.session, ok.segment
+        fd = os.open(f"/dev/shm/{ok.segment}", os.O_RDWR)
+        self.mm = mmap.mmap(fd, ok.segment_bytes)
+        os.close(fd)
+        self.grad = [np.frombuffer(self.mm, np.float16, numel, off) for off in ok.grad_offsets]
+        self.w16 = np.frombuffer(self.mm, np.float16, numel, ok.weights_offset)
+        self.staging = np.frombuffer(self.mm, np.float32, numel, ok.staging_offset)
+
+    def send_raw(self, data: bytes, timeout_s: float = 10.0) -> P.Message:
+        self.s.send(data)
+        assert self.s.poll(int(timeout_s * 1000)), "no reply"
+        return P.decode(self.s.recv())
+
+    def req(self, msg: P.Message, timeout_s: float = 30.0) -> P.Message:
+        return self.send_raw(msg.encode(), timeout_s)
+
+    def close(self, bye: bool = True):
+        if bye:
+            assert isinstance(self.req(P.Bye(session=self.session)), P.Ok)
+        del self.grad, self.w16, self.staging
+        self.mm.close()
+        self.s.close(linger=0)
+        self.ctx.term()
+
+
+def hello_error(address, **over):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    kw = dict(version=P.PROTOCOL_VERSION, token="", rank=0, world_size=1, numel=16, dtype="fp16", optimizer="adamw")
+    kw.update(over)
+    s.send(P.Hello(**kw).encode())
+    assert s.poll(10000)
+    r = P.decode(s.recv())
+    s.close()
+    ctx.term()
+    return r
+
+
+def test_steps_match_float64_adamw_and_skip_get_master(server):
+    n = 10_001
+    rng = np.random.default_rng()
+    p0 = rng.standard_normal(n).astype(np.float32)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    c = MiniClient(server.address, server.token, n, **hp)
+    try:
+        c.staging[:] = p0
+        assert isinstance(c.req(P.Init(session=c.session)), P.Ok)
+        np.testing.assert_array_equal(c.w16, p0.astype(np.float16))
+        ref = torch.tensor(p0, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+        for t in range(1, 11):
+            g = rng.standard_normal(n).astype(np.float16)
+            c.grad[t % 2][:] = g
+            done = c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=1e-2, grad_scale=0.5))
+            assert isinstance(done, P.Done) and done.step == t
+            ref.grad = torch.tensor(g.astype(np.float64) * 0.5)
+            opt.step()
+        r = ref.detach().numpy()
+        err = np.abs(c.w16.astype(np.float64) - r).max()
+        assert err <= np.abs(r).max() * 2 ** -10  # fp16 rounding of the fp32 result
+        # SKIP leaves the state as it is
+        before_w = c.w16.copy()
+        assert isinstance(c.req(P.GetMaster(session=c.session)), P.Ok)
+        m1 = c.staging.copy()
+        upd = np.linalg.norm(m1.astype(np.float64) - p0)
+        assert np.linalg.norm(m1 - r) / upd < 1e-4  # update's relative error
+        c.grad[1][:] = np.float16(np.inf)
+        assert isinstance(c.req(P.Skip(session=c.session, step=11)), P.Ok)
+        assert isinstance(c.req(P.GetMaster(session=c.session)), P.Ok)
+        np.testing.assert_array_equal(c.staging, m1)
+        np.testing.assert_array_equal(c.w16, before_w)
+        st = c.req(P.Stats(session=c.session))
+        assert st.steps == 10 and st.skipped == 1
+        # out-of-order step is refused and changes nothing
+        e = c.req(P.Step(session=c.session, step=13, slot=0, lr=1e-2))
+        assert isinstance(e, P.Error) and e.code == P.E_ORDER
+    finally:
+        c.close()
+
+
+def test_handshake_refusals_allocate_nothing(server):
+    segs = our_segments()
+    r = hello_error(server.address, token="wrong")
+    assert isinstance(r, P.Error) and r.code == P.E_AUTH
+    r = hello_error(server.address, token=server.token, version=P.PROTOCOL_VERSION + 1)
+    assert isinstance(r, P.Error) and r.code == P.E_VERSION and str(P.PROTOCOL_VERSION) in r.message
+    r = hello_error(server.address, token=server.token, numel=1 << 39)
+    assert isinstance(r, P.Error) and r.code == P.E_RESOURCE and "available" in r.message
+    assert our_segments() == segs
+
+
+def test_bad_messages_get_error_replies(server):
+    c = MiniClient(server.address, server.token, 64)
+    try:
+        for data in [b"garbage", b"", msgpack_bytes({"t": "STEP"}), msgpack_bytes({"t": "X"}),
+                     P.Step(session="nope", step=1, slot=0, lr=0.1).encode(),
+                     P.Step(session=c.session, step=1, slot=0, lr=0.1).encode()]:  # before INIT
+            r = c.send_raw(data)
+            assert isinstance(r, P.Error), data
+        c.s.send_multipart([b"a", b"b"])  # two frames
+        assert c.s.poll(5000)
+        assert isinstance(P.decode(c.s.recv()), P.Error)
+    finally:
+        c.close()
+
+
+def msgpack_bytes(d):
+    import msgpack
+    return msgpack.packb(d)
+
+
+CLIENT_SCRIPT = r"""
+import sys, time, numpy as np
+from optimizer_server import ShardClient
+c = ShardClient(sys.argv[1], sys.argv[2], numel=int(sys.argv[3]), rank=1, world_size=2)
+c.init_weights(np.zeros(int(sys.argv[3]), np.float32))
+print(c.segment_name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_two_clients_one_killed(server):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    victim = subprocess.Popen([sys.executable, "-c", CLIENT_SCRIPT, server.address, server.token, "5000"],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        seg = victim.stdout.readline().strip()
+        assert seg and os.path.exists(f"/dev/shm/{seg}")
+        c = MiniClient(server.address, server.token, 3000, world_size=2)
+        c.staging[:] = 1.0
+        c.req(P.Init(session=c.session))
+        victim.kill()
+        victim.wait(10)
+        t0 = time.monotonic()
+        step = 0
+        while os.path.exists(f"/dev/shm/{seg}"):
+            step += 1
+            c.grad[step % 2][:] = 1.0
+            assert isinstance(c.req(P.Step(session=c.session, step=step, slot=step % 2, lr=1e-3)), P.Done)
+            assert time.monotonic() - t0 < 3.0, "dead worker's segment not freed within the heartbeat timeout"
+        for _ in range(3):
+            step += 1
+            assert isinstance(c.req(P.Step(session=c.session, step=step, slot=step % 2, lr=1e-3)), P.Done)
+        c.close()
+    finally:
+        victim.kill()
+        victim.wait(10)
+
+
+def test_save_load_bitwise_equals_uninterrupted(tmp_path):
+    n = 4099
+    rng = np.random.default_rng()
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float16) for _ in range(15)]
+
+    def run(c, steps):
+        for t in steps:
+            c.grad[t % 2][:] = grads[t - 1]
+            assert isinstance(c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=3e-3)), P.Done)
+
+    with spawn(threads=1) as srv:
+        c = MiniClient(srv.address, srv.token, n)
+        c.staging[:] = p0
+        c.req(P.Init(session=c.session))
+        run(c, range(1, 16))
+        c.req(P.GetMaster(session=c.session))
+        full = c.staging.copy()
+        c.close()
+    with spawn(threads=1) as srv:
+        c = MiniClient(srv.address, srv.token, n)
+        c.staging[:] = p0
+        c.req(P.Init(session=c.session))
+        run(c, range(1, 11))
+        ok = c.req(P.Save(session=c.session, dir=str(tmp_path)))
+        assert isinstance(ok, P.Ok), ok
+        c.close()
+    with spawn(threads=1) as srv:
+        c = MiniClient(srv.address, srv.token, n)
+        ok = c.req(P.Load(session=c.session, dir=str(tmp_path)))
+        assert isinstance(ok, P.Ok) and ok.info["steps"] == 10
+        run(c, range(11, 16))
+        c.req(P.GetMaster(session=c.session))
+        np.testing.assert_array_equal(c.staging, full)
+        c.close()
+        # a different layout is refused, naming both
+        c = MiniClient(srv.address, srv.token, n + 1)
+        e = c.req(P.Load(session=c.session, dir=str(tmp_path)))
+        assert isinstance(e, P.Error) and e.code == P.E_CHECKPOINT and str(n) in e.message and str(n + 1) in e.message
+        c.close()
+
+
+def test_sigterm_cleans_up():
+    srv = spawn(threads=1)
+    c = MiniClient(srv.address, srv.token, 1000)
+    seg = c.seg
+    sock_path = srv.address[len("ipc://"):]
+    assert os.path.exists(sock_path)
+    assert os.stat(os.path.dirname(sock_path)).st_mode & 0o777 == 0o700
+    assert os.stat(f"/dev/shm/{seg}").st_mode & 0o777 == 0o600
+    c.close(bye=False)
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(10) == 0
+    assert not os.path.exists(sock_path)
+    assert not os.path.exists(f"/dev/shm/{seg}")
+    assert not os.path.exists(srv.address_file)
+    srv.stop()
+
+
+def test_second_server_on_same_address_refuses(tmp_path):
+    addr = f"ipc://{tmp_path}/s.sock"
+    with spawn(threads=1, address=addr) as a:
+        with pytest.raises(RuntimeError, match="already serving"):
+            spawn(threads=1, address=addr, log_level="INFO", stderr=subprocess.PIPE)
+        # the first one still serves
+        r = hello_error(a.address, token="x")
+        assert isinstance(r, P.Error) and r.code == P.E_AUTH
