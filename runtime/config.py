@@ -1,0 +1,121 @@
+"""OffloadConfig: every knob of the training-side engine, validated up front."""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Union
+
+ADDRESS_ENV = "ZERO_OFFLOAD_ADDRESS"   # set by the launcher for its workers
+TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"
+OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
+DTYPES = ("fp16", "bf16")
+
+LrType = Union[float, Callable[[int], float]]
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    """Settings of OffloadEngine.
+
+    lr: a float, or a callable of the 1-based update number returning the lr
+        (a torch LR scheduler on engine.optimizer works too).
+    betas, eps, weight_decay: optimizer hyper-parameters (Lion uses betas; Adagrad eps).
+    optimizer: "adamw" (decoupled decay), "adam" (L2), "adagrad" or "lion".
+    dtype: 16-bit type of the weights and gradients on the device: "fp16" or "bf16".
+    loss_scale: "dynamic" (GradScaler's rules) or a fixed positive float; ignored for bf16.
+    initial_scale, growth_factor, backoff_factor, growth_interval: dynamic scaling
+        (torch.amp.GradScaler's defaults).
+    clip_grad_norm: None, or the max global L2 norm of the unscaled gradients.
+    grad_accumulation_steps: micro-batches per optimizer step; each backward's loss
+        is divided by it, so k micro-batches equal one k times larger batch.
+    dpu: One-Step Delayed Parameter Update after dpu_warmup_steps synchronous steps.
+    dpu_warmup_steps: N of REFERENCE §4 (the paper's 40).
+    bucket_numel: gradient elements per bucket copied to the host as one transfer.
+    server_address / server_token: connect to a running server; "" = the launcher's
+        environment variables, or a private server started (and stopped) by the engine.
+    server_threads: OpenMP threads of a private server's updates (0 = its default).
+    request_timeout_s: bound on any single wait for the server.
+    trace_dir: write this process's Chrome trace here ("" = no tracing).
+    """
+
+    lr: LrType = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    dtype: str = "fp16"
+    loss_scale: Union[str, float] = "dynamic"
+    initial_scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    clip_grad_norm: float | None = None
+    grad_accumulation_steps: int = 1
+    dpu: bool = False
+    dpu_warmup_steps: int = 40
+    bucket_numel: int = 1 << 24
+    server_address: str = ""
+    server_token: str = ""
+    server_threads: int = 0
+    request_timeout_s: float = 300.0
+    trace_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if callable(self.lr):
+            pass
+        elif not isinstance(self.lr, (int, float)) or not math.isfinite(self.lr) or self.lr < 0:
+            raise ValueError(f"lr must be a finite float >= 0 or a callable(step) -> float, got {self.lr!r}")
+        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
+                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+            raise ValueError(f"betas must be two floats in [0, 1), got {self.betas!r}")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))
+        if not (isinstance(self.eps, (int, float)) and self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"eps must be a finite float > 0, got {self.eps!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < math.inf):
+            raise ValueError(f"weight_decay must be a finite float >= 0, got {self.weight_decay!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.loss_scale != "dynamic":
+            if not (isinstance(self.loss_scale, (int, float)) and math.isfinite(self.loss_scale)
+                    and self.loss_scale > 0):
+                raise ValueError(f"loss_scale must be 'dynamic' or a finite float > 0, got {self.loss_scale!r}")
+        if not self.initial_scale > 0:
+            raise ValueError(f"initial_scale must be > 0, got {self.initial_scale}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be None or a finite float > 0, got {self.clip_grad_norm!r}")
+        if not (isinstance(self.grad_accumulation_steps, int) and self.grad_accumulation_steps >= 1):
+            raise ValueError(f"grad_accumulation_steps must be an int >= 1, got {self.grad_accumulation_steps!r}")
+        if not (isinstance(self.dpu_warmup_steps, int) and self.dpu_warmup_steps >= 1):
+            raise ValueError(f"dpu_warmup_steps must be an int >= 1, got {self.dpu_warmup_steps!r}")
+        if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
+            raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
+        if self.server_address and not self.server_address.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"server_address must start with ipc:// or tcp://, got {self.server_address!r}")
+        if not (isinstance(self.server_threads, int) and self.server_threads >= 0):
+            raise ValueError(f"server_threads must be an int >= 0, got {self.server_threads!r}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+    def resolved_server(self) -> tuple[str, str]:
+        """(address, token) to connect to, or ("", "") for a private server."""
+        addr = self.server_address or os.environ.get(ADDRESS_ENV, "")
+        token = self.server_token or os.environ.get(TOKEN_ENV, "")
+        if addr and not token:
+            raise ValueError(f"server_address {addr!r} given without a token: set server_token or ${TOKEN_ENV} "
+                             f"(the server writes it to ADDRESS_FILE.token)")
+        return addr, token
+
+    def lr_at(self, update: int) -> float:
+        lr = self.lr(update) if callable(self.lr) else self.lr
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr schedule returned {lr!r} at update {update}; it must be a finite float >= 0")
+        return float(lr)

@@ -1,0 +1,474 @@
+"""OffloadEngine: the training worker's side of ZeRO-Offload.
+
+    engine = OffloadEngine(model, OffloadConfig(lr=3e-4, dtype="bf16", dpu=True))
+    for x, y in loader:
+        loss = model(x, y)          # the model holds 16-bit weights on its device
+        engine.backward(loss)
+        engine.step()               # with DPU this returns while the CPU updates
+    engine.close()
+
+What crosses between device and host per step is the 16-bit gradient shard
+(down, copied bucket by bucket from post-accumulate-grad hooks, overlapping
+backward) and the 16-bit weight shard (up): 4 B/param in all.  The worker never
+holds an fp32 master, m or v.
+
+DPU (One-Step Delayed Parameter Update, ../shared/REFERENCE.md §4): steps
+1..N-1 are synchronous.  From step N on, step() hands the gradients to the
+server and returns; at the end of the next step it waits for that update,
+copies the weights up and hands over the new gradients.  So with M_k the
+master after k updates, the device computes step i on W_i = M_(i-2) for i > N.
+
+State machine across step() calls:  in_flight (a STEP awaits DONE) ->
+stale (DONE came, the new weights are in the shared buffer, not yet on the
+device) -> copied.  Checkpoints wait for the update in flight but keep the
+device weights as they are (and save them), so training that resumes from a
+checkpoint is bitwise the training that went on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from optimizer_server.client import ShardClient
+from optimizer_server.errors import OptimizerServerError
+from optimizer_server.tracing import Tracer
+
+from .config import OffloadConfig
+from .flat import Bucket, FlatParams
+from .loss_scaler import LossScaler
+from .optimizer_proxy import ServerOptimizer
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ENGINE_STATE_VERSION = 1
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class OffloadEngine:
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, **overrides):
+        if config is None:
+            config = OffloadConfig(**overrides)
+        elif overrides:
+            raise TypeError("pass either an OffloadConfig or keyword overrides, not both")
+        self.cfg = cfg = config
+        self.model = model
+        self.dtype = DTYPES[cfg.dtype]
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        self.device = params[0].device
+        if any(p.device != self.device for p in params):
+            raise ValueError("all trainable parameters must be on one device; move the model with .to(device) first")
+        self.is_cuda = self.device.type == "cuda"
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.tracer = Tracer(cfg.trace_dir, "worker", self.rank)
+        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
+        S = self.flat.shard_numel
+        self.shard_lo, self.shard_hi = self.rank * S, (self.rank + 1) * S
+        # Name of each parameter, for master_state_dict().
+        self._names = {id(p): n for n, p in model.named_parameters()}
+
+        self._server = None
+        self.client: ShardClient | None = None
+        self._registered_ptr = None
+        self._hooks = []
+        self._closed = False
+        try:
+            self._connect(cfg)
+            self._init_weights()
+            self._install_hooks()
+        except BaseException:
+            self.close()
+            raise
+
+        self.scaler = LossScaler(dynamic=(cfg.dtype == "fp16" and cfg.loss_scale == "dynamic"),
+                                 scale=(1.0 if cfg.dtype == "bf16" else
+                                        cfg.initial_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale),
+                                 growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+                                 growth_interval=cfg.growth_interval)
+        self.optimizer = ServerOptimizer(self)
+        self.iteration = 0        # step() calls, skipped ones included
+        self.updates = 0          # updates applied (the Adam step count)
+        self.skipped_steps = 0
+        self._micro = 0
+        self._grads_ready = False
+        self._stale = False
+        self._sq = None
+        self._final = False
+        self._seen: set[int] = set()
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+        self.wait_s = 0.0
+        self.update_s = 0.0
+        self.last_grad_norm = float("nan")
+
+    # ------------------------------------------------------------------ set-up
+    def _connect(self, cfg: OffloadConfig) -> None:
+        addr, token = cfg.resolved_server()
+        proc = None
+        if not addr:
+            from optimizer_server.spawn import spawn
+            # exit_when_idle: if this worker is killed, the server drops it after the
+            # heartbeat timeout and exits, so no orphan stays behind
+            self._server = spawn(threads=cfg.server_threads, exit_when_idle=True)
+            addr, token, proc = self._server.address, self._server.token, self._server.proc
+        hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
+              "weight_decay": cfg.weight_decay}
+        self.client = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
+                                  numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
+                                  hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc)
+        c = self.client
+        as16 = lambda a: torch.from_numpy(a.view(np.int16)).view(self.dtype)  # noqa: E731
+        self._host_grads = [as16(g) for g in c.grads]
+        self._host_w16 = as16(c.weights16)
+        if self.is_cuda:
+            self._register_host_memory()
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._h2d_done = torch.cuda.Event()
+
+    def _register_host_memory(self) -> None:
+        """Page-lock the shared segment so device copies are DMA, truly async."""
+        seg = self.client.segment
+        ptr = np.frombuffer(seg.buffer, np.uint8).ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, seg.size, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the shared segment ({seg.size} bytes) failed with {err}; "
+                               f"raise the locked-memory limit (ulimit -l) or use fewer/smaller shards")
+        self._registered_ptr = ptr
+
+    def _init_weights(self) -> None:
+        with self.tracer.span("init_weights"):
+            fp32 = self.flat.fp32_flat()
+            # only this rank's shard of the fp32 weights goes to the server, once
+            np.copyto(self.client.staging, fp32[self.shard_lo:self.shard_hi].numpy())
+            self.client.init_weights()
+            # every rank casts the full model itself (identical on all ranks); the
+            # server's 16-bit copy of our shard rounds the same way (RNE)
+            self.flat16 = fp32.to(self.dtype).to(self.device)
+            del fp32
+            self.flat.bind(self.flat16)
+            for b in self.model.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(self.dtype)
+
+    def _install_hooks(self) -> None:
+        for s in self.flat.slots:
+            self._hooks.append(s.param.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch; on the last one of a step the gradients
+        stream to the host as buckets complete."""
+        self._check_open()
+        if self._grads_ready:
+            raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
+                               "micro-batch's backward")
+        self._micro += 1
+        final = self._micro % self.cfg.grad_accumulation_steps == 0
+        if final:
+            self._slot = self.iteration % 2
+            for b in self.flat.buckets:
+                b.remaining = len(b.slots)
+                b.buf = None
+            self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
+            self._seen = set()
+        self._final = final
+        with self.tracer.span("backward"), self._record("zo.backward"):
+            (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
+        if final:
+            self._finish_buckets()
+            self._grads_ready = True
+
+    def _record(self, name: str):
+        if self.is_cuda:
+            return torch.profiler.record_function(name)
+        return _NullCtx
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._final:
+            return  # accumulation pending: autograd keeps summing into p.grad
+        s = self.flat.by_param[id(p)]
+        b = self.flat.buckets[s.bucket]
+        g = p.grad.reshape(-1)
+        if self.world_size == 1 and not self.is_cuda:
+            # CPU device: device memory is host memory, copy straight into the slot
+            self._host_grads[self._slot][s.offset:s.offset + s.numel].copy_(g)
+        else:
+            if b.buf is None:
+                b.buf = torch.empty(b.numel, dtype=self.dtype, device=self.device)
+            b.buf[s.offset - b.lo:s.offset - b.lo + s.numel].copy_(g)
+        p.grad = None  # the device gradient is released as soon as it is copied
+        self._seen.add(id(p))
+        b.remaining -= 1
+        if b.remaining == 0:
+            self._bucket_done(b)
+
+    def _finish_buckets(self) -> None:
+        """Parameters that got no gradient (unused in forward) count as zeros."""
+        for b in self.flat.buckets:
+            if b.remaining == 0:
+                continue
+            direct = self.world_size == 1 and not self.is_cuda
+            if b.buf is None and not direct:
+                b.buf = torch.empty(b.numel, dtype=self.dtype, device=self.device)
+            for s in b.slots:
+                if id(s.param) in self._seen:
+                    continue
+                if direct:
+                    self._host_grads[self._slot][s.offset:s.offset + s.numel].zero_()
+                else:
+                    b.buf[s.offset - b.lo:s.offset - b.lo + s.numel].zero_()
+            b.remaining = 0
+            self._bucket_done(b)
+
+    def _bucket_done(self, b: Bucket) -> None:
+        """The bucket is complete: reduce across ranks, copy our shard's part down."""
+        lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
+        if self.world_size == 1 and not self.is_cuda:
+            part = self._host_grads[self._slot][b.lo:b.hi]
+            self._sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+            self.bytes_to_host += 2 * b.numel
+            return
+        with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
+            if self.world_size > 1:
+                from .distributed import reduce_bucket
+                reduce_bucket(self, b)
+            if hi > lo:
+                part = b.buf[lo - b.lo:hi - b.lo]
+                self._sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+                host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
+                if self.is_cuda:
+                    # side stream: the copy overlaps the rest of backward
+                    cur = torch.cuda.current_stream(self.device)
+                    self._copy_stream.wait_stream(cur)
+                    with torch.cuda.stream(self._copy_stream):
+                        host.copy_(part, non_blocking=True)
+                    b.buf.record_stream(self._copy_stream)
+                else:
+                    host.copy_(part)
+                self.bytes_to_host += 2 * (hi - lo)
+            b.buf = None
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        """Apply the gradients of the last backward (see the module docstring for DPU)."""
+        self._check_open()
+        if not self._grads_ready:
+            raise RuntimeError("step() before backward(): call engine.backward(loss) on the last micro-batch first")
+        self._grads_ready = False
+        self.iteration += 1
+        delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
+        with self.tracer.span("grad_check"):
+            if self.is_cuda:
+                self._copy_stream.synchronize()  # all gradient bytes are on the host
+            sq = self._sq
+            if self.world_size > 1:
+                from .distributed import all_reduce_sum
+                sq = all_reduce_sum(self, sq)
+            sq = float(sq)  # sync point: one scalar per step
+        overflow = not math.isfinite(sq)
+        # the update in flight (DPU) lands before anything else touches the server
+        self._land_inflight(copy=True)
+        if overflow:
+            with self.tracer.span("skip"):
+                self.client.skip(self.updates + 1)
+            self.skipped_steps += 1
+            self.scaler.update(True)
+            self.last_grad_norm = float("inf")
+            return
+        scale = self.scaler.scale
+        norm = math.sqrt(sq) / scale
+        self.last_grad_norm = norm
+        clip = 1.0
+        if self.cfg.clip_grad_norm is not None:
+            clip = min(1.0, self.cfg.clip_grad_norm / (norm + 1e-6))
+        k = self.updates + 1
+        lr = self.optimizer.lr_for(k)
+        pg = self.optimizer.param_groups[0]
+        hp = {"weight_decay": float(pg["weight_decay"])}
+        with self.tracer.span("signal", step=k):
+            self.client.step_async(k, self._slot, lr, clip / scale, hp)
+        self.updates = k
+        self.scaler.update(False)
+        self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
+        if not delayed:
+            self._land_inflight(copy=True)
+
+    def _land_inflight(self, copy: bool) -> None:
+        if self.client.in_flight is not None:
+            t0 = time.perf_counter()
+            with self.tracer.span("wait_server"), self._record("zo.wait_server"):
+                done = self.client.wait_done()
+            self.wait_s += time.perf_counter() - t0
+            self.update_s += done.update_s
+            self._stale = True
+        if copy and self._stale:
+            self._copy_weights_up()
+
+    def _copy_weights_up(self) -> None:
+        with self.tracer.span("weights_up", bytes=2 * self.flat.shard_numel), self._record("zo.weights_up"):
+            dst = self.flat16[self.shard_lo:self.shard_hi]
+            if self.is_cuda:
+                dst.copy_(self._host_w16, non_blocking=True)
+                # the server may overwrite the weight buffer as soon as the next STEP
+                # is sent, so the copy must have finished reading it by then
+                self._h2d_done.record()
+                self._h2d_done.synchronize()
+            else:
+                dst.copy_(self._host_w16)
+            self.bytes_to_device += 2 * self.flat.shard_numel
+            if self.world_size > 1:
+                from .distributed import all_gather_weights
+                all_gather_weights(self)
+        self._stale = False
+
+    def synchronize(self, copy_weights: bool = False) -> None:
+        """Wait for the update in flight.  With copy_weights the device gets the
+        newest weights now (this moves the DPU schedule; training code leaves it off)."""
+        self._check_open()
+        self._land_inflight(copy=copy_weights)
+
+    # ------------------------------------------------------------------ state
+    def master_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """The fp32 master weights (all shards) as CPU tensors, keyed like model.state_dict()."""
+        self.synchronize()
+        shard = torch.from_numpy(self.client.get_master())
+        if self.world_size > 1:
+            from .distributed import all_gather_cpu
+            full = all_gather_cpu(self, shard)
+        else:
+            full = shard
+        out = OrderedDict()
+        for p in self.flat.params:
+            s = self.flat.by_param[id(p)]
+            out[self._names.get(id(p), f"param{len(out)}")] = full[s.offset:s.offset + s.numel].view(p.shape).clone()
+        return out
+
+    def _engine_files(self, d: Path) -> tuple[Path, Path]:
+        return d / f"engine-r{self.rank}-of-{self.world_size}.json", d / f"device16-r{self.rank}-of-{self.world_size}.bin"
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Server: this shard's master/m/v (atomic, fsync'd).  Engine: counters, loss
+        scale, and the device weights as they are (they may be one update behind)."""
+        self._check_open()
+        self._land_inflight(copy=False)
+        d = Path(directory)
+        with self.tracer.span("save_checkpoint"):
+            d.mkdir(parents=True, exist_ok=True)
+            self.client.save(str(d))
+            meta_path, dev_path = self._engine_files(d)
+            dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous()
+            _atomic_write(dev_path, dev.view(torch.int16).numpy().tobytes())
+            meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
+                    "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
+                    "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
+                    "micro": self._micro, "stale": self._stale, "scaler": self.scaler.state_dict(),
+                    "optimizer_proxy": self.optimizer.state_dict_small()}
+            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+
+    def load_checkpoint(self, directory: str) -> None:
+        self._check_open()
+        self._land_inflight(copy=False)
+        d = Path(directory)
+        meta_path, dev_path = self._engine_files(d)
+        if not meta_path.exists():
+            found = sorted(p.name for p in d.glob("engine-*.json")) if d.is_dir() else []
+            raise ValueError(f"no engine state for rank {self.rank} of {self.world_size} in {d} (found "
+                             f"{found or 'nothing'}); a checkpoint loads only with the world size it was saved with")
+        meta = json.loads(meta_path.read_text())
+        for k, mine in (("numel", self.flat.numel), ("dtype", self.cfg.dtype), ("optimizer", self.cfg.optimizer)):
+            if meta[k] != mine:
+                raise ValueError(f"checkpoint {d} has {k}={meta[k]!r} but this engine has {mine!r}")
+        with self.tracer.span("load_checkpoint"):
+            self.client.load(str(d))
+            raw = np.fromfile(dev_path, dtype=np.int16)
+            if raw.size != self.flat.shard_numel:
+                raise ValueError(f"{dev_path} holds {raw.size} weights, expected {self.flat.shard_numel}")
+            self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
+            if self.world_size > 1:
+                from .distributed import all_gather_weights
+                all_gather_weights(self)
+        self.iteration = meta["iteration"]
+        self.updates = meta["updates"]
+        self.skipped_steps = meta["skipped_steps"]
+        self._micro = meta["micro"]
+        self._stale = meta["stale"]
+        self.scaler.load_state_dict(meta["scaler"])
+        self.optimizer.load_state_dict_small(meta["optimizer_proxy"])
+
+    def stats(self) -> dict:
+        return {"steps": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
+                "loss_scale": self.scaler.scale, "bytes_to_host": self.bytes_to_host,
+                "bytes_to_device": self.bytes_to_device, "wait_s": self.wait_s, "server_update_s": self.update_s,
+                "grad_norm": self.last_grad_norm, "num_params": self.flat.numel,
+                "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
+
+    # ------------------------------------------------------------------ teardown
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def close(self) -> None:
+        """Land the last update on the device, say BYE, stop a private server."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.client is not None and getattr(self, "flat16", None) is not None:
+                try:
+                    self._land_inflight(copy=True)
+                except OptimizerServerError:
+                    pass
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self._host_grads = []
+            self._host_w16 = None
+            if self._registered_ptr is not None:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+                self._registered_ptr = None
+            if self.client is not None:
+                self.client.close()
+            if self._server is not None:
+                self._server.stop()
+            self.tracer.flush()
+
+    def __enter__(self) -> "OffloadEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _NullCtxType:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NullCtx = _NullCtxType()

@@ -1,0 +1,80 @@
+"""The flat 16-bit parameter buffer and its gradient buckets.
+
+All trainable parameters become views into one flat device tensor, laid out in
+reverse registration order: backward produces gradients roughly last layer
+first, so each bucket (a contiguous range of that flat space) completes early
+and its copy to the host overlaps the rest of backward.
+
+    flat16 (device):  [ p_last | ... | p_1 | p_0 | pad ]     numel padded to a
+                      |<- bucket 0 ->|<- bucket 1 ->| ...     multiple of world_size
+                      |<-- shard rank 0 -->|<-- shard rank 1 -->|
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ParamSlot:
+    param: torch.nn.Parameter
+    offset: int          # into the flat space
+    numel: int
+    bucket: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    lo: int
+    hi: int
+    slots: list = field(default_factory=list)
+    remaining: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+class FlatParams:
+    """Owns flat16; rebinding model parameters onto it is done by ``bind``."""
+
+    def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int):
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        self.params = params
+        self.slots: list[ParamSlot] = []
+        self.buckets: list[Bucket] = []
+        off = 0
+        cur: Bucket | None = None
+        for p in reversed(params):
+            n = p.numel()
+            if cur is None or (cur.numel > 0 and cur.numel + n > bucket_numel):
+                cur = Bucket(index=len(self.buckets), lo=off, hi=off)
+                self.buckets.append(cur)
+            slot = ParamSlot(p, off, n, cur.index)
+            cur.slots.append(slot)
+            cur.hi = off + n
+            self.slots.append(slot)
+            off += n
+        self.numel = off
+        self.world_size = world_size
+        self.padded_numel = (off + world_size - 1) // world_size * world_size
+        self.shard_numel = self.padded_numel // world_size
+        self.by_param = {id(s.param): s for s in self.slots}
+
+    def fp32_flat(self) -> torch.Tensor:
+        """The model's current weights as one fp32 CPU vector (padding zero)."""
+        out = torch.zeros(self.padded_numel, dtype=torch.float32)
+        for s in self.slots:
+            out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+        return out
+
+    def bind(self, flat16: torch.Tensor) -> None:
+        """Make every parameter a view of flat16 (its 16-bit weights live there now)."""
+        assert flat16.numel() == self.padded_numel
+        with torch.no_grad():
+            for s in self.slots:
+                view = flat16[s.offset:s.offset + s.numel].view(s.param.shape)
+                s.param.data = view
