@@ -20,6 +20,7 @@ PRESETS = {
     # name: (n_layer, n_head, d_model)
     "tiny": (2, 2, 64),
     "mini": (4, 4, 128),
+    "cpu-mini": (4, 4, 256),       # 3.2M: the CPU default of scripts/train_gpt.py
     "small-cpu": (6, 6, 384),      # 10.8M parameters at vocab 256
     "gpt2": (12, 12, 768),         # GPT-2 small dims (124M with its vocab)
     "gpt2-medium": (24, 16, 1024),

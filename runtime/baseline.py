@@ -1,0 +1,101 @@
+"""The no-offload baseline: plain PyTorch mixed precision with AdamW on the device.
+
+16-bit weights for forward/backward, an fp32 master with torch.optim.AdamW
+(fused where the build has it) on the same device, GradScaler-style loss
+scaling for fp16.  Same interface as OffloadEngine (backward, step, stats,
+master_state_dict, close) so scripts can swap one for the other.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+
+import torch
+
+from optimizer_server.tracing import Tracer
+
+from .config import OffloadConfig
+from .loss_scaler import LossScaler
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class DeviceMixedPrecision:
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig):
+        self.cfg = cfg = config
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        model.to(DTYPES[cfg.dtype])
+        cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(cfg.optimizer)
+        if cls is None:
+            raise ValueError(f"the baseline supports adamw and adam, not {cfg.optimizer!r}")
+        kw = dict(lr=cfg.lr_at(1), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        try:
+            self.optimizer = cls(self.master, fused=True, **kw)
+        except (RuntimeError, TypeError):
+            self.optimizer = cls(self.master, **kw)
+        self.scaler = LossScaler(dynamic=cfg.dtype == "fp16" and cfg.loss_scale == "dynamic",
+                                 scale=1.0 if cfg.dtype == "bf16" else
+                                 (cfg.initial_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale))
+        self.iteration = self.updates = self.skipped_steps = 0
+        self._micro = 0
+        self.update_s = 0.0
+        self.tracer = Tracer(cfg.trace_dir, "baseline", 0)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._micro += 1
+        (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
+
+    def step(self) -> None:
+        self.iteration += 1
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            grads = [p.grad for p in self.params]
+            norm_sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+                          for g in grads if g is not None)
+            if not math.isfinite(norm_sq):
+                for p in self.params:
+                    p.grad = None
+                self.skipped_steps += 1
+                self.scaler.update(True)
+                return
+            scale = self.scaler.scale
+            clip = 1.0
+            if self.cfg.clip_grad_norm is not None:
+                clip = min(1.0, self.cfg.clip_grad_norm / (math.sqrt(norm_sq) / scale + 1e-6))
+            for m, p in zip(self.master, self.params):
+                m.grad = None if p.grad is None else p.grad.float().mul_(clip / scale)
+                p.grad = None
+            k = self.updates + 1
+            if callable(self.cfg.lr):
+                for g in self.optimizer.param_groups:
+                    g["lr"] = self.cfg.lr_at(k)
+            self.optimizer.step()
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+        self.updates = k
+        self.scaler.update(False)
+        self.update_s += time.perf_counter() - t0
+
+    def synchronize(self, copy_weights: bool = False) -> None:
+        pass
+
+    def master_state_dict(self):
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return OrderedDict((names[id(p)], m.detach().cpu().clone()) for p, m in zip(self.params, self.master))
+
+    def stats(self) -> dict:
+        return {"steps": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
+                "loss_scale": self.scaler.scale, "wait_s": 0.0, "bytes_to_host": 0, "bytes_to_device": 0,
+                "server_update_s": self.update_s}
+
+    def close(self) -> None:
+        self.tracer.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

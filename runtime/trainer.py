@@ -1,0 +1,195 @@
+"""The GPT training loop behind scripts/train_gpt.py and scripts/convergence.py.
+
+One function, ``train(TrainConfig)``, that builds the model, the corpus and the
+engine (OffloadEngine, or the plain-PyTorch baseline with offload=False), runs
+the steps with a progress bar, evaluates periodically, checkpoints, and returns
+the loss history and timings.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .baseline import DeviceMixedPrecision
+from .config import OffloadConfig
+from .data import Batches, Corpus
+from .engine import OffloadEngine
+from .gpt import GPT, PRESETS, GPTConfig
+from .schedule import WarmupCosine
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """model: a preset of runtime.gpt.PRESETS; n_layer/n_head/d_model override it.
+    warmup: lr warm-up updates; lr decays by cosine to min_lr_ratio x lr at `steps`.
+    offload: False runs the baseline (fp32 master + torch AdamW on the device).
+    threads: torch intra-op threads of this worker (0 = leave torch's default).
+    eval_every: validation every K steps (0 = only at the end) over eval_batches batches."""
+    model: str = "cpu-mini"
+    n_layer: int = 0
+    n_head: int = 0
+    d_model: int = 0
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    device: str = "auto"
+    dtype: str = "bf16"
+    offload: bool = True
+    dpu: bool = True
+    dpu_warmup: int = 40
+    grad_accum: int = 1
+    clip: float | None = 1.0
+    lr: float = 3e-4
+    warmup: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    ckpt_dir: str = ""
+    ckpt_every: int = 0
+    resume: bool = False
+    trace_dir: str = ""
+    seed: int = 0
+    log_json: str = ""
+    eval_every: int = 50
+    eval_batches: int = 8
+    server_threads: int = 1
+    threads: int = 0
+    progress: bool = True
+    dpu_compensation: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"model must be one of {sorted(PRESETS)}, got {self.model!r}")
+        for f in ("steps", "batch_size", "seq_len", "grad_accum", "eval_batches"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.resume and not self.ckpt_dir:
+            raise ValueError("resume needs ckpt_dir (the checkpoint to resume from)")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {name} asked for CUDA but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}, built {'with' if torch.version.cuda else 'without'} CUDA); "
+                           f"use --device cpu or install a CUDA build of torch")
+    return torch.device(name)
+
+
+def model_config(tc: TrainConfig) -> GPTConfig:
+    L, H, D = PRESETS[tc.model]
+    return GPTConfig(n_layer=tc.n_layer or L, n_head=tc.n_head or H, d_model=tc.d_model or D, seq_len=tc.seq_len)
+
+
+def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int):
+    sched = WarmupCosine(peak=tc.lr, warmup=tc.warmup, total=total_updates, min_ratio=tc.min_lr_ratio)
+    oc = OffloadConfig(lr=sched, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, dtype=tc.dtype,
+                       clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum, dpu=tc.dpu,
+                       dpu_warmup_steps=tc.dpu_warmup, server_threads=tc.server_threads, trace_dir=tc.trace_dir)
+    if tc.offload:
+        return OffloadEngine(model, oc)
+    return DeviceMixedPrecision(model, oc)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list) -> float:
+    was = model.training
+    model.eval()
+    losses = [float(model(x, y)) for x, y in batches]
+    model.train(was)
+    return sum(losses) / len(losses)
+
+
+def train(tc: TrainConfig) -> dict:
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    device = resolve_device(tc.device)
+    corpus = Corpus.load(seed=tc.seed)
+    torch.manual_seed(tc.seed)
+    mc = model_config(tc)
+    model = GPT(mc).to(device)
+    n_params = model.num_params()
+    train_b = Batches(corpus.train, tc.batch_size, tc.seq_len, seed=tc.seed + 1, device=device)
+    val_src = Batches(corpus.val, tc.batch_size, tc.seq_len, seed=tc.seed + 2, device=device)
+    val_batches = [val_src.next() for _ in range(tc.eval_batches)]
+    engine = make_engine(tc, model, tc.steps)
+    log = open(tc.log_json, "a") if tc.log_json else None
+    history = {"step": [], "loss": [], "val_step": [], "val_loss": [], "step_s": [], "wait_s": []}
+    start = 1
+    try:
+        if tc.resume:
+            engine.load_checkpoint(tc.ckpt_dir)
+            start = engine.iteration + 1
+            for _ in range((start - 1) * tc.grad_accum):  # replay the data stream to where it stopped
+                train_b.next()
+        tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
+        bar = None
+        if tc.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=tc.steps, initial=start - 1, desc=f"{'offload' if tc.offload else 'baseline'}"
+                       f"{'+dpu' if tc.offload and tc.dpu else ''} {n_params / 1e6:.1f}M", file=sys.stderr,
+                       dynamic_ncols=True)
+        t_run = time.perf_counter()
+        for step in range(start, tc.steps + 1):
+            t0 = time.perf_counter()
+            w0 = engine.stats()["wait_s"]
+            for _ in range(tc.grad_accum):
+                x, y = train_b.next()
+                with engine.tracer.span("forward"):
+                    loss = model(x, y)
+                engine.backward(loss)
+            engine.step()
+            loss_v = float(loss.detach())
+            dt = time.perf_counter() - t0
+            wait = engine.stats()["wait_s"] - w0
+            history["step"].append(step)
+            history["loss"].append(loss_v)
+            history["step_s"].append(dt)
+            history["wait_s"].append(wait)
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"loss is {loss_v} at step {step}; lower --lr or use --dtype bf16")
+            rec = {"step": step, "loss": loss_v, "tokens_per_s": tokens_per_step / dt, "step_s": dt,
+                   "wait_s": wait, "lr": engine.cfg.lr_at(max(1, engine.updates))}
+            if (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps:
+                vl = evaluate(model, val_batches)
+                history["val_step"].append(step)
+                history["val_loss"].append(vl)
+                rec["val_loss"] = vl
+                if bar is not None:
+                    bar.write(f"step {step}: val loss {vl:.4f}")
+            if log:
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_v:.3f}", tok_s=f"{tokens_per_step / dt:.0f}", step_ms=f"{dt * 1e3:.0f}")
+                bar.update(1)
+            if tc.ckpt_dir and tc.ckpt_every and step % tc.ckpt_every == 0:
+                engine.save_checkpoint(tc.ckpt_dir)
+        if tc.ckpt_dir and tc.offload:
+            engine.save_checkpoint(tc.ckpt_dir)
+        run_s = time.perf_counter() - t_run
+        if bar is not None:
+            bar.close()
+        stats = engine.stats()
+    finally:
+        engine.close()
+        if log:
+            log.close()
+    n = len(history["step_s"])
+    steady = sorted(history["step_s"][n // 4:]) or [float("nan")]
+    summary = {"params": n_params, "steps": tc.steps, "final_loss": history["loss"][-1] if n else float("nan"),
+               "final_val_loss": history["val_loss"][-1] if history["val_loss"] else float("nan"),
+               "median_step_s": steady[len(steady) // 2], "run_s": run_s,
+               "tokens_per_s": tokens_per_step / steady[len(steady) // 2], "stats": stats,
+               "config": {k: v for k, v in asdict(tc).items()}}
+    return {"history": history, "summary": summary}
