@@ -22,6 +22,8 @@ class ServerConfig:
     exit_when_idle: exit once the last worker has said BYE or been dropped.
     max_ram_fraction: refuse a shard needing more than this fraction of MemAvailable.
     log_level: logging level name.
+    parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
+        launcher leaves no orphan server).  0 = run on its own.
     """
 
     address: str = ""
@@ -32,6 +34,7 @@ class ServerConfig:
     exit_when_idle: bool = False
     max_ram_fraction: float = 0.9
     log_level: str = "INFO"
+    parent_pid: int = 0
 
     def __post_init__(self) -> None:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):

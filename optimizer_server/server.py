@@ -393,6 +393,9 @@ class OptimizerServer:
 
     # ------------------------------------------------------------------ workers
     def _check_workers(self, now: float) -> None:
+        if self.cfg.parent_pid and not pid_alive(self.cfg.parent_pid):
+            log.warning("parent process %d is gone; exiting", self.cfg.parent_pid)
+            self.stop_requested = True
         ipc = self.address.startswith("ipc://")
         for session, shard in list(self.shards.items()):
             reason = None

@@ -81,7 +81,7 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
         address_file = os.path.join(tmpdir, "server.addr")
     token = token or secrets.token_hex(16)
     cmd = [sys.executable, "-m", "optimizer_server", "--address-file", address_file, "--threads", str(threads),
-           "--log-level", log_level]
+           "--log-level", log_level, "--parent-pid", str(os.getpid())]
     if address:
         cmd += ["--address", address]
     if heartbeat_timeout_s is not None:

@@ -1,0 +1,73 @@
+"""ZeRO-2 collectives of OffloadEngine across ranks (torch.distributed).
+
+The flat parameter space is split into world_size contiguous shards; rank r
+owns [r*S, (r+1)*S).  Per step:
+
+  gradients   each complete bucket is averaged across ranks so that this
+              rank's shard of it is valid here, then only that part is copied
+              to the host (2 B/param/step / world_size per rank):
+                NCCL: one dist.reduce(SUM) per rank whose shard intersects the
+                      bucket, in 16 bits (a reduce-scatter over uneven pieces),
+                      and the owner divides its part by world_size;
+                gloo: gloo has no reduce-scatter for these uneven pieces, so an
+                      all-reduce in fp32 (one rounding to 16 bits, closest to a
+                      single-rank gradient) and each rank keeps its slice.
+  decision    the squared gradient norm is summed across ranks (one scalar
+              all-reduce): inf/NaN anywhere becomes inf/NaN everywhere, so all
+              ranks skip or step together and clip by the same global norm.
+  weights     each rank copies its updated 16-bit shard up, then one in-place
+              all_gather_into_tensor rebuilds the full flat16 on every rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _is_nccl() -> bool:
+    return dist.get_backend() == "nccl"
+
+
+def reduce_bucket(engine, b) -> None:
+    if _is_nccl():
+        S = engine.flat.shard_numel
+        for r in range(engine.world_size):
+            lo, hi = max(b.lo, r * S), min(b.hi, (r + 1) * S)
+            if hi > lo:
+                part = b.buf[lo - b.lo:hi - b.lo]
+                dist.reduce(part, dst=r, op=dist.ReduceOp.SUM)
+                if r == engine.rank:
+                    part.div_(engine.world_size)
+        return
+    acc = b.buf.float()
+    dist.all_reduce(acc)
+    acc.div_(engine.world_size)
+    b.buf.copy_(acc)
+
+
+def all_reduce_sum(engine, x: torch.Tensor) -> torch.Tensor:
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather_weights(engine) -> None:
+    shard = engine.flat16[engine.shard_lo:engine.shard_hi]
+    with engine.tracer.span("all_gather", bytes=2 * engine.flat.padded_numel):
+        _all_gather(engine.flat16, shard.clone() if not _is_nccl() else shard)
+
+
+def all_gather_cpu(engine, shard: torch.Tensor) -> torch.Tensor:
+    """Every rank's fp32 master shard, concatenated (for master_state_dict)."""
+    if _is_nccl():
+        dev = shard.to(engine.device)
+        out = torch.empty(engine.flat.padded_numel, dtype=shard.dtype, device=engine.device)
+        _all_gather(out, dev)
+        return out.cpu()
+    out = torch.empty(engine.flat.padded_numel, dtype=shard.dtype)
+    _all_gather(out, shard)
+    return out

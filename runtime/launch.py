@@ -1,0 +1,181 @@
+"""Start one optimizer server for this node, then the training workers through torchrun.
+
+    zero-offload-launch --nproc-per-node 2 scripts/train_gpt.py --steps 100
+    python -m runtime.launch --nproc-per-node 8 --server-threads 8 train.py ...
+    # multi-node: the same on every node, with torchrun's rendezvous options
+    zero-offload-launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+        --nproc-per-node 8 train.py
+
+The server's address and token reach the workers through ZERO_OFFLOAD_ADDRESS
+and ZERO_OFFLOAD_TOKEN, which OffloadEngine reads.  The CPU cores are split
+between the server's update threads and the workers (affinity and
+OMP_NUM_THREADS), and the split is printed.  When a worker fails, or on
+Ctrl-C / SIGTERM, everything is stopped within STOP_TIMEOUT_S: torchrun's
+process group, then the server (which unlinks its shared segments); the
+launcher exits with the workers' exit code.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from optimizer_server.procs import describe_exit
+from optimizer_server.spawn import spawn
+
+STOP_TIMEOUT_S = 10.0
+POLL_S = 0.1
+# torchrun options that take no value; every other option before SCRIPT takes one
+TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path"}
+OURS = {"--nproc-per-node", "--nproc_per_node", "--server-threads", "--worker-threads", "--server-log-level"}
+
+USAGE = ("usage: zero-offload-launch [--nproc-per-node N] [--server-threads T] [--worker-threads W] "
+         "[--server-log-level L] [torchrun options] SCRIPT [ARGS...]")
+
+
+def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
+    opts = {"nproc": 1, "server_threads": 0, "worker_threads": 0, "log_level": "WARNING"}
+    torch_opts: list[str] = []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(USAGE)
+            print(__doc__)
+            sys.exit(0)
+        if not a.startswith("-"):
+            return opts, torch_opts, argv[i:]
+        name, eq, val = a.partition("=")
+        if name in OURS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"zero-offload-launch: {name} needs a value\n{USAGE}")
+                val = argv[i + 1]
+                i += 1
+            key = {"--nproc-per-node": "nproc", "--nproc_per_node": "nproc", "--server-threads": "server_threads",
+                   "--worker-threads": "worker_threads", "--server-log-level": "log_level"}[name]
+            if key == "log_level":
+                opts[key] = val
+            else:
+                try:
+                    opts[key] = int(val)
+                except ValueError:
+                    raise SystemExit(f"zero-offload-launch: {name} must be an integer, got {val!r}") from None
+                if opts[key] < (1 if key == "nproc" else 0):
+                    raise SystemExit(f"zero-offload-launch: {name} must be >= {1 if key == 'nproc' else 0}")
+        elif name in TORCHRUN_FLAGS or eq:
+            torch_opts.append(a)
+        else:
+            if i + 1 >= len(argv):
+                raise SystemExit(f"zero-offload-launch: {name} needs a value\n{USAGE}")
+            torch_opts += [a, argv[i + 1]]
+            i += 1
+        i += 1
+    raise SystemExit(f"zero-offload-launch: no training script given\n{USAGE}")
+
+
+def split_cores(nproc: int, server_threads: int, worker_threads: int, cuda: bool) -> tuple[list[int], list[int], int, int]:
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    n = len(cores)
+    if not server_threads:
+        # GPU workers need little CPU: the update gets the rest.  CPU workers do
+        # the forward/backward themselves: one share each, the server one share.
+        server_threads = max(1, n - nproc) if cuda else max(1, n // (nproc + 1))
+    server_threads = min(server_threads, n)
+    server_cores = cores[:server_threads]
+    worker_cores = cores[server_threads:] or cores
+    if not worker_threads:
+        worker_threads = max(1, len(worker_cores) // nproc)
+    return server_cores, worker_cores, server_threads, worker_threads
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, torch_opts, script = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    server_cores, worker_cores, st, wt = split_cores(opts["nproc"], opts["server_threads"], opts["worker_threads"],
+                                                     cuda)
+    print(f"zero-offload-launch: {len(os.sched_getaffinity(0))} cores: optimizer server {st} thread(s) on cores "
+          f"{server_cores}; {opts['nproc']} worker(s) x {wt} thread(s) on cores {worker_cores}", flush=True)
+    stop = {"sig": None}
+
+    def on_signal(signum, _frame):
+        stop["sig"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    env = dict(os.environ, OMP_NUM_THREADS=str(st))
+    server = spawn(threads=st, log_level=opts["log_level"], env=env, stderr=None,
+                   extra_args=[])
+    try:
+        os.sched_setaffinity(server.pid, server_cores)
+    except (AttributeError, OSError):
+        pass
+    wenv = dict(os.environ, ZERO_OFFLOAD_ADDRESS=server.address, ZERO_OFFLOAD_TOKEN=server.token,
+                OMP_NUM_THREADS=str(wt))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts["nproc"]), *torch_opts, *script]
+
+    def pin():
+        try:
+            os.sched_setaffinity(0, worker_cores)
+        except (AttributeError, OSError):
+            pass
+
+    workers = subprocess.Popen(cmd, env=wenv, start_new_session=True, preexec_fn=pin)
+    rc = None
+    try:
+        while rc is None:
+            rc = workers.poll()
+            if rc is not None:
+                break
+            if stop["sig"] is not None:
+                print(f"zero-offload-launch: {signal.Signals(stop['sig']).name}: stopping workers and server",
+                      file=sys.stderr, flush=True)
+                rc = 128 + stop["sig"]
+                break
+            if not server.alive():
+                print(f"zero-offload-launch: optimizer server {describe_exit(server.returncode)}; stopping workers",
+                      file=sys.stderr, flush=True)
+                deadline = time.monotonic() + STOP_TIMEOUT_S  # workers raise OptimizerServerDeadError themselves
+                while workers.poll() is None and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                rc = workers.poll() if workers.poll() is not None else 1
+                break
+            time.sleep(POLL_S)
+    finally:
+        _stop_group(workers)
+        server.stop(STOP_TIMEOUT_S)
+    if rc != 0:
+        print(f"zero-offload-launch: workers {describe_exit(rc)}", file=sys.stderr, flush=True)
+    return rc if rc >= 0 else 128 - rc
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of an exited torchrun
+        except (ProcessLookupError, PermissionError):
+            pass
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(STOP_TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

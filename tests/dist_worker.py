@@ -1,0 +1,70 @@
+"""A training worker for the multi-rank tests, run under zero-offload-launch / torchrun.
+
+    python -m runtime.launch --nproc-per-node 2 tests/dist_worker.py OUT_DIR MODE STEPS
+
+Trains the test MLP on a fixed global batch split across ranks and writes each
+rank's final master weights, 16-bit weights and stats to OUT_DIR.
+MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
+raises at step 2) | hang (sleeps, for signal tests).
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime import OffloadConfig, OffloadEngine  # noqa: E402
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                               torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def global_batch(step: int, bs: int = 32):
+    g = torch.Generator().manual_seed(1000 * step)
+    return torch.randn(bs, 16, generator=g), torch.randn(bs, 8, generator=g)
+
+
+def config(mode: str) -> OffloadConfig:
+    return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
+                         dpu=mode == "dpu", dpu_warmup_steps=4, bucket_numel=2048)
+
+
+def main():
+    out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    eng = OffloadEngine(model, config(mode))
+    dt = eng.dtype
+    for t in range(1, steps + 1):
+        if mode == "raise" and rank == 1 and t == 2:
+            raise RuntimeError("worker 1 fails on purpose")
+        if mode == "hang":
+            time.sleep(600)
+        x, y = global_batch(t)
+        n = x.shape[0] // world
+        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        h = None
+        if mode == "overflow" and rank == 1 and t == 3:
+            h = next(model.parameters()).register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        loss = torch.nn.functional.mse_loss(model(x.to(dt)).float(), y)
+        eng.backward(loss)
+        eng.step()
+        if h is not None:
+            h.remove()
+    master = eng.master_state_dict()
+    eng.close()
+    torch.save({"master": master, "w16": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                "stats": eng.stats()}, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
