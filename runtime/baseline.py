@@ -1,5 +1,9 @@
 """The no-offload baseline: plain PyTorch mixed precision with AdamW on the device.
 
+With simulate_dpu it also serves as the plain-PyTorch simulation of the DPU
+schedule (../shared/REFERENCE.md §4): after update i >= dpu_warmup_steps the
+model gets M_(i-1) (kept from before the update) instead of M_i.
+
 16-bit weights for forward/backward, an fp32 master with torch.optim.AdamW
 (fused where the build has it) on the same device, GradScaler-style loss
 scaling for fp16.  Same interface as OffloadEngine (backward, step, stats,
@@ -22,7 +26,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DeviceMixedPrecision:
-    def __init__(self, model: torch.nn.Module, config: OffloadConfig):
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig, simulate_dpu: bool = False):
         self.cfg = cfg = config
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -43,6 +47,7 @@ class DeviceMixedPrecision:
         self._micro = 0
         self.update_s = 0.0
         self.tracer = Tracer(cfg.trace_dir, "baseline", 0)
+        self.simulate_dpu = simulate_dpu
 
     def backward(self, loss: torch.Tensor) -> None:
         self._micro += 1
@@ -72,8 +77,10 @@ class DeviceMixedPrecision:
             if callable(self.cfg.lr):
                 for g in self.optimizer.param_groups:
                     g["lr"] = self.cfg.lr_at(k)
+            delayed = self.simulate_dpu and self.iteration >= self.cfg.dpu_warmup_steps
+            prev = [m.detach().clone() for m in self.master] if delayed else None
             self.optimizer.step()
-            for p, m in zip(self.params, self.master):
+            for p, m in zip(self.params, prev or self.master):
                 p.copy_(m)
         self.updates = k
         self.scaler.update(False)

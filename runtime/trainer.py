@@ -28,7 +28,8 @@ from .schedule import WarmupCosine
 class TrainConfig:
     """model: a preset of runtime.gpt.PRESETS; n_layer/n_head/d_model override it.
     warmup: lr warm-up updates; lr decays by cosine to min_lr_ratio x lr at `steps`.
-    offload: False runs the baseline (fp32 master + torch AdamW on the device).
+    offload: False runs the baseline (fp32 master + torch AdamW on the device);
+        with simulate_dpu the baseline follows the DPU schedule in plain PyTorch.
     threads: torch intra-op threads of this worker (0 = leave torch's default).
     eval_every: validation every K steps (0 = only at the end) over eval_batches batches."""
     model: str = "cpu-mini"
@@ -62,7 +63,7 @@ class TrainConfig:
     server_threads: int = 1
     threads: int = 0
     progress: bool = True
-    dpu_compensation: str = "none"
+    simulate_dpu: bool = False
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -98,7 +99,7 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int):
                        dpu_warmup_steps=tc.dpu_warmup, server_threads=tc.server_threads, trace_dir=tc.trace_dir)
     if tc.offload:
         return OffloadEngine(model, oc)
-    return DeviceMixedPrecision(model, oc)
+    return DeviceMixedPrecision(model, oc, simulate_dpu=tc.simulate_dpu)
 
 
 @torch.no_grad()

@@ -1,0 +1,153 @@
+"""Does offload change what training computes?  Does DPU cost loss?
+
+    python scripts/convergence.py                          # defaults of train_gpt.py, 4 runs
+    python scripts/convergence.py --lr 1e-3 --steps 400 --tag lr1e-3
+
+Trains the same GPT on the same data and seed four ways:
+  baseline   plain PyTorch mixed precision, AdamW on the device (no offload)
+  sync       offload, synchronous
+  dpu        offload with One-Step Delayed Parameter Update
+  dpu-sim    plain-PyTorch simulation of the DPU schedule (REFERENCE.md §4)
+prints the validation losses at each evaluation, writes the curves as
+docs/convergence-TAG.png and the numbers as docs/convergence-TAG.json, and
+rewrites the "convergence" section of BENCHMARKS.md from all docs/convergence-*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_md import machine_line, update_section  # noqa: E402
+from runtime.trainer import TrainConfig, train  # noqa: E402
+
+RUNS = {
+    "baseline": dict(offload=False, dpu=False),
+    "sync": dict(offload=True, dpu=False),
+    "dpu": dict(offload=True, dpu=True),
+    "dpu-sim": dict(offload=False, dpu=True, simulate_dpu=True),
+}
+
+
+def main(argv=None) -> int:
+    d = TrainConfig()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=d.model)
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--batch-size", type=int, default=d.batch_size)
+    ap.add_argument("--seq-len", type=int, default=d.seq_len)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--warmup", type=int, default=d.warmup)
+    ap.add_argument("--dpu-warmup", type=int, default=d.dpu_warmup)
+    ap.add_argument("--beta1", type=float, default=d.beta1)
+    ap.add_argument("--dpu-beta1", type=float, default=None, help="beta1 for the DPU runs only (a mitigation)")
+    ap.add_argument("--dtype", default=d.dtype)
+    ap.add_argument("--eval-every", type=int, default=d.eval_every)
+    ap.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ",".join(RUNS))
+    ap.add_argument("--tag", default="default")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    base = TrainConfig(model=a.model, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr,
+                       warmup=a.warmup, dpu_warmup=a.dpu_warmup, beta1=a.beta1, dtype=a.dtype,
+                       eval_every=a.eval_every, eval_batches=a.eval_batches, seed=a.seed, threads=1,
+                       server_threads=1, progress=False)
+    results = {}
+    for name in a.runs.split(","):
+        tc = replace(base, **RUNS[name])
+        if name.startswith("dpu") and a.dpu_beta1 is not None:
+            tc = replace(tc, beta1=a.dpu_beta1)
+        out = train(tc)
+        h = out["history"]
+        results[name] = {"step": h["step"], "loss": h["loss"], "val_step": h["val_step"], "val_loss": h["val_loss"],
+                         "median_step_s": out["summary"]["median_step_s"]}
+        print(f"{name:9s} val: " + " ".join(f"{s}:{v:.4f}" for s, v in zip(h["val_step"], h["val_loss"])),
+              flush=True)
+    report = {"tag": a.tag, "args": vars(a), "machine": machine_line(), "runs": results}
+    rows = summary_rows(report)
+    for r in rows:
+        print(r)
+    if a.no_write:
+        return 0
+    docs = ROOT / "docs"
+    docs.mkdir(exist_ok=True)
+    (docs / f"convergence-{a.tag}.json").write_text(json.dumps(report, indent=1))
+    plot(report, docs / f"convergence-{a.tag}.png")
+    write_benchmarks(docs)
+    return 0
+
+
+def gap(report, a, b) -> float:
+    ra, rb = report["runs"].get(a), report["runs"].get(b)
+    if not ra or not rb:
+        return float("nan")
+    return ra["val_loss"][-1] / rb["val_loss"][-1] - 1
+
+
+def summary_rows(report) -> list[str]:
+    runs = report["runs"]
+    max_sync = float("nan")
+    if "sync" in runs and "baseline" in runs:
+        max_sync = max(abs(s / b - 1) for s, b in zip(runs["sync"]["val_loss"], runs["baseline"]["val_loss"]))
+    max_sim = float("nan")
+    if "dpu" in runs and "dpu-sim" in runs:
+        max_sim = max(abs(s / b - 1) for s, b in zip(runs["dpu"]["val_loss"], runs["dpu-sim"]["val_loss"]))
+    a = report["args"]
+    final = {k: v["val_loss"][-1] for k, v in runs.items()}
+    return [f"| {report['tag']} | {a['model']} | {a['steps']} | {a['lr']:g} | {a['dpu_warmup']} | "
+            f"{a['dpu_beta1'] if a['dpu_beta1'] is not None else a['beta1']:g} | "
+            + " | ".join(f"{final.get(k, float('nan')):.4f}" for k in RUNS)
+            + f" | {100 * max_sync:.2f}% | {100 * max_sim:.2f}% | {100 * gap(report, 'dpu', 'sync'):+.2f}% |"]
+
+
+def write_benchmarks(docs: Path) -> None:
+    head = ("| tag | model | steps | peak lr | DPU warm-up | DPU beta1 | val baseline | val sync | val dpu "
+            "| val dpu-sim | max \\|sync/baseline-1\\| | max \\|dpu/dpu-sim-1\\| | DPU gap vs sync |")
+    rows = [head, "|" + "---|" * 13]
+    machine = ""
+    for f in sorted(glob.glob(str(docs / "convergence-*.json"))):
+        rep = json.loads(Path(f).read_text())
+        machine = rep["machine"]
+        rows += summary_rows(rep)
+    body = (f"## Convergence (scripts/convergence.py)\n\n{machine}. Final validation loss of each run; the "
+            f"max columns are over every evaluation. Figures: docs/convergence-TAG.png.\n\n" + "\n".join(rows) + "\n")
+    update_section("convergence", body)
+
+
+def plot(report, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no figure (pip install matplotlib)", file=sys.stderr)
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in report["runs"].items():
+        k = 10
+        sm = [sum(r["loss"][max(0, i - k + 1):i + 1]) / len(r["loss"][max(0, i - k + 1):i + 1])
+              for i in range(len(r["loss"]))]
+        ax1.plot(r["step"], sm, label=name, lw=1)
+        ax2.plot(r["val_step"], r["val_loss"], marker="o", ms=3, label=name)
+    a = report["args"]
+    ax1.set_title(f"training loss (10-step mean), {a['model']}, lr {a['lr']:g}")
+    ax2.set_title(f"validation loss, DPU warm-up {a['dpu_warmup']}")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
