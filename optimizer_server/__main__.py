@@ -21,11 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exit-when-idle", action="store_true", help="exit once the last worker is gone")
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--trace-dir", default="", help="write a Chrome trace of the server's phases here")
     a = ap.parse_args(argv)
     try:
         cfg = ServerConfig(address=a.address, address_file=a.address_file, token=a.token, threads=a.threads,
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
-                           log_level=a.log_level, parent_pid=a.parent_pid)
+                           log_level=a.log_level, parent_pid=a.parent_pid,
+                           trace_dir=a.trace_dir)
     except ValueError as e:
         ap.error(str(e))
     from .server import run  # imports the kernel; keep --help fast

@@ -24,6 +24,7 @@ class ServerConfig:
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
+    trace_dir: write this server's Chrome trace (server-0-PID.json) here at exit.
     """
 
     address: str = ""
@@ -35,6 +36,7 @@ class ServerConfig:
     max_ram_fraction: float = 0.9
     log_level: str = "INFO"
     parent_pid: int = 0
+    trace_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):

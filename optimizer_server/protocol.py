@@ -82,6 +82,14 @@ _CHECKS = {
 
 
 _TYPES = {t.__name__: t for t in _CHECKS}
+_FIELD_CACHE: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    names = _FIELD_CACHE.get(cls)
+    if names is None:
+        names = _FIELD_CACHE[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
 
 
 @dataclass(kw_only=True)
@@ -89,8 +97,11 @@ class Message:
     TYPE: ClassVar[str] = ""
 
     def encode(self) -> bytes:
+        # a flat field walk, not dataclasses.asdict (which deep-copies): this is
+        # on the per-step path
         d = {"t": self.TYPE}
-        d.update(dataclasses.asdict(self))
+        for f in _fields(type(self)):
+            d[f] = getattr(self, f)
         return msgpack.packb(d, use_bin_type=True)
 
     def validate(self) -> None:

@@ -36,6 +36,7 @@ from .procs import pid_alive
 from .shard import Shard, state_bytes_per_param
 from .shm import Segment, ShardLayout
 from .shm import unlink as shm_unlink
+from .tracing import Tracer
 
 log = logging.getLogger("optimizer_server")
 
@@ -84,6 +85,7 @@ class OptimizerServer:
         self.sock = None
         self.n_seg = 0
         self.owns_files = False  # set once bound: a refused server must not remove the live one's files
+        self.tracer = Tracer(cfg.trace_dir, "server", 0)
 
     # ------------------------------------------------------------------ set-up
     def _registry_path(self) -> Path | None:
@@ -232,7 +234,8 @@ class OptimizerServer:
                 self._send(identity, P.error(P.E_DECODE, f"expected one frame, got {len(body)}"))
                 continue
             try:
-                reply = self._handle(identity, body[0])
+                with self.tracer.span("request"):
+                    reply = self._handle(identity, body[0])
             except Exception as e:  # a bug must not kill the server: answer it
                 log.exception("internal error handling a request")
                 reply = P.error(P.E_INTERNAL, f"{type(e).__name__}: {e}")
@@ -288,7 +291,7 @@ class OptimizerServer:
                 return P.error(P.E_ORDER, f"STEP {msg.step} out of order: the shard has done {shard.steps} "
                                           f"update(s), so the next is {shard.steps + 1}")
             shard.busy = True
-            fut = self.executors[session].submit(shard.step, msg)
+            fut = self.executors[session].submit(self._traced_step, shard, msg)
             self.pending[session] = fut
             fut.add_done_callback(lambda f, i=identity, s=session, st=msg.step: self._on_done(i, s, st, f))
             return None
@@ -303,7 +306,8 @@ class OptimizerServer:
         if isinstance(msg, P.Save):
             try:
                 t0 = time.perf_counter()
-                info = shard.save(msg.dir)
+                with self.tracer.span("checkpoint_save", rank=shard.rank):
+                    info = shard.save(msg.dir)
                 info["seconds"] = time.perf_counter() - t0
             except OSError as e:
                 return P.error(P.E_CHECKPOINT, f"saving to {msg.dir} failed: {e.strerror or e} "
@@ -359,6 +363,11 @@ class OptimizerServer:
                          staging_offset=layout.staging_offset, server_pid=os.getpid()).encode()
 
     # ------------------------------------------------------------------ updates
+    def _traced_step(self, shard: Shard, msg: P.Step) -> float:
+        with self.tracer.span("update", rank=shard.rank, step=msg.step, bytes=28 * shard.numel,
+                              threads=shard.threads):
+            return shard.step(msg)
+
     def _on_done(self, identity: bytes, session: str, step: int, fut: Future) -> None:
         # runs on the update thread: queue the reply, wake the socket thread
         exc = fut.exception()
@@ -434,6 +443,10 @@ class OptimizerServer:
             self.sock.close(linger=0)
             self.sock = None
         self.ctx.term()
+        try:
+            self.tracer.flush()
+        except OSError as e:
+            log.warning("could not write the trace: %s", e)
         for fd in (self.wake_r, self.wake_w):
             try:
                 os.close(fd)

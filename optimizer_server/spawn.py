@@ -74,7 +74,7 @@ def _identity(path: str):
 def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token: str = "",
           heartbeat_timeout_s: float | None = None, exit_when_idle: bool = False, log_level: str = "WARNING",
           ready_timeout_s: float = READY_TIMEOUT_S, env: dict | None = None, stdout=None, stderr=None,
-          extra_args: list[str] | None = None) -> ServerHandle:
+          extra_args: list[str] | None = None, trace_dir: str = "") -> ServerHandle:
     tmpdir = None
     if not address_file:
         tmpdir = tempfile.mkdtemp(prefix="zero-offload-spawn-")
@@ -88,6 +88,8 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
         cmd += ["--heartbeat-timeout", str(heartbeat_timeout_s)]
     if exit_when_idle:
         cmd.append("--exit-when-idle")
+    if trace_dir:
+        cmd += ["--trace-dir", trace_dir]
     cmd += extra_args or []
     child_env = dict(os.environ if env is None else env)
     child_env["ZERO_OFFLOAD_TOKEN"] = token  # via the environment, not argv (visible in ps)

@@ -71,3 +71,14 @@ def all_gather_cpu(engine, shard: torch.Tensor) -> torch.Tensor:
     out = torch.empty(engine.flat.padded_numel, dtype=shard.dtype)
     _all_gather(out, shard)
     return out
+
+
+def all_ranks_ok(engine, ok: bool) -> bool:
+    """True only if every rank's part of a collective operation succeeded."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=engine.device if _is_nccl() else "cpu")
+    dist.all_reduce(flag)
+    return int(flag) == 0
+
+
+def barrier(engine) -> None:
+    dist.barrier()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -61,6 +62,14 @@ def _atomic_write(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class OffloadEngine:
@@ -131,7 +140,7 @@ class OffloadEngine:
             from optimizer_server.spawn import spawn
             # exit_when_idle: if this worker is killed, the server drops it after the
             # heartbeat timeout and exits, so no orphan stays behind
-            self._server = spawn(threads=cfg.server_threads, exit_when_idle=True)
+            self._server = spawn(threads=cfg.server_threads, exit_when_idle=True, trace_dir=cfg.trace_dir)
             addr, token, proc = self._server.address, self._server.token, self._server.proc
         hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
               "weight_decay": cfg.weight_decay}
@@ -246,8 +255,10 @@ class OffloadEngine:
         """The bucket is complete: reduce across ranks, copy our shard's part down."""
         lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
         if self.world_size == 1 and not self.is_cuda:
-            part = self._host_grads[self._slot][b.lo:b.hi]
-            self._sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+            # the bytes were copied by the hooks; only the norm is left to do
+            with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * b.numel):
+                part = self._host_grads[self._slot][b.lo:b.hi]
+                self._sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
             self.bytes_to_host += 2 * b.numel
             return
         with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
@@ -278,6 +289,10 @@ class OffloadEngine:
             raise RuntimeError("step() before backward(): call engine.backward(loss) on the last micro-batch first")
         self._grads_ready = False
         self.iteration += 1
+        with self.tracer.span("step", iteration=self.iteration), self._record("zo.step"):
+            self._step()
+
+    def _step(self) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
         with self.tracer.span("grad_check"):
             if self.is_cuda:
@@ -368,29 +383,78 @@ class OffloadEngine:
     def _engine_files(self, d: Path) -> tuple[Path, Path]:
         return d / f"engine-r{self.rank}-of-{self.world_size}.json", d / f"device16-r{self.rank}-of-{self.world_size}.bin"
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Server: this shard's master/m/v (atomic, fsync'd).  Engine: counters, loss
-        scale, and the device weights as they are (they may be one update behind)."""
+    def save_checkpoint(self, directory: str, keep: int = 2) -> str:
+        """Write a checkpoint under directory/step-NNNNNNNN and point directory/latest at it.
+
+        Server: this shard's master/m/v (fsync'd).  Engine: counters, loss scale
+        and the device weights as they are (they may be one update behind, DPU).
+        Everything goes to a temporary sub-directory first and is renamed into
+        place only when every rank has finished, then `latest` is replaced
+        atomically: a failed save (full or read-only disk) raises and leaves the
+        previous checkpoint intact and current.  The newest `keep` are kept.
+        """
         self._check_open()
         self._land_inflight(copy=False)
-        d = Path(directory)
+        root = Path(directory)
+        name = f"step-{self.iteration:08d}"
+        tmp = root / f"tmp-{name}"
         with self.tracer.span("save_checkpoint"):
-            d.mkdir(parents=True, exist_ok=True)
-            self.client.save(str(d))
-            meta_path, dev_path = self._engine_files(d)
-            dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous()
-            _atomic_write(dev_path, dev.view(torch.int16).numpy().tobytes())
-            meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
-                    "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
-                    "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
-                    "micro": self._micro, "stale": self._stale, "scaler": self.scaler.state_dict(),
-                    "optimizer_proxy": self.optimizer.state_dict_small()}
-            _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+                self.client.save(str(tmp))
+                meta_path, dev_path = self._engine_files(tmp)
+                dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous()
+                _atomic_write(dev_path, dev.view(torch.int16).numpy().tobytes())
+                meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
+                        "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
+                        "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
+                        "micro": self._micro, "stale": self._stale, "scaler": self.scaler.state_dict(),
+                        "optimizer_proxy": self.optimizer.state_dict_small()}
+                _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+                ok = True
+            except (OSError, OptimizerServerError) as e:
+                ok, err = False, e
+            if self.world_size > 1:
+                from .distributed import all_ranks_ok
+                ok_all = all_ranks_ok(self, ok)
+            else:
+                ok_all = ok
+            if not ok_all:
+                if self.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if not ok:
+                    raise OptimizerServerError(f"saving checkpoint {name} in {root} failed ({err}); the previous "
+                                               f"checkpoint is intact", code="checkpoint") from err
+                raise OptimizerServerError(f"saving checkpoint {name} failed on another rank; the previous "
+                                           f"checkpoint is intact", code="checkpoint")
+            if self.rank == 0:
+                final = root / name
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(root)
+                _atomic_write(root / "latest", name.encode())
+                old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
+                for p in old[:max(0, len(old) - (keep - 1))]:
+                    shutil.rmtree(p, ignore_errors=True)
+            if self.world_size > 1:
+                from .distributed import barrier
+                barrier(self)
+        return str(root / name)
+
+    @staticmethod
+    def resolve_checkpoint(directory: str) -> Path:
+        """directory/latest's target, or the directory itself if it holds the files."""
+        d = Path(directory)
+        latest = d / "latest"
+        if latest.exists():
+            return d / latest.read_text().strip()
+        return d
 
     def load_checkpoint(self, directory: str) -> None:
         self._check_open()
         self._land_inflight(copy=False)
-        d = Path(directory)
+        d = self.resolve_checkpoint(directory)
         meta_path, dev_path = self._engine_files(d)
         if not meta_path.exists():
             found = sorted(p.name for p in d.glob("engine-*.json")) if d.is_dir() else []

@@ -142,6 +142,7 @@ def train(tc: TrainConfig) -> dict:
                        dynamic_ncols=True)
         t_run = time.perf_counter()
         for step in range(start, tc.steps + 1):
+            t0_ns = time.perf_counter_ns()
             t0 = time.perf_counter()
             w0 = engine.stats()["wait_s"]
             for _ in range(tc.grad_accum):
@@ -152,6 +153,7 @@ def train(tc: TrainConfig) -> dict:
             engine.step()
             loss_v = float(loss.detach())
             dt = time.perf_counter() - t0
+            engine.tracer.add("iteration", t0_ns, time.perf_counter_ns(), {"step": step})
             wait = engine.stats()["wait_s"] - w0
             history["step"].append(step)
             history["loss"].append(loss_v)

@@ -1,0 +1,175 @@
+"""Step time of the whole pipeline: no offload vs offload sync vs offload DPU (vs DeepSpeed).
+
+    python scripts/bench_pipeline.py                        # 10.8M GPT, batches 8x128 and 1x32
+    python scripts/bench_pipeline.py --batches 2x64 --steps 10 --passes 1 --no-write
+
+All variants run in one process, interleaved pass by pass (machine drift hits
+them alike), on the same model, data and seed.  On a 2-core machine the
+optimizer server gets core 0 and the worker core 1 (the baseline also runs on
+core 1, one thread), and that is printed.  From the traces of the synchronous
+run: T_fb = forward + backward, T_cpu = the CPU path (the step: norm check,
+signal, waiting for the update, weight copy; the gradient copies run inside
+backward's hooks and are counted in T_fb).  DPU's ideal is max(T_fb, T_cpu),
+synchronous offload's is T_fb + T_cpu.  Writes BENCHMARKS.md section "bench_pipeline".
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+from bench_md import machine_line, update_section  # noqa: E402
+from runtime.baseline import DeviceMixedPrecision  # noqa: E402
+from runtime.config import OffloadConfig  # noqa: E402
+from runtime.data import Batches, Corpus  # noqa: E402
+from runtime.engine import OffloadEngine  # noqa: E402
+from runtime.gpt import GPT, GPTConfig  # noqa: E402
+from runtime.trace_analysis import load  # noqa: E402
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(pid, cores)
+    except (AttributeError, OSError):
+        pass
+
+
+def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores, server_cores, trace_dir=""):
+    torch.manual_seed(0)
+    model = GPT(mc)
+    cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=name == "dpu", dpu_warmup_steps=dpu_warmup,
+                        server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
+    if name == "deepspeed":
+        return run_deepspeed(model, batches, steps, warm, dtype)
+    eng = DeviceMixedPrecision(model, cfg) if name == "baseline" else OffloadEngine(model, cfg)
+    if name != "baseline" and server_cores:
+        pin(eng._server.pid, server_cores)
+    times = []
+    try:
+        for i in range(steps + warm):
+            x, y = batches[i % len(batches)]
+            t0_ns = time.perf_counter_ns()
+            with eng.tracer.span("forward"):
+                loss = model(x, y)
+            eng.backward(loss)
+            eng.step()
+            t1_ns = time.perf_counter_ns()
+            eng.tracer.add("iteration", t0_ns, t1_ns)
+            if i >= warm:
+                times.append((t1_ns - t0_ns) / 1e9)
+    finally:
+        eng.close()
+    return times
+
+
+def run_deepspeed(model, batches, steps, warm, dtype):
+    import deepspeed
+    ds_cfg = {"train_micro_batch_size_per_gpu": batches[0][0].shape[0], "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+              "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+    times = []
+    for i in range(steps + warm):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss = eng(x, y)
+        eng.backward(loss)
+        eng.step()
+        if i >= warm:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def trace_phases(trace_dir: str, warm: int) -> tuple[float, float]:
+    spans = load(trace_dir)
+    its = sorted((s for s in spans if s.role == "worker" and s.name == "iteration"), key=lambda s: s.ts)
+    t0 = its[warm].ts if len(its) > warm else 0
+    fb, cpu = [], []
+    for it in its:
+        if it.ts < t0:
+            continue
+        inside = [s for s in spans if s.role == "worker" and it.ts <= s.ts and s.end <= it.end]
+        fb.append(sum(s.dur for s in inside if s.name in ("forward", "backward")))
+        cpu.append(sum(s.dur for s in inside if s.name == "step"))
+    return statistics.median(fb) / 1e3, statistics.median(cpu) / 1e3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="small-cpu", help="runtime.gpt preset (default: the 10.8M reference GPT)")
+    ap.add_argument("--batches", default="8x128,1x32", help="comma-separated BATCHxSEQ settings")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant per pass")
+    ap.add_argument("--warm", type=int, default=5, help="untimed steps first (DPU switches on at step 3)")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+    pin(0, worker_cores)
+    torch.set_num_threads(max(1, len(worker_cores)))
+    print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)} "
+          f"({torch.get_num_threads()} torch thread(s))", flush=True)
+    try:
+        import deepspeed  # noqa: F401
+        variants = ["baseline", "sync", "dpu", "deepspeed"]
+    except Exception:
+        variants = ["baseline", "sync", "dpu"]
+        print("deepspeed not importable: its column is left out", flush=True)
+    from runtime.gpt import PRESETS
+    L, H, D = PRESETS[a.model]
+    corpus = Corpus.load(seed=0, max_bytes=8 << 20)
+    rows = []
+    for setting in a.batches.split(","):
+        bs, sl = (int(v) for v in setting.lower().split("x"))
+        mc = GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl)
+        src = Batches(corpus.train, bs, sl, seed=1)
+        batches = [src.next() for _ in range(8)]
+        times = {v: [] for v in variants}
+        phases = []
+        for _ in range(a.passes):
+            for v in variants:
+                tdir = tempfile.mkdtemp(prefix="zo-bench-") if v == "sync" else ""
+                times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
+                                        tdir)
+                if tdir:
+                    phases.append(trace_phases(tdir, a.warm))
+                    shutil.rmtree(tdir, ignore_errors=True)
+        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        t_fb = statistics.median(p[0] for p in phases)
+        t_cpu = statistics.median(p[1] for p in phases)
+        ideal, total = max(t_fb, t_cpu), t_fb + t_cpu
+        tok = bs * sl
+        ds = med.get("deepspeed", float("nan"))
+        row = (f"| {bs}x{sl} | {med['baseline']:.1f} | {med['sync']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
+               f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
+               f"{med['sync'] / med['dpu']:.2f}x | {med['dpu'] / med['baseline']:.2f} | {med['dpu'] / ds:.2f} | "
+               f"{tok / med['dpu'] * 1e3:.0f} |")
+        print(row, flush=True)
+        rows.append(row)
+    head = ("| batch | no offload ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
+            "max(T_fb,T_cpu) | T_fb+T_cpu | DPU / ideal | sync / DPU | DPU / no-offload | DPU / DeepSpeed | "
+            "DPU tokens/s |")
+    body = (f"## Pipeline step time (scripts/bench_pipeline.py)\n\n{machine_line()}; model {a.model}, {a.dtype}; "
+            f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
+            f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
+            + "\n".join([head, "|" + "---|" * 14, *rows]) + "\n")
+    if not a.no_write:
+        update_section("bench_pipeline", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

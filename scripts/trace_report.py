@@ -1,0 +1,38 @@
+"""Per-phase table, hidden share of the CPU update, bytes per step, and a timeline PNG.
+
+    python scripts/train_gpt.py --steps 30 --trace-dir /tmp/tr
+    python scripts/trace_report.py /tmp/tr --png timeline.png
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from runtime.trace_analysis import bytes_per_step, hidden_fraction, load, phase_table, timeline_png  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace_dir")
+    ap.add_argument("--png", default="", help="write a timeline of a few steady-state steps here")
+    ap.add_argument("--skip", type=int, default=3, help="iterations to leave out as warm-up")
+    a = ap.parse_args(argv)
+    spans = load(a.trace_dir)
+    rows, step_ms = phase_table(spans, a.skip)
+    print(f"mean iteration {step_ms:.2f} ms (rank 0, after {a.skip} warm-up iterations)")
+    print(f"{'phase':16s} {'count':>6s} {'mean ms':>9s} {'p50 ms':>9s} {'p99 ms':>9s} {'share':>7s}")
+    for r in rows:
+        print(f"{r['phase']:16s} {r['count']:6d} {r['mean_ms']:9.3f} {r['p50_ms']:9.3f} {r['p99_ms']:9.3f} "
+              f"{100 * r['share']:6.1f}%")
+    print(f"CPU update hidden behind forward/backward: {100 * hidden_fraction(spans):.1f}%")
+    b = bytes_per_step(spans)
+    print(f"per step: {b['to_host_B'] / 1e6:.2f} MB to host, {b['to_device_B'] / 1e6:.2f} MB to device; "
+          f"weights up at {b['to_device_GBps']:.1f} GB/s; server update at {b['update_GBps']:.1f} GB/s")
+    if a.png:
+        timeline_png(spans, a.png)
+        print(f"timeline: {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
