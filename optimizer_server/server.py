@@ -45,6 +45,14 @@ SHUTDOWN_UPDATE_WAIT_S = 30.0    # bound on finishing the update in flight at ex
 TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"
 
 
+def shm_prefix() -> str:
+    """Segment name prefix; ZERO_OFFLOAD_SHM_PREFIX lets a test suite tell its own apart."""
+    p = os.environ.get("ZERO_OFFLOAD_SHM_PREFIX", "zo-")
+    if not p or len(p) > 40 or not all(ch.isalnum() or ch in "-_." for ch in p):
+        raise ValueError(f"ZERO_OFFLOAD_SHM_PREFIX must be 1-40 of [A-Za-z0-9._-], got {p!r}")
+    return p
+
+
 def read_mem_available() -> int:
     try:
         with open("/proc/meminfo") as f:
@@ -86,6 +94,7 @@ class OptimizerServer:
         self.n_seg = 0
         self.owns_files = False  # set once bound: a refused server must not remove the live one's files
         self.tracer = Tracer(cfg.trace_dir, "server", 0)
+        self.shm_prefix = shm_prefix()
 
     # ------------------------------------------------------------------ set-up
     def _registry_path(self) -> Path | None:
@@ -341,7 +350,7 @@ class OptimizerServer:
             pass
         session = secrets.token_hex(8)
         self.n_seg += 1
-        name = f"zo-{self.instance}-r{msg.rank}-{self.n_seg}"
+        name = f"{self.shm_prefix}{self.instance}-r{msg.rank}-{self.n_seg}"
         try:
             seg = Segment.create(name, layout.total_bytes)
         except OSError as e:

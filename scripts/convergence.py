@@ -102,10 +102,14 @@ def summary_rows(report) -> list[str]:
         max_sim = max(abs(s / b - 1) for s, b in zip(runs["dpu"]["val_loss"], runs["dpu-sim"]["val_loss"]))
     a = report["args"]
     final = {k: v["val_loss"][-1] for k, v in runs.items()}
+
+    def f(x, fmt):
+        return "-" if x != x else format(x, fmt)  # nan: that run was not part of this setting
+
     return [f"| {report['tag']} | {a['model']} | {a['steps']} | {a['lr']:g} | {a['dpu_warmup']} | "
             f"{a['dpu_beta1'] if a['dpu_beta1'] is not None else a['beta1']:g} | "
-            + " | ".join(f"{final.get(k, float('nan')):.4f}" for k in RUNS)
-            + f" | {100 * max_sync:.2f}% | {100 * max_sim:.2f}% | {100 * gap(report, 'dpu', 'sync'):+.2f}% |"]
+            + " | ".join(f(final.get(k, float('nan')), ".4f") for k in RUNS)
+            + f" | {f(100 * max_sync, '.2f')}% | {f(100 * max_sim, '.2f')}% | {f(100 * gap(report, 'dpu', 'sync'), '+.2f')}% |"]
 
 
 def write_benchmarks(docs: Path) -> None:

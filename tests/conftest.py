@@ -9,11 +9,15 @@ import time
 import pytest
 
 SHM = "/dev/shm"
+# every server this test session starts (children inherit the environment) names
+# its segments with this prefix, so other runs on the machine do not confuse the checks
+PREFIX = f"zo-t{os.getpid()}-"
+os.environ["ZERO_OFFLOAD_SHM_PREFIX"] = PREFIX
 
 
 def our_segments() -> set[str]:
     try:
-        return {n for n in os.listdir(SHM) if n.startswith("zo-")}
+        return {n for n in os.listdir(SHM) if n.startswith(PREFIX)}
     except FileNotFoundError:
         return set()
 
