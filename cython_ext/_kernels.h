@@ -57,6 +57,8 @@ typedef struct {
     float decay;          /* 1 - lr*wd for decoupled decay, else 1 */
     float l2;             /* wd for L2 (Adam, Adagrad), else 0 */
     int decoupled;        /* apply `decay` to p before the update */
+    float predict;        /* param_out gets p_new + predict * (p_new - p_old): weight
+                             prediction for DPU, free since p_old is in a register */
 } zo_hparams;
 
 /* ---------------------------------------------------------------- scalar conversions */
@@ -142,12 +144,13 @@ static void zo_adam_scalar(float *p, float *m, float *v, const void *g, int gk,
         mi = h->beta1 * m[i] + h->one_minus_beta1 * gi;
         vi = h->beta2 * v[i] + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
+        float p0 = pi;
         if (h->decoupled) pi = pi * h->decay;
         pi = pi - h->step_size * (mi / denom);
         m[i] = mi;
         v[i] = vi;
         p[i] = pi;
-        zo_store_out(out, ok, i, pi);
+        zo_store_out(out, ok, i, h->predict != 0.0f ? pi + h->predict * (pi - p0) : pi);
     }
 }
 
@@ -238,12 +241,14 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
         vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(v + i)),
                            _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
         denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
+        __m512 p0 = pi;
         if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
         pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
         _mm512_storeu_ps(m + i, mi);
         _mm512_storeu_ps(v + i, vi);
         _mm512_storeu_ps(p + i, pi);
-        zo512_store_out(out, ok, i, pi);
+        zo512_store_out(out, ok, i, h->predict != 0.0f
+                        ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
     }
     zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
@@ -341,12 +346,14 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
         vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v + i)),
                            _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
         denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
+        __m256 p0 = pi;
         if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
         pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
         _mm256_storeu_ps(m + i, mi);
         _mm256_storeu_ps(v + i, vi);
         _mm256_storeu_ps(p + i, pi);
-        zo256_store_out(out, ok, i, pi);
+        zo256_store_out(out, ok, i, h->predict != 0.0f
+                        ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi);
     }
     zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }

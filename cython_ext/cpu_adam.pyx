@@ -36,6 +36,7 @@ cdef extern from "_kernels.h" nogil:
         float decay
         float l2
         int decoupled
+        float predict
     int ZO_F32, ZO_F16, ZO_BF16, ZO_NONE
     int ZO_SCALAR, ZO_AVX2, ZO_AVX512
     int zo_openmp_enabled()
@@ -207,7 +208,7 @@ cdef int _out_kind(_Buf out, out_dtype) except -1:
 
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
               step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-              adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+              adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0):
     """One Adam (adamw=False, L2 decay) or AdamW (decoupled decay) step, in place.
 
     param, exp_avg, exp_avg_sq: 1-D C-contiguous float32, updated in place.
@@ -216,6 +217,8 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     param_out: optional float16 (or bf16 words with out_dtype="bf16") that gets
     the round-to-nearest-even copy of the new weights.  step is 1-based.
     Non-finite gradients are not masked: the caller decides to skip the step.
+    predict: param_out gets p_new + predict * (p_new - p_old) instead of p_new (weight
+    prediction for delayed updates; the fp32 param itself is the exact update).
     """
     cdef _Buf bp = _get(param, "param", True)
     cdef _Buf bm = _get(exp_avg, "exp_avg", True)
@@ -237,12 +240,16 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     cdef double deps = _finite(eps, "eps")
     cdef double wd = _finite(weight_decay, "weight_decay")
     cdef double gs = _finite(grad_scale, "grad_scale")
+    cdef double pred = _finite(predict, "predict")
     if deps <= 0.0:
         raise ValueError(f"eps must be > 0, got {deps}")
     if dlr < 0.0 or wd < 0.0:
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
+    if not 0.0 <= pred <= 4.0:
+        raise ValueError(f"predict must be in [0, 4], got {pred}")
     cdef int nt = _threads(num_threads)
     cdef zo_hparams h
+    h.predict = <float>pred
     # Bias corrections and 1-beta in double, rounded once (see REFERENCE.md §1).
     h.grad_scale = <float>gs
     h.beta1 = <float>b1
@@ -293,6 +300,7 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     h.decoupled = 0
     h.decay = 1.0
     h.l2 = <float>wd
+    h.predict = 0.0
     _run(1, &h, bp, bs, None, bg, gk, bo, ok, n, nt)
 
 
@@ -333,6 +341,7 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     h.decoupled = 1
     h.decay = <float>(1.0 - dlr * wd)
     h.l2 = 0.0
+    h.predict = 0.0
     _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt)
 
 
@@ -351,6 +360,7 @@ def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
     if _kind_of(bg, "grad", None, False) != ZO_F16 or _kind_of(bo, "param_out", None, False) != ZO_F16:
         raise TypeError("stream_probe takes float16 grad and param_out")
     cdef zo_hparams h
+    h.predict = 0.0
     _run(3, &h, bp, bm, bv, bg, ZO_F16, bo, ZO_F16, n, _threads(num_threads))
 
 

@@ -156,12 +156,14 @@ class ShardClient:
             np.copyto(self.staging, np.asarray(fp32, np.float32).reshape(-1))
         self._request(P.Init(session=self.session), P.Ok)
 
-    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None):
+    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
+                   predict: float = 0.0):
         self._check_usable()
         if self._inflight is not None:
             raise OptimizerServerError(f"step {step} sent while step {self._inflight} is in flight", code=P.E_ORDER)
         self._sock.send(P.Step(session=self.session, step=step, slot=slot, lr=float(lr),
-                               grad_scale=float(grad_scale), hparams=dict(hparams or {})).encode())
+                               grad_scale=float(grad_scale), hparams=dict(hparams or {}),
+                               predict=float(predict)).encode())
         self._inflight = step
 
     def wait_done(self, timeout_s: float | None = None) -> P.Done:

@@ -15,7 +15,8 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
       INIT(session)                     --->    staging -> master; weights16 written
                                         <---  OK
       (write fp16 grads to slot s)
-      STEP(session, step, slot, lr, ...) --->   update on a worker thread
+      STEP(session, step, slot, lr, grad_scale, hparams, predict)
+                                        --->    update on a worker thread
                                         <---  DONE(step, update_s)    (weights16 ready)
       SKIP(session, step)               --->  OK        (overflow: state untouched)
       GET_MASTER(session)               --->  OK        (master copied into staging)
@@ -181,9 +182,12 @@ class Step(Message):
     lr: float
     grad_scale: float = 1.0
     hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
+    predict: float = 0.0  # weights16 gets p + predict*(p - p_prev): DPU weight prediction (Adam only)
 
     def validate(self) -> None:
         _require(self.step >= 1, f"step must be >= 1, got {self.step}")
+        _require(math.isfinite(self.predict) and 0.0 <= self.predict <= 4.0,
+                 f"predict must be in [0, 4], got {self.predict}")
         _require(0 <= self.slot < NUM_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
         _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
         _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")

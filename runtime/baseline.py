@@ -2,7 +2,8 @@
 
 With simulate_dpu it also serves as the plain-PyTorch simulation of the DPU
 schedule (../shared/REFERENCE.md §4): after update i >= dpu_warmup_steps the
-model gets M_(i-1) (kept from before the update) instead of M_i.
+model gets M_(i-1) (kept from before the update) instead of M_i, or with
+dpu_predict the prediction M_(i-1) + dpu_predict * (M_(i-1) - M_(i-2)).
 
 16-bit weights for forward/backward, an fp32 master with torch.optim.AdamW
 (fused where the build has it) on the same device, GradScaler-style loss
@@ -48,6 +49,7 @@ class DeviceMixedPrecision:
         self.update_s = 0.0
         self.tracer = Tracer(cfg.trace_dir, "baseline", 0)
         self.simulate_dpu = simulate_dpu
+        self._prev2 = None  # M_(i-2) while simulating DPU with prediction
 
     def backward(self, loss: torch.Tensor) -> None:
         self._micro += 1
@@ -77,11 +79,17 @@ class DeviceMixedPrecision:
             if callable(self.cfg.lr):
                 for g in self.optimizer.param_groups:
                     g["lr"] = self.cfg.lr_at(k)
-            delayed = self.simulate_dpu and self.iteration >= self.cfg.dpu_warmup_steps
-            prev = [m.detach().clone() for m in self.master] if delayed else None
-            self.optimizer.step()
-            for p, m in zip(self.params, prev or self.master):
+            N = self.cfg.dpu_warmup_steps
+            delayed = self.simulate_dpu and self.iteration >= N
+            prev = [m.detach().clone() for m in self.master] if delayed else None  # M_(i-1)
+            self.optimizer.step()                                                # M_i
+            weights = prev or self.master
+            if delayed and self.cfg.dpu_predict and self.iteration - 1 >= N:
+                # M_(i-1) came from a delayed update, sent up with weight prediction
+                weights = [a + self.cfg.dpu_predict * (a - b) for a, b in zip(prev, self._prev2)]
+            for p, m in zip(self.params, weights):
                 p.copy_(m)
+            self._prev2 = prev
         self.updates = k
         self.scaler.update(False)
         self.update_s += time.perf_counter() - t0

@@ -31,6 +31,10 @@ class OffloadConfig:
         is divided by it, so k micro-batches equal one k times larger batch.
     dpu: One-Step Delayed Parameter Update after dpu_warmup_steps synchronous steps.
     dpu_warmup_steps: N of REFERENCE §4 (the paper's 40).
+    dpu_predict: weight prediction under DPU (adam/adamw): the device gets
+        M_k + dpu_predict * (M_k - M_(k-1)) instead of the stale M_k, an estimate of the
+        weights a synchronous run would have; computed in the update's own pass, no
+        extra memory traffic.  0 = plain DPU (the paper's), 1 = linear extrapolation.
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     server_address / server_token: connect to a running server; "" = the launcher's
         environment variables, or a private server started (and stopped) by the engine.
@@ -54,6 +58,7 @@ class OffloadConfig:
     grad_accumulation_steps: int = 1
     dpu: bool = False
     dpu_warmup_steps: int = 40
+    dpu_predict: float = 0.0
     bucket_numel: int = 1 << 24
     server_address: str = ""
     server_token: str = ""
@@ -96,6 +101,10 @@ class OffloadConfig:
             raise ValueError(f"grad_accumulation_steps must be an int >= 1, got {self.grad_accumulation_steps!r}")
         if not (isinstance(self.dpu_warmup_steps, int) and self.dpu_warmup_steps >= 1):
             raise ValueError(f"dpu_warmup_steps must be an int >= 1, got {self.dpu_warmup_steps!r}")
+        if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= 4.0):
+            raise ValueError(f"dpu_predict must be in [0, 4], got {self.dpu_predict!r}")
+        if self.dpu_predict and self.optimizer not in ("adamw", "adam"):
+            raise ValueError(f"dpu_predict works with optimizer adamw or adam, not {self.optimizer!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
             raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
         if self.server_address and not self.server_address.startswith(("ipc://", "tcp://")):

@@ -323,7 +323,8 @@ class OffloadEngine:
         pg = self.optimizer.param_groups[0]
         hp = {"weight_decay": float(pg["weight_decay"])}
         with self.tracer.span("signal", step=k):
-            self.client.step_async(k, self._slot, lr, clip / scale, hp)
+            self.client.step_async(k, self._slot, lr, clip / scale, hp,
+                                   predict=self.cfg.dpu_predict if delayed else 0.0)
         self.updates = k
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
@@ -380,6 +381,9 @@ class OffloadEngine:
             out[self._names.get(id(p), f"param{len(out)}")] = full[s.offset:s.offset + s.numel].view(p.shape).clone()
         return out
 
+    def _pending_file(self, d: Path) -> Path:
+        return d / f"pending16-r{self.rank}-of-{self.world_size}.bin"
+
     def _engine_files(self, d: Path) -> tuple[Path, Path]:
         return d / f"engine-r{self.rank}-of-{self.world_size}.json", d / f"device16-r{self.rank}-of-{self.world_size}.bin"
 
@@ -405,6 +409,10 @@ class OffloadEngine:
                 meta_path, dev_path = self._engine_files(tmp)
                 dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous()
                 _atomic_write(dev_path, dev.view(torch.int16).numpy().tobytes())
+                if self._stale:
+                    # the landed update not yet on the device (with dpu_predict it is
+                    # not simply RNE(master), so it is saved as it is)
+                    _atomic_write(self._pending_file(tmp), self.client.weights16.tobytes())
                 meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
                         "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
                         "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
@@ -478,6 +486,13 @@ class OffloadEngine:
         self.skipped_steps = meta["skipped_steps"]
         self._micro = meta["micro"]
         self._stale = meta["stale"]
+        if self._stale:
+            pending = np.fromfile(self._pending_file(d), dtype=np.uint16)
+            if pending.size != self.flat.shard_numel:
+                raise ValueError(f"{self._pending_file(d)} holds {pending.size} weights, expected "
+                                 f"{self.flat.shard_numel}")
+            # nothing is in flight: the server does not touch the buffer until the next STEP
+            np.copyto(self.client.weights16, pending)
         self.scaler.load_state_dict(meta["scaler"])
         self.optimizer.load_state_dict_small(meta["optimizer_proxy"])
 

@@ -44,6 +44,7 @@ class TrainConfig:
     offload: bool = True
     dpu: bool = True
     dpu_warmup: int = 40
+    dpu_predict: float = 0.0
     grad_accum: int = 1
     clip: float | None = 1.0
     lr: float = 3e-4
@@ -96,7 +97,7 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int):
     sched = WarmupCosine(peak=tc.lr, warmup=tc.warmup, total=total_updates, min_ratio=tc.min_lr_ratio)
     oc = OffloadConfig(lr=sched, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, dtype=tc.dtype,
                        clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum, dpu=tc.dpu,
-                       dpu_warmup_steps=tc.dpu_warmup, server_threads=tc.server_threads, trace_dir=tc.trace_dir)
+                       dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict, server_threads=tc.server_threads, trace_dir=tc.trace_dir)
     if tc.offload:
         return OffloadEngine(model, oc)
     return DeviceMixedPrecision(model, oc, simulate_dpu=tc.simulate_dpu)

@@ -48,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dpu-warmup", type=int, default=d.dpu_warmup)
     ap.add_argument("--beta1", type=float, default=d.beta1)
     ap.add_argument("--dpu-beta1", type=float, default=None, help="beta1 for the DPU runs only (a mitigation)")
+    ap.add_argument("--dpu-predict", type=float, default=0.0,
+                    help="weight prediction for the DPU runs (a mitigation; 1 = linear extrapolation)")
     ap.add_argument("--dtype", default=d.dtype)
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches)
@@ -65,6 +67,8 @@ def main(argv=None) -> int:
         tc = replace(base, **RUNS[name])
         if name.startswith("dpu") and a.dpu_beta1 is not None:
             tc = replace(tc, beta1=a.dpu_beta1)
+        if name.startswith("dpu"):
+            tc = replace(tc, dpu_predict=a.dpu_predict)
         out = train(tc)
         h = out["history"]
         results[name] = {"step": h["step"], "loss": h["loss"], "val_step": h["val_step"], "val_loss": h["val_loss"],
@@ -107,15 +111,15 @@ def summary_rows(report) -> list[str]:
         return "-" if x != x else format(x, fmt)  # nan: that run was not part of this setting
 
     return [f"| {report['tag']} | {a['model']} | {a['steps']} | {a['lr']:g} | {a['dpu_warmup']} | "
-            f"{a['dpu_beta1'] if a['dpu_beta1'] is not None else a['beta1']:g} | "
+            f"{a['dpu_beta1'] if a['dpu_beta1'] is not None else a['beta1']:g} | {a.get('dpu_predict', 0.0):g} | "
             + " | ".join(f(final.get(k, float('nan')), ".4f") for k in RUNS)
             + f" | {f(100 * max_sync, '.2f')}% | {f(100 * max_sim, '.2f')}% | {f(100 * gap(report, 'dpu', 'sync'), '+.2f')}% |"]
 
 
 def write_benchmarks(docs: Path) -> None:
-    head = ("| tag | model | steps | peak lr | DPU warm-up | DPU beta1 | val baseline | val sync | val dpu "
-            "| val dpu-sim | max \\|sync/baseline-1\\| | max \\|dpu/dpu-sim-1\\| | DPU gap vs sync |")
-    rows = [head, "|" + "---|" * 13]
+    head = ("| tag | model | steps | peak lr | DPU warm-up | DPU beta1 | DPU predict | val baseline | val sync "
+            "| val dpu | val dpu-sim | max \\|sync/baseline-1\\| | max \\|dpu/dpu-sim-1\\| | DPU gap vs sync |")
+    rows = [head, "|" + "---|" * 14]
     machine = ""
     for f in sorted(glob.glob(str(docs / "convergence-*.json"))):
         rep = json.loads(Path(f).read_text())

@@ -4,7 +4,9 @@ MixedPrecisionReference: 16-bit weights for forward/backward, an fp32 master
 updated by torch.optim.AdamW/Adam, GradScaler-style loss scaling,
 torch.nn.utils.clip_grad_norm_, and optionally the One-Step Delayed Parameter
 Update schedule of ../shared/REFERENCE.md §4 written out literally: keep every
-M_k and put W_(i+1) = M_i for i+1 <= N, else M_(i-1), on the model.
+M_k and put W_(i+1) = M_i for i+1 <= N, else M_(i-1), on the model (with
+weight prediction: M_(i-1) + predict * (M_(i-1) - M_(i-2)) once M_(i-1) itself
+came from a delayed update).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class MixedPrecisionReference:
     def __init__(self, model: torch.nn.Module, *, dtype="fp16", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, optimizer="adamw", clip=None, scale=2.0 ** 16, dynamic=True,
-                 dpu_warmup=None, accum=1):
+                 dpu_warmup=None, accum=1, predict=0.0):
         self.model = copy.deepcopy(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
@@ -30,6 +32,7 @@ class MixedPrecisionReference:
         self.scale = 1.0 if dtype == "bf16" else scale
         self.dynamic = dynamic and dtype == "fp16"
         self.dpu_warmup = dpu_warmup
+        self.predict = predict
         self.accum = accum
         self.history = [[m.detach().clone() for m in self.master]]  # M_0
         self.i = 0
@@ -75,7 +78,10 @@ class MixedPrecisionReference:
         self.history.append([m.detach().clone() for m in self.master])
         k = len(self.history) - 1  # M_k just computed
         if self.dpu_warmup is not None and self.i + 1 > self.dpu_warmup:
-            self._set_weights(self.history[k - 1])  # W_(i+1) = M_(i-1)
+            w = self.history[k - 1]  # W_(i+1) = M_(i-1)
+            if self.predict and self.i - 1 >= self.dpu_warmup:  # M_(i-1) came from a delayed update
+                w = [a + self.predict * (a - b) for a, b in zip(w, self.history[k - 2])]
+            self._set_weights(w)
         else:
             self._set_weights(self.history[k])      # W_(i+1) = M_i
         return losses

@@ -227,6 +227,21 @@ def test_lion_matches_float64_reference(level):
     assert rel(p - p0, rp - p0) < 1e-4
 
 
+def test_predict_writes_extrapolated_weights_only(level):
+    rng = np.random.default_rng()
+    n = 4101
+    p0 = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float16)
+    a = [p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    b = [x.copy() for x in a]
+    out_a, out_b = np.empty(n, np.float16), np.empty(n, np.float16)
+    ca.adam_step(*a, g, out_a, step=1, lr=1e-2, predict=1.0)
+    ca.adam_step(*b, g, out_b, step=1, lr=1e-2)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)  # the fp32 update is exact either way
+    np.testing.assert_array_equal(out_a, (a[0] + (a[0] - p0)).astype(np.float16))
+
+
 def test_nonfinite_gradient_is_not_masked():
     n = 64
     p, m, v = np.ones(n, np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)

@@ -64,9 +64,10 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, **hp):
     model = make()
     p0 = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     ref = MixedPrecisionReference(model, dtype=dtype, lr=hp.get("lr", 3e-3), weight_decay=0.01, dpu_warmup=dpu,
-                                  clip=hp.get("clip"))
+                                  clip=hp.get("clip"), predict=hp.get("predict", 0.0))
     cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
-                        dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1)
+                        dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
+                        dpu_predict=hp.get("predict", 0.0))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
@@ -120,6 +121,15 @@ def test_dpu_matches_reference_schedule_and_differs_from_sync(dtype):
     assert losses[:N] == sync_losses[:N]
     assert losses[N] == losses[N - 1] or True  # W_(N+1) == W_N, but batches differ
     assert all(a != b for a, b in zip(losses[N + 1:N + 4], sync_losses[N + 1:N + 4]))
+
+
+def test_dpu_weight_prediction_matches_reference():
+    N = 4
+    p0, master, ref_master, losses, ref_losses, _ = run_pair(mlp, mlp_batch, "bf16", steps=20, dpu=N, predict=1.0)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    _, _, _, plain, _, _ = run_pair(mlp, mlp_batch, "bf16", steps=20, dpu=N)
+    assert losses[:N + 1] == plain[:N + 1]  # prediction starts with the first delayed update's weights
+    assert losses[N + 2] != plain[N + 2]
 
 
 def test_dpu_step_n_plus_one_reuses_weights():
@@ -203,9 +213,10 @@ def test_traffic_is_four_bytes_per_param_per_step():
     assert st["bytes_to_host"] == st["bytes_to_device"] == 2 * n * T
 
 
-@pytest.mark.parametrize("dpu", [False, True])
-def test_checkpoint_resume_is_bitwise(tmp_path, dpu):
-    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu, dpu_warmup_steps=4, server_threads=1)  # noqa: E731
+@pytest.mark.parametrize("dpu,predict", [(False, 0.0), (True, 0.0), (True, 1.0)])
+def test_checkpoint_resume_is_bitwise(tmp_path, dpu, predict):
+    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu, dpu_warmup_steps=4, server_threads=1,  # noqa: E731
+                                dpu_predict=predict)
     model = gpt()
     with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
         full_losses = train_engine(eng, gpt_batch, 20, "bf16")
