@@ -89,6 +89,8 @@ class DeviceMixedPrecision:
                 weights = [a + self.cfg.dpu_predict * (a - b) for a, b in zip(prev, self._prev2)]
             for p, m in zip(self.params, weights):
                 p.copy_(m)
+            for m in self.master:
+                m.grad = None  # as zero_grad(set_to_none=True): fp32 grads are transient
             self._prev2 = prev
         self.updates = k
         self.scaler.update(False)

@@ -41,6 +41,9 @@ class OffloadConfig:
     server_threads: OpenMP threads of a private server's updates (0 = its default).
     request_timeout_s: bound on any single wait for the server.
     trace_dir: write this process's Chrome trace here ("" = no tracing).
+    device: where the 16-bit weights live ("" = where the model's parameters are).
+        Build the fp32 model on the CPU and pass device="cuda" to train a model whose
+        fp32 copy would not fit on the GPU: only 2 B/param ever reach the device.
     """
 
     lr: LrType = 1e-3
@@ -65,6 +68,7 @@ class OffloadConfig:
     server_threads: int = 0
     request_timeout_s: float = 300.0
     trace_dir: str = ""
+    device: str = ""
 
     def __post_init__(self) -> None:
         if callable(self.lr):
@@ -111,6 +115,8 @@ class OffloadConfig:
             raise ValueError(f"server_address must start with ipc:// or tcp://, got {self.server_address!r}")
         if not (isinstance(self.server_threads, int) and self.server_threads >= 0):
             raise ValueError(f"server_threads must be an int >= 0, got {self.server_threads!r}")
+        if self.device and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be '', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 

@@ -84,9 +84,14 @@ class OffloadEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
-        self.device = params[0].device
-        if any(p.device != self.device for p in params):
+        src = params[0].device
+        if any(p.device != src for p in params):
             raise ValueError("all trainable parameters must be on one device; move the model with .to(device) first")
+        self.device = torch.device(cfg.device) if cfg.device else src
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {cfg.device!r} asked for CUDA but torch.cuda.is_available() is False")
         self.is_cuda = self.device.type == "cuda"
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -178,8 +183,7 @@ class OffloadEngine:
             del fp32
             self.flat.bind(self.flat16)
             for b in self.model.buffers():
-                if b.is_floating_point():
-                    b.data = b.data.to(self.dtype)
+                b.data = b.data.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
 
     def _install_hooks(self) -> None:
         for s in self.flat.slots:

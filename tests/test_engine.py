@@ -31,13 +31,21 @@ def mlp_batch(step: int, dtype: str, micro: int = 0, bs: int = 32):
     x = torch.randn(bs, 16, generator=g)
     y = torch.randn(bs, 8, generator=g)
     dt = DT[dtype]
-    return lambda m: torch.nn.functional.mse_loss(m(x.to(dt)).float(), y)
+
+    def loss(m):
+        dev = next(m.parameters()).device
+        return torch.nn.functional.mse_loss(m(x.to(dev, dt)).float(), y.to(dev))
+    return loss
 
 
 def gpt_batch(step: int, dtype: str, micro: int = 0, bs: int = 4):
     g = torch.Generator().manual_seed(1000 * step + micro)
     idx = torch.randint(0, 256, (bs, 17), generator=g)
-    return lambda m: m(idx[:, :-1], idx[:, 1:])
+
+    def loss(m):
+        i = idx.to(next(m.parameters()).device)
+        return m(i[:, :-1], i[:, 1:])
+    return loss
 
 
 def flat_master(engine) -> torch.Tensor:
@@ -55,19 +63,19 @@ def train_engine(engine, batch, steps, dtype, start=1, accum=1):
     return losses
 
 
-def run_pair(make, batch, dtype, steps=30, dpu=None, **hp):
+def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", **hp):
     """Engine and reference side by side.  Each step first checks that the engine's
     16-bit weights are the ones the reference schedule prescribes (up to a rare
     1-ulp rounding flip from fp32 arithmetic order), then the reference takes its
     gradients on the engine's weights (teacher forcing) so the fp32 masters can be
     compared after many steps without chaotic amplification."""
-    model = make()
-    p0 = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    model = make().to(device)
+    p0 = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
     ref = MixedPrecisionReference(model, dtype=dtype, lr=hp.get("lr", 3e-3), weight_decay=0.01, dpu_warmup=dpu,
                                   clip=hp.get("clip"), predict=hp.get("predict", 0.0))
     cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
                         dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
-                        dpu_predict=hp.get("predict", 0.0))
+                        dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
@@ -79,7 +87,7 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, **hp):
             losses += train_engine(eng, batch, 1, dtype, start=t)
         master = flat_master(eng)
         stats = eng.stats()
-    return p0, master, ref.master_flat(), losses, ref_losses, stats
+    return p0, master, ref.master_flat().cpu(), losses, ref_losses, stats
 
 
 def check_weights_match(a, b) -> float:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One prepared run that checks and measures the CUDA path on a lent GPU (well under 8 minutes).
+#
+#   bash scripts/gpu_check.sh            # results under $OUT when set
+#
+# Without CUDA it exits 0 at once: "no CUDA device; skipped".  The GPU machine has
+# no network: if pyzmq / msgpack / Cython are missing there, carry wheels in .whl/
+# (see README, "Checking the CUDA path"); they are installed into /tmp/site.
+# Steps: build the extension in place, run the tests marked `cuda`, run
+# scripts/gpu_bench.py (bandwidth, model-state memory, step time, capacity),
+# print a compact table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "no CUDA device; skipped"
+  exit 0
+fi
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+echo "== build"
+if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  tail -30 "$OUT/build.log"; exit 1
+fi
+"$PY" -c "from cython_ext import cpu_adam as c; print('simd', c.simd_level(), 'openmp', c.openmp_enabled())"
+echo "== cuda tests"
+timeout 240 "$PY" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUT/cuda_tests.log" | tail -15
+tests_rc=${PIPESTATUS[0]}
+echo "== measurements"
+timeout 330 "$PY" scripts/gpu_bench.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.log" | tail -25
+bench_rc=${PIPESTATUS[0]}
+echo "cuda tests rc=$tests_rc, bench rc=$bench_rc; full results in $OUT"
+exit $(( tests_rc != 0 || bench_rc != 0 ))
