@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 from cython_ext import cpu_adam
 
 from . import protocol as P
+from .atomic import atomic_write, atomic_write_bytes, fsync_dir
 from .shm import Segment, ShardLayout
 
 log = logging.getLogger("optimizer_server")
@@ -170,23 +170,9 @@ class Shard:
         d.mkdir(parents=True, exist_ok=True)
         bin_path, man_path = self._paths(d)
         arrays = [self.master, *self.state.values()]
-        for path, writer in ((bin_path, lambda f: [f.write(memoryview(a)) for a in arrays]),
-                             (man_path, lambda f: f.write(json.dumps(self.manifest(), indent=1).encode()))):
-            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-            try:
-                with open(tmp, "wb") as f:
-                    writer(f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        atomic_write(bin_path, lambda f: [f.write(memoryview(a)) for a in arrays])
+        atomic_write_bytes(man_path, json.dumps(self.manifest(), indent=1).encode())  # the manifest is last
+        fsync_dir(d)
         return {"path": str(bin_path), "bytes": sum(a.nbytes for a in arrays), "steps": self.steps}
 
     def load(self, directory: str) -> dict:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from optimizer_server.atomic import atomic_write_bytes, fsync_dir
 from optimizer_server.client import ShardClient
 from optimizer_server.errors import OptimizerServerError
 from optimizer_server.tracing import Tracer
@@ -49,27 +50,6 @@ from .optimizer_proxy import ServerOptimizer
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ENGINE_STATE_VERSION = 1
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class OffloadEngine:
@@ -412,17 +392,17 @@ class OffloadEngine:
                 self.client.save(str(tmp))
                 meta_path, dev_path = self._engine_files(tmp)
                 dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous()
-                _atomic_write(dev_path, dev.view(torch.int16).numpy().tobytes())
+                atomic_write_bytes(dev_path, dev.view(torch.int16).numpy().tobytes())
                 if self._stale:
                     # the landed update not yet on the device (with dpu_predict it is
                     # not simply RNE(master), so it is saved as it is)
-                    _atomic_write(self._pending_file(tmp), self.client.weights16.tobytes())
+                    atomic_write_bytes(self._pending_file(tmp), self.client.weights16.tobytes())
                 meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
                         "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
                         "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
                         "micro": self._micro, "stale": self._stale, "scaler": self.scaler.state_dict(),
                         "optimizer_proxy": self.optimizer.state_dict_small()}
-                _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+                atomic_write_bytes(meta_path, json.dumps(meta, indent=1).encode())
                 ok = True
             except (OSError, OptimizerServerError) as e:
                 ok, err = False, e
@@ -444,8 +424,8 @@ class OffloadEngine:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(root)
-                _atomic_write(root / "latest", name.encode())
+                fsync_dir(root)
+                atomic_write_bytes(root / "latest", name.encode())
                 old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
                 for p in old[:max(0, len(old) - (keep - 1))]:
                     shutil.rmtree(p, ignore_errors=True)

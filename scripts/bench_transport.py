@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             rows.append(f"| {name} ({2 * n / 2**20:.0f} MiB) | {t * 1e3:.2f} ms | | {gb / t:.1f} GB/s "
                         f"({t_plain / t:.2f}x of plain) |")
             print(rows[-1], flush=True)
-        del shared_g, shared_w
+        shared_g = shared_w = None  # drop the views before the segment is unmapped
         big.close()
     body = (f"## Transport (scripts/bench_transport.py)\n\n{machine_line()}; ZeroMQ over ipc, msgpack; server on core "
             f"{cores[0]}, client on core {cores[-1]}; {a.n} round trips each (first 10% dropped).\n\n"

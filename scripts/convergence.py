@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dpu-warmup", type=int, default=d.dpu_warmup)
     ap.add_argument("--beta1", type=float, default=d.beta1)
     ap.add_argument("--dpu-beta1", type=float, default=None, help="beta1 for the DPU runs only (a mitigation)")
-    ap.add_argument("--dpu-predict", type=float, default=0.0,
-                    help="weight prediction for the DPU runs (a mitigation; 1 = linear extrapolation)")
+    ap.add_argument("--dpu-predict", type=float, default=d.dpu_predict,
+                    help="weight prediction for the DPU runs (the mitigation; 0 = the paper's plain DPU)")
     ap.add_argument("--dtype", default=d.dtype)
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
     ap.add_argument("--eval-batches", type=int, default=d.eval_batches)

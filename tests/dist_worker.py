@@ -7,7 +7,6 @@ rank's final master weights, 16-bit weights and stats to OUT_DIR.
 MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests).
 """
-import json
 import os
 import sys
 import time

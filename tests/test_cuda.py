@@ -6,7 +6,6 @@ run on the GPU.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import filecmp
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
