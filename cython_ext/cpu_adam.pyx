@@ -48,6 +48,7 @@ cdef extern from "_kernels.h" nogil:
                           void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
     void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
                        void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
+    double zo_sumsq_chunk(int level, const void *g, int gk, int64_t lo, int64_t hi)
     void zo_stream_chunk(int level, float *p, float *m, float *v, const unsigned short *g,
                          unsigned short *out, int64_t lo, int64_t hi)
 
@@ -343,6 +344,42 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     h.l2 = 0.0
     h.predict = 0.0
     _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt)
+
+
+def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
+    """Sum of squares of a 1-D fp16/bf16/fp32 gradient, as a float (inf/NaN propagate).
+
+    One read of the buffer; the same result for any thread count.  Used for the
+    global gradient norm and the overflow check on the CPU path.
+    """
+    cdef _Buf bg = _get(grad, "grad", False)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
+    cdef Py_ssize_t n = bg.n
+    cdef int nt = _threads(num_threads)
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    cdef int level = _level
+    cdef const void *g = bg.view.buf
+    if n == 0:
+        return 0.0
+    parts = bytearray(8 * nchunks)
+    cdef double[::1] acc = memoryview(parts).cast("d")
+    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        with nogil:
+            for c in range(nchunks):
+                lo = c * CHUNK
+                hi = lo + CHUNK if lo + CHUNK < n else n
+                acc[c] = zo_sumsq_chunk(level, g, gk, lo, hi)
+    else:
+        for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
+            lo = c * CHUNK
+            hi = lo + CHUNK if lo + CHUNK < n else n
+            acc[c] = zo_sumsq_chunk(level, g, gk, lo, hi)
+    cdef double total = 0.0
+    for c in range(nchunks):  # in order: deterministic
+        total += acc[c]
+    return total
 
 
 def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):

@@ -45,6 +45,8 @@ class ShardClient:
         self._proc = server_proc  # a Popen when we spawned the server: exact exit status
         self._ctx = zmq.Context()
         self._sock = self._new_socket()
+        self._poller = zmq.Poller()  # one poller, reused: Socket.poll() would build one per call
+        self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self._dead: OptimizerServerDeadError | None = None
         self.server_pid = 0
@@ -104,7 +106,7 @@ class ShardClient:
     def _recv(self, expect: type, timeout_s: float):
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._sock.poll(int(LIVENESS_POLL_S * 1000), zmq.POLLIN):
+            if self._poller.poll(int(LIVENESS_POLL_S * 1000)):
                 msg = P.decode(self._sock.recv())
                 if isinstance(msg, P.Error):
                     raise OptimizerServerError(f"optimizer server: {msg.message}", code=msg.code)

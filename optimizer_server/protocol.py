@@ -295,6 +295,20 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 }
 
 
+_SPECS: dict[type, dict[str, tuple[type, bool]]] = {}
+
+
+def _spec(cls: type) -> dict[str, tuple[type, bool]]:
+    """name -> (type, required) of a message class, computed once (decode is on the per-step path)."""
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = {
+            f.name: (_TYPES[f.type] if isinstance(f.type, str) else f.type,  # annotations are strings
+                     f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls)}
+    return spec
+
+
 def decode(data: bytes) -> Message:
     """Decode one frame into its message, or raise ProtocolError saying why."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -311,16 +325,14 @@ def decode(data: bytes) -> Message:
     cls = MESSAGE_TYPES.get(t) if isinstance(t, str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {t!r}; known: {sorted(MESSAGE_TYPES)}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(map(str, obj)) - set(fields))
-    if unknown:
-        raise ProtocolError(f"{t}: unknown field(s) {unknown}")
-    for name, f in fields.items():
+    spec = _spec(cls)
+    if not obj.keys() <= spec.keys():
+        raise ProtocolError(f"{t}: unknown field(s) {sorted(set(map(str, obj)) - set(spec))}")
+    for name, (typ, required) in spec.items():
         if name not in obj:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if required:
                 raise ProtocolError(f"{t}: missing field {name!r}")
             continue
-        typ = _TYPES[f.type] if isinstance(f.type, str) else f.type  # annotations are strings
         check, what = _CHECKS[typ]
         if not check(obj[name]):
             raise ProtocolError(f"{t}: field {name!r} must be {what}, got {type(obj[name]).__name__}")

@@ -49,6 +49,7 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     torch.manual_seed(0)
     model = GPT(mc)
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=name == "dpu", dpu_warmup_steps=dpu_warmup,
+                        dpu_predict=1.0 if name == "dpu" else 0.0,
                         server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
@@ -124,9 +125,9 @@ def main(argv=None) -> int:
           f"({torch.get_num_threads()} torch thread(s))", flush=True)
     try:
         import deepspeed  # noqa: F401
-        variants = ["baseline", "sync", "dpu", "deepspeed"]
+        variants = ["baseline", "sync", "sync-untraced", "dpu", "deepspeed"]
     except Exception:
-        variants = ["baseline", "sync", "dpu"]
+        variants = ["baseline", "sync", "sync-untraced", "dpu"]
         print("deepspeed not importable: its column is left out", flush=True)
     from runtime.gpt import PRESETS
     L, H, D = PRESETS[a.model]
@@ -153,19 +154,22 @@ def main(argv=None) -> int:
         ideal, total = max(t_fb, t_cpu), t_fb + t_cpu
         tok = bs * sl
         ds = med.get("deepspeed", float("nan"))
-        row = (f"| {bs}x{sl} | {med['baseline']:.1f} | {med['sync']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
+        overhead = med["sync"] / med["sync-untraced"] - 1
+        row = (f"| {bs}x{sl} | {med['baseline']:.1f} | {med['sync-untraced']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
                f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
                f"{med['sync'] / med['dpu']:.2f}x | {med['dpu'] / med['baseline']:.2f} | {med['dpu'] / ds:.2f} | "
-               f"{tok / med['dpu'] * 1e3:.0f} |")
+               f"{tok / med['dpu'] * 1e3:.0f} | {100 * overhead:+.1f}% |")
         print(row, flush=True)
         rows.append(row)
     head = ("| batch | no offload ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
             "max(T_fb,T_cpu) | T_fb+T_cpu | DPU / ideal | sync / DPU | DPU / no-offload | DPU / DeepSpeed | "
-            "DPU tokens/s |")
+            "DPU tokens/s | tracing overhead |")
     body = (f"## Pipeline step time (scripts/bench_pipeline.py)\n\n{machine_line()}; model {a.model}, {a.dtype}; "
             f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
             f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
-            + "\n".join([head, "|" + "---|" * 14, *rows]) + "\n")
+            + "\n".join([head, "|" + "---|" * 15, *rows]) + "\n"
+            + "\nT_fb and T_cpu come from the traced synchronous run; the sync column is the untraced one, and "
+              "'tracing overhead' is traced/untraced - 1 for the same synchronous configuration.\n")
     if not a.no_write:
         update_section("bench_pipeline", body)
     return 0

@@ -31,6 +31,53 @@ from bench_adam import parse_size  # noqa: E402
 from optimizer_server import ShardClient, spawn  # noqa: E402
 
 
+ECHO = r"""
+import sys, zmq
+c = zmq.Context(); s = c.socket(zmq.ROUTER); s.bind(sys.argv[1]); print("ready", flush=True)
+while True:
+    i, m = s.recv_multipart()
+    if m == b"quit":
+        break
+    s.send_multipart([i, m])
+"""
+
+
+def raw_echo_latency(n: int, core) -> list[float]:
+    """Baseline: the same round trip through a bare ROUTER that echoes, nothing else."""
+    import subprocess
+    import tempfile
+    import zmq
+    d = tempfile.mkdtemp(prefix="zo-echo-")
+    addr = f"ipc://{d}/echo.sock"
+    p = subprocess.Popen([sys.executable, "-c", ECHO, addr], stdout=subprocess.PIPE, text=True)
+    try:
+        if core is not None:
+            os.sched_setaffinity(p.pid, {core})
+        p.stdout.readline()
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(addr)
+        msg = b"\x82\xa1t\xa5STATS\xa7session\xb0abcdef0123456789"
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.send(msg)
+            if not s.poll(5000):
+                raise TimeoutError("echo server did not answer")
+            s.recv()
+            lat.append(time.perf_counter() - t0)
+        s.send(b"quit")
+        s.close()
+        ctx.term()
+        p.wait(10)
+    finally:
+        p.kill()
+        import shutil
+        shutil.rmtree(d, ignore_errors=True)
+    return lat[n // 10:]
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -45,7 +92,13 @@ def main(argv=None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         os.sched_setaffinity(0, {cores[1]})
+    # one thread on one core: more would wait on each other's time slices
+    torch.set_num_threads(1)
     rows = []
+    raw = raw_echo_latency(a.n, cores[0] if len(cores) >= 2 else None)
+    rows.append(f"| baseline: bare ZeroMQ echo, same message | {statistics.median(raw) * 1e6:.0f} us | "
+                f"{pct(raw, 0.99) * 1e6:.0f} us | |")
+    print(rows[-1], flush=True)
     with spawn(threads=1) as srv:
         if len(cores) >= 2:
             os.sched_setaffinity(srv.pid, {cores[0]})
@@ -58,7 +111,9 @@ def main(argv=None) -> int:
                 fn(k)
                 lat.append(time.perf_counter() - t0)
             lat = lat[a.n // 10:]
-            rows.append(f"| round trip {name} | {statistics.median(lat) * 1e6:.0f} us | {pct(lat, 0.99) * 1e6:.0f} us | |")
+            over = (statistics.median(lat) - statistics.median(raw)) * 1e6
+            rows.append(f"| round trip {name} | {statistics.median(lat) * 1e6:.0f} us | {pct(lat, 0.99) * 1e6:.0f} us | "
+                        f"+{over:.0f} us over the bare echo |")
             print(rows[-1], flush=True)
         c.close()
         n = parse_size(a.numel)
@@ -92,7 +147,7 @@ def main(argv=None) -> int:
         big.close()
     body = (f"## Transport (scripts/bench_transport.py)\n\n{machine_line()}; ZeroMQ over ipc, msgpack; server on core "
             f"{cores[0]}, client on core {cores[-1]}; {a.n} round trips each (first 10% dropped).\n\n"
-            "| what | p50 / time | p99 | bandwidth |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+            "| what | p50 / time | p99 | bandwidth / overhead |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
     if not a.no_write:
         update_section("bench_transport", body)
     return 0

@@ -298,3 +298,31 @@ def test_set_simd_level_validates():
     with pytest.raises(ValueError):
         ca.set_simd_level("sse9")
     assert ca.simd_level() in ("scalar", "avx2", "avx512")
+
+
+@pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
+def test_grad_sumsq_matches_float64(level, gdt):
+    rng = np.random.default_rng()
+    n = 1_000_003
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    if gdt == "fp16":
+        g, kw, ref = x.astype(np.float16), {}, x.astype(np.float16).astype(np.float64)
+    elif gdt == "bf16":
+        t = torch.from_numpy(x).to(torch.bfloat16)
+        g, kw, ref = t.view(torch.int16).numpy(), {"grad_dtype": "bf16"}, t.double().numpy()
+    else:
+        g, kw, ref = x, {}, x.astype(np.float64)
+    exact = float(np.sum(ref * ref))
+    one = ca.grad_sumsq(g, num_threads=1, **kw)
+    assert abs(one - exact) <= 1e-4 * exact
+    if ca.openmp_enabled():
+        assert ca.grad_sumsq(g, num_threads=2, **kw) == one  # chunk sums added in order
+    assert ca.grad_sumsq(g[:0], **kw) == 0.0
+
+
+def test_grad_sumsq_propagates_nonfinite():
+    g = np.ones(100_000, np.float16)
+    g[77_777] = np.inf
+    assert ca.grad_sumsq(g) == float("inf")
+    g[5] = np.nan
+    assert np.isnan(ca.grad_sumsq(g))

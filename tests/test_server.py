@@ -255,3 +255,18 @@ def test_second_server_on_same_address_refuses(tmp_path):
         # the first one still serves
         r = hello_error(a.address, token="x")
         assert isinstance(r, P.Error) and r.code == P.E_AUTH
+
+
+def test_new_server_sweeps_a_killed_servers_segments(tmp_path):
+    af = str(tmp_path / "srv.addr")
+    srv = spawn(threads=1, address_file=af)
+    c = MiniClient(srv.address, srv.token, 500)
+    seg = c.seg
+    c.close(bye=False)
+    srv.proc.kill()
+    srv.proc.wait(10)
+    assert os.path.exists(f"/dev/shm/{seg}")  # nobody cleaned up after SIGKILL
+    with spawn(threads=1, address_file=af) as srv2:
+        assert not os.path.exists(f"/dev/shm/{seg}")
+        assert srv2.address != ""
+    srv.stop()
