@@ -109,8 +109,9 @@ def trace_phases(trace_dir: str, warm: int) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="small-cpu", help="runtime.gpt preset (default: the 10.8M reference GPT)")
-    ap.add_argument("--batches", default="8x128,1x32", help="comma-separated BATCHxSEQ settings")
+    ap.add_argument("--settings", default="small-cpu:8x128,small-cpu:1x32,gpt2:1x8",
+                    help="comma-separated MODEL:BATCHxSEQ (runtime.gpt presets). Default: the 10.8M reference GPT "
+                         "at a large and a small batch, and an 85M GPT at a batch where T_fb ~ T_cpu")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant per pass")
     ap.add_argument("--warm", type=int, default=5, help="untimed steps first (DPU switches on at step 3)")
     ap.add_argument("--passes", type=int, default=3)
@@ -130,11 +131,12 @@ def main(argv=None) -> int:
         variants = ["baseline", "sync", "sync-untraced", "dpu"]
         print("deepspeed not importable: its column is left out", flush=True)
     from runtime.gpt import PRESETS
-    L, H, D = PRESETS[a.model]
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     rows = []
-    for setting in a.batches.split(","):
-        bs, sl = (int(v) for v in setting.lower().split("x"))
+    for setting in a.settings.split(","):
+        model_name, shape = setting.split(":")
+        L, H, D = PRESETS[model_name]
+        bs, sl = (int(v) for v in shape.lower().split("x"))
         mc = GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl)
         src = Batches(corpus.train, bs, sl, seed=1)
         batches = [src.next() for _ in range(8)]
@@ -155,16 +157,18 @@ def main(argv=None) -> int:
         tok = bs * sl
         ds = med.get("deepspeed", float("nan"))
         overhead = med["sync"] / med["sync-untraced"] - 1
-        row = (f"| {bs}x{sl} | {med['baseline']:.1f} | {med['sync-untraced']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
+        row = (f"| {model_name} {bs}x{sl} | {med['baseline']:.1f} | {med['sync-untraced']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
                f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
                f"{med['sync'] / med['dpu']:.2f}x | {med['dpu'] / med['baseline']:.2f} | {med['dpu'] / ds:.2f} | "
                f"{tok / med['dpu'] * 1e3:.0f} | {100 * overhead:+.1f}% |")
+        del batches, src
         print(row, flush=True)
         rows.append(row)
-    head = ("| batch | no offload ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
+    head = ("| model, batch | no offload ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
             "max(T_fb,T_cpu) | T_fb+T_cpu | DPU / ideal | sync / DPU | DPU / no-offload | DPU / DeepSpeed | "
             "DPU tokens/s | tracing overhead |")
-    body = (f"## Pipeline step time (scripts/bench_pipeline.py)\n\n{machine_line()}; model {a.model}, {a.dtype}; "
+    body = (f"## Pipeline step time (scripts/bench_pipeline.py)\n\n{machine_line()}; {a.dtype}; DPU with weight "
+            f"prediction, switched on at step 3; "
             f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
             f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
             + "\n".join([head, "|" + "---|" * 15, *rows]) + "\n"
