@@ -3,8 +3,8 @@
     python scripts/bench_pipeline.py                        # 10.8M GPT, batches 8x128 and 1x32
     python scripts/bench_pipeline.py --batches 2x64 --steps 10 --passes 1 --no-write
 
-All variants run in one process, interleaved pass by pass (machine drift hits
-them alike), on the same model, data and seed.  On a 2-core machine the
+All variants run in one process, interleaved pass by pass in a shuffled order
+(machine drift and warm-up effects hit them alike), on the same model, data and seed.  On a 2-core machine the
 optimizer server gets core 0 and the worker core 1 (the baseline also runs on
 core 1, one thread), and that is printed.  From the traces of the synchronous
 run: T_fb = forward + backward, T_cpu = the CPU path (the step: norm check,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -45,7 +46,17 @@ def pin(pid: int, cores: set[int]) -> None:
         pass
 
 
+# Variants that run in one process use the whole machine (both cores), as a user
+# of them would; ours splits it: the worker on one core, the server on the other.
+# "baseline-1core" is the no-offload run with exactly our worker's compute.
+WHOLE_MACHINE = {"baseline", "deepspeed"}
+
+
 def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores, server_cores, trace_dir=""):
+    all_cores = worker_cores | server_cores
+    cores = all_cores if name in WHOLE_MACHINE else worker_cores
+    pin(0, cores)
+    torch.set_num_threads(len(cores))
     torch.manual_seed(0)
     model = GPT(mc)
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=name == "dpu", dpu_warmup_steps=dpu_warmup,
@@ -53,8 +64,9 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
                         server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
-    eng = DeviceMixedPrecision(model, cfg) if name == "baseline" else OffloadEngine(model, cfg)
-    if name != "baseline" and server_cores:
+    offload = not name.startswith("baseline")
+    eng = OffloadEngine(model, cfg) if offload else DeviceMixedPrecision(model, cfg)
+    if offload and server_cores:
         pin(eng._server.pid, server_cores)
     times = []
     try:
@@ -76,6 +88,11 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
 
 def run_deepspeed(model, batches, steps, warm, dtype):
     import deepspeed
+    import torch.distributed as dist
+    if not dist.is_initialized():  # one process group of one rank, on gloo (CPU)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+        deepspeed.init_distributed(dist_backend="gloo")
     ds_cfg = {"train_micro_batch_size_per_gpu": batches[0][0].shape[0], "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
               "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
@@ -90,6 +107,7 @@ def run_deepspeed(model, batches, steps, warm, dtype):
         eng.step()
         if i >= warm:
             times.append(time.perf_counter() - t0)
+    eng.destroy()
     return times
 
 
@@ -120,15 +138,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
-    pin(0, worker_cores)
-    torch.set_num_threads(max(1, len(worker_cores)))
-    print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)} "
-          f"({torch.get_num_threads()} torch thread(s))", flush=True)
+    print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
+          f"each; no-offload and DeepSpeed on all {len(cores)} cores, baseline-1core on the worker's", flush=True)
+    variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu"]
     try:
         import deepspeed  # noqa: F401
-        variants = ["baseline", "sync", "sync-untraced", "dpu", "deepspeed"]
+        variants.append("deepspeed")
     except Exception:
-        variants = ["baseline", "sync", "sync-untraced", "dpu"]
         print("deepspeed not importable: its column is left out", flush=True)
     from runtime.gpt import PRESETS
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
@@ -142,8 +158,10 @@ def main(argv=None) -> int:
         batches = [src.next() for _ in range(8)]
         times = {v: [] for v in variants}
         phases = []
-        for _ in range(a.passes):
-            for v in variants:
+        order = list(variants)
+        for p in range(a.passes):
+            random.Random(p).shuffle(order)  # a different order each pass: no variant always runs first
+            for v in order:
                 tdir = tempfile.mkdtemp(prefix="zo-bench-") if v == "sync" else ""
                 times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
                                         tdir)
@@ -157,21 +175,23 @@ def main(argv=None) -> int:
         tok = bs * sl
         ds = med.get("deepspeed", float("nan"))
         overhead = med["sync"] / med["sync-untraced"] - 1
-        row = (f"| {model_name} {bs}x{sl} | {med['baseline']:.1f} | {med['sync-untraced']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
+        row = (f"| {model_name} {bs}x{sl} | {med['baseline']:.1f} | {med['baseline-1core']:.1f} | "
+               f"{med['sync-untraced']:.1f} | {med['dpu']:.1f} | {ds:.1f} | "
                f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
                f"{med['sync'] / med['dpu']:.2f}x | {med['dpu'] / med['baseline']:.2f} | {med['dpu'] / ds:.2f} | "
                f"{tok / med['dpu'] * 1e3:.0f} | {100 * overhead:+.1f}% |")
         del batches, src
         print(row, flush=True)
         rows.append(row)
-    head = ("| model, batch | no offload ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
+    head = ("| model, batch | no offload ms | no offload, 1 core ms | offload sync ms | offload DPU ms | DeepSpeed ms | T_fb ms | T_cpu ms | "
             "max(T_fb,T_cpu) | T_fb+T_cpu | DPU / ideal | sync / DPU | DPU / no-offload | DPU / DeepSpeed | "
             "DPU tokens/s | tracing overhead |")
     body = (f"## Pipeline step time (scripts/bench_pipeline.py)\n\n{machine_line()}; {a.dtype}; DPU with weight "
             f"prediction, switched on at step 3; "
-            f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
-            f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
-            + "\n".join([head, "|" + "---|" * 15, *rows]) + "\n"
+            f"median of {a.steps} x {a.passes} interleaved steps per variant; ours: server on core "
+            f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each; no offload and DeepSpeed "
+            f"on both cores (2 threads); 'no offload, 1 core' has exactly our worker's compute.\n\n"
+            + "\n".join([head, "|" + "---|" * 16, *rows]) + "\n"
             + "\nT_fb and T_cpu come from the traced synchronous run; the sync column is the untraced one, and "
               "'tracing overhead' is traced/untraced - 1 for the same synchronous configuration.\n")
     if not a.no_write:
