@@ -299,6 +299,8 @@ class OptimizerServer:
             if msg.step != shard.steps + 1:
                 return P.error(P.E_ORDER, f"STEP {msg.step} out of order: the shard has done {shard.steps} "
                                           f"update(s), so the next is {shard.steps + 1}")
+            if msg.predict and shard.optimizer not in ("adamw", "adam"):
+                return P.error(P.E_DECODE, f"predict is implemented for adam/adamw, not {shard.optimizer}")
             shard.busy = True
             fut = self.executors[session].submit(self._traced_step, shard, msg)
             self.pending[session] = fut

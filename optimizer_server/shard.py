@@ -116,13 +116,9 @@ class Shard:
                   num_threads=self.threads)
         gin = g.view(np.float16) if self.dtype == "fp16" else g
         out = self.weights16.view(np.float16) if self.dtype == "fp16" else self.weights16
-        if self.dtype == "fp16":
-            kw["grad_dtype"] = kw["out_dtype"] = None
-        t0 = time.perf_counter()
-        if msg.predict:
-            if self.optimizer not in ("adamw", "adam"):
-                raise ValueError(f"weight prediction (predict) is implemented for adam/adamw, not {self.optimizer}")
+        if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
+        t0 = time.perf_counter()
         if self.optimizer in ("adamw", "adam"):
             cpu_adam.adam_step(self.master, self.state["exp_avg"], self.state["exp_avg_sq"], gin, out,
                                step=msg.step, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
