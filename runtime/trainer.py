@@ -94,15 +94,17 @@ def model_config(tc: TrainConfig) -> GPTConfig:
     return GPTConfig(n_layer=tc.n_layer or L, n_head=tc.n_head or H, d_model=tc.d_model or D, seq_len=tc.seq_len)
 
 
-def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int):
+def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int, device: torch.device):
+    """The model arrives in fp32 on the CPU.  Offload: only its 16-bit weights go to the
+    device (a model whose fp32 copy would not fit there still trains).  Baseline: all of it."""
     sched = WarmupCosine(peak=tc.lr, warmup=tc.warmup, total=total_updates, min_ratio=tc.min_lr_ratio)
     oc = OffloadConfig(lr=sched, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, dtype=tc.dtype,
                        clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum, dpu=tc.dpu,
                        dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict,
-                       server_threads=tc.server_threads, trace_dir=tc.trace_dir)
+                       server_threads=tc.server_threads, trace_dir=tc.trace_dir, device=str(device))
     if tc.offload:
         return OffloadEngine(model, oc)
-    return DeviceMixedPrecision(model, oc, simulate_dpu=tc.simulate_dpu)
+    return DeviceMixedPrecision(model.to(device), oc, simulate_dpu=tc.simulate_dpu)
 
 
 @torch.no_grad()
@@ -121,12 +123,12 @@ def train(tc: TrainConfig) -> dict:
     corpus = Corpus.load(seed=tc.seed)
     torch.manual_seed(tc.seed)
     mc = model_config(tc)
-    model = GPT(mc).to(device)
+    model = GPT(mc)
     n_params = model.num_params()
     train_b = Batches(corpus.train, tc.batch_size, tc.seq_len, seed=tc.seed + 1, device=device)
     val_src = Batches(corpus.val, tc.batch_size, tc.seq_len, seed=tc.seed + 2, device=device)
     val_batches = [val_src.next() for _ in range(tc.eval_batches)]
-    engine = make_engine(tc, model, tc.steps)
+    engine = make_engine(tc, model, tc.steps, device)
     log = open(tc.log_json, "a") if tc.log_json else None
     history = {"step": [], "loss": [], "val_step": [], "val_loss": [], "step_s": [], "wait_s": []}
     start = 1
