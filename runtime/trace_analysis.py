@@ -144,7 +144,7 @@ def timeline_png(spans: list[Span], path: str, n_steps: int = 4) -> None:
     ax.set_yticks(range(len(tracks)), [f"{r}-{k}" for r, k, _ in tracks])
     ax.set_xlabel("ms")
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()], labels=list(colors),
-              ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.25), fontsize=8)
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.set_title("steady-state steps: server update vs worker forward/backward")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
