@@ -77,6 +77,9 @@ class OffloadEngine:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
+        # one CPU rank: device memory is host memory, so gradients go straight into
+        # the shared slot from the hooks, with no bucket buffer in between
+        self._direct_host = self.world_size == 1 and not self.is_cuda
         self.tracer = Tracer(cfg.trace_dir, "worker", self.rank)
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
         S = self.flat.shard_numel
@@ -208,8 +211,7 @@ class OffloadEngine:
         s = self.flat.by_param[id(p)]
         b = self.flat.buckets[s.bucket]
         g = p.grad.reshape(-1)
-        if self.world_size == 1 and not self.is_cuda:
-            # CPU device: device memory is host memory, copy straight into the slot
+        if self._direct_host:
             self._host_grads[self._slot][s.offset:s.offset + s.numel].copy_(g)
         else:
             if b.buf is None:
@@ -226,13 +228,12 @@ class OffloadEngine:
         for b in self.flat.buckets:
             if b.remaining == 0:
                 continue
-            direct = self.world_size == 1 and not self.is_cuda
-            if b.buf is None and not direct:
+            if b.buf is None and not self._direct_host:
                 b.buf = torch.empty(b.numel, dtype=self.dtype, device=self.device)
             for s in b.slots:
                 if id(s.param) in self._seen:
                     continue
-                if direct:
+                if self._direct_host:
                     self._host_grads[self._slot][s.offset:s.offset + s.numel].zero_()
                 else:
                     b.buf[s.offset - b.lo:s.offset - b.lo + s.numel].zero_()
@@ -242,7 +243,7 @@ class OffloadEngine:
     def _bucket_done(self, b: Bucket) -> None:
         """The bucket is complete: reduce across ranks, copy our shard's part down."""
         lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
-        if self.world_size == 1 and not self.is_cuda:
+        if self._direct_host:
             # the bytes were copied by the hooks; only the norm is left to do
             with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * b.numel):
                 self._sq_host += self._host_sumsq(b.lo, b.hi)

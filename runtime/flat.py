@@ -30,7 +30,8 @@ class Bucket:
     lo: int
     hi: int
     slots: list = field(default_factory=list)
-    remaining: int = 0
+    remaining: int = 0         # parameters still without a gradient this step
+    buf: object = None         # the device buffer of this step's gradients (transient)
 
     @property
     def numel(self) -> int:
