@@ -288,7 +288,8 @@ class OptimizerServer:
             return P.Ok().encode()
         if isinstance(msg, P.Load):
             try:
-                info = shard.load(msg.dir)
+                with self.tracer.span("checkpoint_load", rank=shard.rank):
+                    info = shard.load(msg.dir)
             except (OSError, ValueError) as e:
                 return P.error(P.E_CHECKPOINT, str(e))
             return P.Ok(info=info).encode()
@@ -375,7 +376,7 @@ class OptimizerServer:
 
     # ------------------------------------------------------------------ updates
     def _traced_step(self, shard: Shard, msg: P.Step) -> float:
-        with self.tracer.span("update", rank=shard.rank, step=msg.step, bytes=28 * shard.numel,
+        with self.tracer.span("update", rank=shard.rank, step=msg.step, bytes=shard.bytes_per_update,
                               threads=shard.threads):
             return shard.step(msg)
 
@@ -409,7 +410,8 @@ class OptimizerServer:
                 if shard.drop_reason:
                     self._drop(r.session, shard.drop_reason)
                     continue
-            self._send(r.identity, r.reply)
+            with self.tracer.span("reply"):
+                self._send(r.identity, r.reply)
 
     # ------------------------------------------------------------------ workers
     def _check_workers(self, now: float) -> None:

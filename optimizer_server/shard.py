@@ -134,10 +134,14 @@ class Shard:
         self.update_times.append(dt)
         if len(self.update_times) > 1024:
             del self.update_times[:512]
-        per = 4 * (1 + len(self.state))
-        self.bytes_read += self.numel * (2 + per)
-        self.bytes_written += self.numel * (2 + per)
+        self.bytes_read += self.bytes_per_update // 2    # 16-bit grad + fp32 state
+        self.bytes_written += self.bytes_per_update // 2  # fp32 state + 16-bit weights
         return dt
+
+    @property
+    def bytes_per_update(self) -> int:
+        """Memory traffic of one update: 28 B/param for Adam, 20 for Adagrad and Lion."""
+        return self.numel * 2 * (2 + 4 * (1 + len(self.state)))
 
     def copy_master_to_staging(self) -> None:
         np.copyto(self.staging, self.master)
