@@ -94,10 +94,23 @@ class ShardClient:
         return None
 
     def _raise_dead(self, why: str) -> None:
-        # The server cannot unlink its segment any more: the worker knows the name
-        # and cleans up so nothing stays in /dev/shm.
+        # The server cannot clean up any more: the worker knows its segment's name
+        # and socket path, and removes them so nothing stays in /dev/shm or /tmp.
         if self.segment is not None:
             shm_unlink(self.segment.name)
+        if self.address.startswith("ipc://"):
+            path = self.address[len("ipc://"):]
+            for p in (path, path + ".lock"):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            d = os.path.dirname(path)
+            if os.path.basename(d).startswith("zero-offload-"):  # the server's private directory
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
         self._dead = OptimizerServerDeadError(
             f"optimizer server at {self.address} (pid {self.server_pid or '?'}) {why}; restart it and resume "
             f"from the last checkpoint (engine.load_checkpoint)")

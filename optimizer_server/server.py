@@ -106,7 +106,7 @@ class OptimizerServer:
             return
         names = [s.segment.name for s in self.shards.values()]
         tmp = reg.with_name(reg.name + ".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": names}))
+        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": names, "private_dir": self.private_dir or ""}))
         os.replace(tmp, reg)
 
     def _sweep_leftovers(self) -> None:
@@ -124,6 +124,14 @@ class OptimizerServer:
         n = sum(shm_unlink(name) for name in data.get("segments", []) if isinstance(name, str))
         if n:
             log.warning("swept %d shared segment(s) left by dead server pid %s", n, data.get("pid"))
+        d = data.get("private_dir")
+        if isinstance(d, str) and os.path.basename(d).startswith("zero-offload-") and os.path.isdir(d):
+            for f in ("server.sock", "server.sock.lock"):
+                Path(d, f).unlink(missing_ok=True)
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
         reg.unlink(missing_ok=True)
 
     def _resolve_address(self) -> str:
@@ -191,6 +199,7 @@ class OptimizerServer:
             with os.fdopen(fd, "w") as f:
                 f.write(self.token)
             os.replace(str(tok) + ".tmp", tok)
+            self._write_registry()  # before the address: a kill from here on is swept by the next server
             tmp = af.with_name(af.name + ".tmp")
             tmp.write_text(self.address + "\n")
             os.replace(tmp, af)  # atomic: a reader sees nothing or the whole address

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from .procs import describe_exit
@@ -29,7 +30,9 @@ class ServerHandle:
         self.address = address
         self.token = token
         self.address_file = address_file
-        self._tmpdir = tmpdir
+        # the address/token directory goes even when the parent exits without stop()
+        # (an uncaught OptimizerServerDeadError, say): at interpreter exit at the latest
+        self._cleanup = weakref.finalize(self, shutil.rmtree, tmpdir, True) if tmpdir else None
 
     @property
     def pid(self) -> int:
@@ -51,9 +54,9 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
+        if self._cleanup is not None:
+            self._cleanup()
+            self._cleanup = None
         return self.proc.returncode
 
     def __enter__(self) -> "ServerHandle":

@@ -31,7 +31,7 @@ def main():
     try:
         eng = OffloadEngine(model, cfg)
         if private:
-            print(f"SERVER {eng._server.pid}", flush=True)
+            print(f"SERVER {eng._server.pid} {eng.client.address}", flush=True)
         start = 1
         if mode == "resume":
             eng.load_checkpoint(ckpt)

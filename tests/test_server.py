@@ -268,5 +268,6 @@ def test_new_server_sweeps_a_killed_servers_segments(tmp_path):
     assert os.path.exists(f"/dev/shm/{seg}")  # nobody cleaned up after SIGKILL
     with spawn(threads=1, address_file=af) as srv2:
         assert not os.path.exists(f"/dev/shm/{seg}")
-        assert srv2.address != ""
+        assert not os.path.exists(srv.address[len("ipc://"):])  # and its socket directory
+        assert srv2.address != srv.address
     srv.stop()

@@ -65,7 +65,11 @@ def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
         p = worker(mode, tmp_path / f"ck{trial}", 100000, env, private)
         try:
             lines = read_until_step(p, kill_at)
-            pid = int(next(l for l in lines if l.startswith("SERVER")).split()[1]) if private else srv.pid
+            if private:
+                _, pid, address = next(ln for ln in lines if ln.startswith("SERVER")).split()
+                pid = int(pid)
+            else:
+                pid, address = srv.pid, srv.address
             t_kill = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             if srv is not None:
@@ -75,7 +79,7 @@ def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
             p.kill()
             if srv is not None:
                 srv.stop()
-        dead = [l for l in out.splitlines() if l.startswith("DEAD")]
+        dead = [ln for ln in out.splitlines() if ln.startswith("DEAD")]
         assert p.returncode == 3 and dead, (out, err)
         t_dead = float(dead[0].split()[1])
         assert t_dead - t_kill < 5.0
@@ -84,6 +88,7 @@ def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
         if not private:
             assert srv.address in msg
         detections.append(t_dead - t_kill)
+        assert not os.path.exists(address[len("ipc://"):])  # the worker removed the dead server's socket
     assert our_segments() == before  # the worker unlinked the dead server's segments
     record(f"server_sigkill_{mode}_{'private' if private else 'launcher'}",
            {"trials": len(detections), "max_detect_s": max(detections), "mean_detect_s": sum(detections) / 3})
