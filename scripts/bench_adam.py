@@ -43,6 +43,10 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
 
 
+def size_label(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
 def make_state(n: int, rng: np.random.Generator):
     p = rng.standard_normal(n, dtype=np.float32)
     m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
         for t in threads:
             r = bench(n, t, args.reps, rng)
             gbs = BYTES_PER_PARAM * n / (r["ours"] * 1e-3) / 1e9
-            row = (f"| {n / (1 << 20):.0f}M | {t} | {r['bound']:.1f} | {r['ours']:.1f} | {r['torch']:.1f} | "
+            row = (f"| {size_label(n)} | {t} | {r['bound']:.1f} | {r['ours']:.1f} | {r['torch']:.1f} | "
                    f"{r.get('ds', float('nan')):.1f} | {gbs:.1f} | {100 * r['bound'] / r['ours']:.0f}% | "
                    f"{r['torch'] / r['ours']:.2f}x |")
             print(row, flush=True)

@@ -1,0 +1,69 @@
+"""The scripts in scripts/ run end to end at tiny sizes (so they do not rot between benchmark runs)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(script, *args, timeout=240):
+    cmd = ["bash", str(ROOT / "scripts" / script)] if script.endswith(".sh") else \
+        [sys.executable, str(ROOT / "scripts" / script)]
+    r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+def test_bench_adam_tiny():
+    out = run("bench_adam.py", "--sizes", "64K", "--threads", "1", "--reps", "1", "--no-write")
+    row = next(line for line in out.splitlines() if line.startswith("| 64K | 1 |"))
+    assert row.count("|") == 10 and "% |" in row
+
+
+def test_bench_transport_tiny():
+    out = run("bench_transport.py", "--n", "50", "--numel", "64K", "--no-write")
+    assert "bare ZeroMQ echo" in out and "round trip STEP" in out
+
+
+def test_bench_pipeline_tiny():
+    out = run("bench_pipeline.py", "--settings", "tiny:1x8", "--steps", "2", "--passes", "1", "--warm", "3",
+              "--no-write")
+    assert "| tiny 1x8 |" in out
+
+
+def test_convergence_tiny():
+    out = run("convergence.py", "--model", "tiny", "--steps", "4", "--eval-every", "2", "--dpu-warmup", "2",
+              "--seq-len", "16", "--batch-size", "2", "--no-write")
+    assert "dpu-sim" in out and "| default | tiny |" in out
+
+
+def test_trace_tools(tmp_path):
+    tr = tmp_path / "tr"
+    run("train_gpt.py", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "8", "--dpu-warmup",
+        "3", "--eval-every", "0", "--no-progress", "--trace-dir", str(tr))
+    names = sorted(p.name.split("-")[0] for p in tr.glob("*.json"))
+    assert names == ["server", "worker"]  # one file per process
+    run("trace_merge.py", str(tr), "-o", str(tmp_path / "run.json"))
+    merged = json.loads((tmp_path / "run.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"]} == {int(p.stem.split("-")[2]) for p in tr.glob("*.json")}
+    out = run("trace_report.py", str(tr), "--png", str(tmp_path / "tl.png"))
+    assert "server update" in out and "hidden behind forward/backward" in out
+    assert (tmp_path / "tl.png").stat().st_size > 1000
+
+
+def test_gpu_scripts_without_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: gpu_check.sh is run on its own there")
+    assert run("gpu_check.sh").strip() == "no CUDA device; skipped"
+    out = run("gpu_bench.py", "--dry-run")
+    for variant in ("baseline", "sync", "dpu"):
+        assert f"| 2x32 | {variant} |" in out
