@@ -11,7 +11,9 @@ owns [r*S, (r+1)*S).  Per step:
                       and the owner divides its part by world_size;
                 gloo: gloo has no reduce-scatter for these uneven pieces, so an
                       all-reduce in fp32 (one rounding to 16 bits, closest to a
-                      single-rank gradient) and each rank keeps its slice.
+                      single-rank gradient) and each rank keeps its slice.  It is
+                      started asynchronously as each bucket completes and waited
+                      for once backward is done, so it overlaps backward.
   decision    the squared gradient norm is summed across ranks (one scalar
               all-reduce): inf/NaN anywhere becomes inf/NaN everywhere, so all
               ranks skip or step together and clip by the same global norm.
@@ -47,6 +49,18 @@ def reduce_bucket(engine, b) -> None:
     dist.all_reduce(acc)
     acc.div_(engine.world_size)
     b.buf.copy_(acc)
+
+
+def start_bucket_reduce(engine, b):
+    """gloo: an asynchronous fp32 all-reduce of the bucket, so backward goes on meanwhile.
+    Returns (the fp32 buffer, the work handle) for finish_bucket_reduce."""
+    acc = b.buf.float()
+    return acc, dist.all_reduce(acc, async_op=True)
+
+
+def finish_bucket_reduce(engine, work, acc: torch.Tensor) -> None:
+    work.wait()  # bounded by the process group's timeout (torch.distributed's default: 30 min)
+    acc.div_(engine.world_size)
 
 
 def all_reduce_sum(engine, x: torch.Tensor) -> torch.Tensor:

@@ -117,6 +117,7 @@ class OffloadEngine:
         self._cpu_threads = torch.get_num_threads()
         self._final = False
         self._seen: set[int] = set()
+        self._pending_reduces: list = []
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.wait_s = 0.0
@@ -198,6 +199,7 @@ class OffloadEngine:
             (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
         if final:
             self._finish_buckets()
+            self._finish_reduces()
             self._grads_ready = True
 
     def _record(self, name: str):
@@ -249,6 +251,13 @@ class OffloadEngine:
                 self._sq_host += self._host_sumsq(b.lo, b.hi)
             self.bytes_to_host += 2 * b.numel
             return
+        if self.world_size > 1 and not self.is_cuda:
+            # gloo: start the all-reduce and let backward go on; finished in _finish_reduces
+            from .distributed import start_bucket_reduce
+            with self.tracer.span("grad_reduce_start", bucket=b.index):
+                self._pending_reduces.append((b, lo, hi, *start_bucket_reduce(self, b)))
+            b.buf = None
+            return
         with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
             if self.world_size > 1:
                 from .distributed import reduce_bucket
@@ -270,6 +279,19 @@ class OffloadEngine:
                     self._sq_host += self._host_sumsq(lo - self.shard_lo, hi - self.shard_lo)
                 self.bytes_to_host += 2 * (hi - lo)
             b.buf = None
+
+    def _finish_reduces(self) -> None:
+        """Wait for the gloo all-reduces started during backward; copy our shard's parts down."""
+        from .distributed import finish_bucket_reduce
+        for b, lo, hi, acc, work in self._pending_reduces:
+            with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
+                finish_bucket_reduce(self, work, acc)
+                if hi > lo:
+                    host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
+                    host.copy_(acc[lo - b.lo:hi - b.lo])  # fp32 average -> 16 bits, one rounding
+                    self._sq_host += self._host_sumsq(lo - self.shard_lo, hi - self.shard_lo)
+                    self.bytes_to_host += 2 * (hi - lo)
+        self._pending_reduces = []
 
     def _host_sumsq(self, lo: int, hi: int) -> float:
         """Sum of squares of the host gradient slot [lo, hi) (shard coordinates).
