@@ -17,6 +17,7 @@ import zmq
 
 from . import protocol as P
 from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
+from .ipc import remove_socket_files
 from .procs import describe_exit, pid_alive
 from .shm import Segment
 from .shm import unlink as shm_unlink
@@ -99,18 +100,7 @@ class ShardClient:
         if self.segment is not None:
             shm_unlink(self.segment.name)
         if self.address.startswith("ipc://"):
-            path = self.address[len("ipc://"):]
-            for p in (path, path + ".lock"):
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-            d = os.path.dirname(path)
-            if os.path.basename(d).startswith("zero-offload-"):  # the server's private directory
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    pass
+            remove_socket_files(self.address[len("ipc://"):])
         self._dead = OptimizerServerDeadError(
             f"optimizer server at {self.address} (pid {self.server_pid or '?'}) {why}; restart it and resume "
             f"from the last checkpoint (engine.load_checkpoint)")

@@ -21,7 +21,6 @@ import os
 import secrets
 import signal
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import zmq
 
+from . import ipc
 from . import protocol as P
 from .config import ServerConfig
 from .procs import pid_alive
@@ -125,21 +125,15 @@ class OptimizerServer:
         if n:
             log.warning("swept %d shared segment(s) left by dead server pid %s", n, data.get("pid"))
         d = data.get("private_dir")
-        if isinstance(d, str) and os.path.basename(d).startswith("zero-offload-") and os.path.isdir(d):
-            for f in ("server.sock", "server.sock.lock"):
-                Path(d, f).unlink(missing_ok=True)
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+        if isinstance(d, str) and os.path.basename(d).startswith(ipc.PRIVATE_PREFIX):
+            ipc.remove_socket_files(os.path.join(d, ipc.SOCKET_NAME))
         reg.unlink(missing_ok=True)
 
     def _resolve_address(self) -> str:
         addr = self.cfg.address
         if not addr:
-            self.private_dir = tempfile.mkdtemp(prefix="zero-offload-")
-            os.chmod(self.private_dir, 0o700)
-            return f"ipc://{self.private_dir}/server.sock"
+            self.private_dir = ipc.make_private_dir()
+            return f"ipc://{self.private_dir}/{ipc.SOCKET_NAME}"
         if addr.startswith("tcp://"):
             hostport = addr[len("tcp://"):]
             # no explicit host: loopback only, never every interface by accident
@@ -150,8 +144,7 @@ class OptimizerServer:
         return addr
 
     def _take_ipc_lock(self, path: str) -> None:
-        lock_path = path + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(ipc.lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -474,20 +467,12 @@ class OptimizerServer:
                 os.close(fd)
             except OSError:
                 pass
-        if self.lock_fd is not None:
-            if self.ipc_path:
-                Path(self.ipc_path + ".lock").unlink(missing_ok=True)
+        if self.lock_fd is not None:  # held only by a server that got this ipc path
+            ipc.remove_socket_files(self.ipc_path)
             os.close(self.lock_fd)
             self.lock_fd = None
         if not self.owns_files:
             return
-        if self.ipc_path:
-            Path(self.ipc_path).unlink(missing_ok=True)
-        if self.private_dir:
-            try:
-                os.rmdir(self.private_dir)
-            except OSError:
-                pass
         if self.cfg.address_file:
             for suffix in ("", ".token", ".segments"):
                 Path(self.cfg.address_file + suffix).unlink(missing_ok=True)

@@ -121,7 +121,3 @@ def unlink(name: str) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def exists(name: str) -> bool:
-    return os.path.exists(os.path.join(SHM_DIR, name))
