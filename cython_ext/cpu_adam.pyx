@@ -10,7 +10,8 @@ leaves a partial update behind.
 
 bfloat16: NumPy has no bf16 dtype.  Pass the raw 16-bit words as a uint16 or
 int16 array (``torch_bf16_tensor.view(torch.int16).numpy()``) together with
-``grad_dtype="bf16"`` / ``out_dtype="bf16"``.  float16 arrays need no keyword.
+``grad_dtype="bf16"`` / ``out_dtype="bf16"``.  float16 arrays need no keyword;
+raw words holding fp16 take ``"fp16"`` (so one shared uint16 buffer serves both).
 
 The SIMD path is chosen once at import from what the CPU supports; the
 environment variable ``ZERO_OFFLOAD_SIMD=scalar|avx2|avx512`` or
@@ -153,15 +154,17 @@ cdef int _kind_of(_Buf b, str name, dtype_kw, bint allow_f32) except -1:
             raise TypeError(f"{name} is float16 but its dtype keyword says {dtype_kw!r}")
         return ZO_F16
     if b.fmt in ("H", "h"):
-        if dtype_kw != "bf16":
-            raise TypeError(f"{name} is a 16-bit integer array; for bfloat16 pass it with "
-                            f"{'grad_dtype' if name == 'grad' else 'out_dtype'}='bf16'")
-        return ZO_BF16
+        # raw 16-bit words (e.g. a shared buffer): the keyword says how to read them
+        if dtype_kw not in ("fp16", "bf16"):
+            raise TypeError(f"{name} is a 16-bit integer array; say what its words hold with "
+                            f"{'grad_dtype' if name == 'grad' else 'out_dtype'}='bf16' (or 'fp16')")
+        return ZO_BF16 if dtype_kw == "bf16" else ZO_F16
     if b.fmt == "f" and allow_f32:
         if dtype_kw not in (None, "fp32"):
             raise TypeError(f"{name} is float32 but its dtype keyword says {dtype_kw!r}")
         return ZO_F32
-    allowed = "float16, float32, or uint16 with dtype 'bf16'" if allow_f32 else "float16, or uint16 with dtype 'bf16'"
+    allowed = ("float16, float32, or uint16 words with a dtype keyword" if allow_f32
+               else "float16, or uint16 words with a dtype keyword")
     raise TypeError(f"{name} must be {allowed}; got buffer format {b.fmt!r}")
 
 

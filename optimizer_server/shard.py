@@ -111,11 +111,10 @@ class Shard:
         self.hparams.update(msg.hparams)
         self.hparams["lr"] = msg.lr
         h = self.hparams
-        g = self.grads[msg.slot]
+        # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
+        gin, out = self.grads[msg.slot], self.weights16
         kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
                   num_threads=self.threads)
-        gin = g.view(np.float16) if self.dtype == "fp16" else g
-        out = self.weights16.view(np.float16) if self.dtype == "fp16" else self.weights16
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
         t0 = time.perf_counter()

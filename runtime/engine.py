@@ -44,6 +44,7 @@ from optimizer_server.client import ShardClient
 from optimizer_server.errors import OptimizerServerError
 from optimizer_server.tracing import Tracer
 
+from . import distributed
 from .config import OffloadConfig
 from .flat import Bucket, FlatParams
 from .loss_scaler import LossScaler
@@ -253,15 +254,13 @@ class OffloadEngine:
             return
         if self.world_size > 1 and not self.is_cuda:
             # gloo: start the all-reduce and let backward go on; finished in _finish_reduces
-            from .distributed import start_bucket_reduce
             with self.tracer.span("grad_reduce_start", bucket=b.index):
-                self._pending_reduces.append((b, lo, hi, *start_bucket_reduce(self, b)))
+                self._pending_reduces.append((b, lo, hi, *distributed.start_bucket_reduce(self, b)))
             b.buf = None
             return
         with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
             if self.world_size > 1:
-                from .distributed import reduce_bucket
-                reduce_bucket(self, b)
+                distributed.reduce_bucket(self, b)
             if hi > lo:
                 part = b.buf[lo - b.lo:hi - b.lo]
                 host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
@@ -282,10 +281,9 @@ class OffloadEngine:
 
     def _finish_reduces(self) -> None:
         """Wait for the gloo all-reduces started during backward; copy our shard's parts down."""
-        from .distributed import finish_bucket_reduce
         for b, lo, hi, acc, work in self._pending_reduces:
             with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
-                finish_bucket_reduce(self, work, acc)
+                distributed.finish_bucket_reduce(self, work, acc)
                 if hi > lo:
                     host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
                     host.copy_(acc[lo - b.lo:hi - b.lo])  # fp32 average -> 16 bits, one rounding
@@ -299,10 +297,8 @@ class OffloadEngine:
         The one-pass SIMD kernel, right after the copy while the bytes are hot;
         torch's vector_norm on 16-bit CPU tensors is several times slower and,
         for tens of millions of elements, off by about 1% (fp32 accumulation)."""
-        g = self.client.grads[self._slot][lo:hi]
-        if self.cfg.dtype == "fp16":
-            return cpu_adam.grad_sumsq(g.view(np.float16), num_threads=self._cpu_threads)
-        return cpu_adam.grad_sumsq(g, grad_dtype="bf16", num_threads=self._cpu_threads)
+        return cpu_adam.grad_sumsq(self.client.grads[self._slot][lo:hi], grad_dtype=self.cfg.dtype,
+                                   num_threads=self._cpu_threads)
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -322,8 +318,7 @@ class OffloadEngine:
                 self._copy_stream.synchronize()  # all gradient bytes are on the host
             sq = self._sq + self._sq_host if self._sq_host else self._sq
             if self.world_size > 1:
-                from .distributed import all_reduce_sum
-                sq = all_reduce_sum(self, sq)
+                sq = distributed.all_reduce_sum(self, sq)
             sq = float(sq)  # sync point: one scalar per step
         overflow = not math.isfinite(sq)
         # the update in flight (DPU) lands before anything else touches the server
@@ -378,8 +373,7 @@ class OffloadEngine:
                 dst.copy_(self._host_w16)
             self.bytes_to_device += 2 * self.flat.shard_numel
             if self.world_size > 1:
-                from .distributed import all_gather_weights
-                all_gather_weights(self)
+                distributed.all_gather_weights(self)
         self._stale = False
 
     def synchronize(self, copy_weights: bool = False) -> None:
@@ -394,8 +388,7 @@ class OffloadEngine:
         self.synchronize()
         shard = torch.from_numpy(self.client.get_master())
         if self.world_size > 1:
-            from .distributed import all_gather_cpu
-            full = all_gather_cpu(self, shard)
+            full = distributed.all_gather_cpu(self, shard)
         else:
             full = shard
         out = OrderedDict()
@@ -446,8 +439,7 @@ class OffloadEngine:
             except (OSError, OptimizerServerError) as e:
                 ok, err = False, e
             if self.world_size > 1:
-                from .distributed import all_ranks_ok
-                ok_all = all_ranks_ok(self, ok)
+                ok_all = distributed.all_ranks_ok(self, ok)
             else:
                 ok_all = ok
             if not ok_all:
@@ -469,8 +461,7 @@ class OffloadEngine:
                 for p in old[:max(0, len(old) - (keep - 1))]:
                     shutil.rmtree(p, ignore_errors=True)
             if self.world_size > 1:
-                from .distributed import barrier
-                barrier(self)
+                distributed.barrier(self)
         return str(root / name)
 
     @staticmethod
@@ -502,8 +493,7 @@ class OffloadEngine:
                 raise ValueError(f"{dev_path} holds {raw.size} weights, expected {self.flat.shard_numel}")
             self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
             if self.world_size > 1:
-                from .distributed import all_gather_weights
-                all_gather_weights(self)
+                distributed.all_gather_weights(self)
         self.iteration = meta["iteration"]
         self.updates = meta["updates"]
         self.skipped_steps = meta["skipped_steps"]

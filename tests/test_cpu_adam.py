@@ -128,6 +128,21 @@ def test_simd_paths_agree_with_scalar(which, gdt):
         np.testing.assert_array_equal(res[3], base[3])
 
 
+def test_fp16_words_with_keyword_equal_float16_arrays():
+    rng = np.random.default_rng()
+    n = 4099
+    g = rng.standard_normal(n).astype(np.float16)
+    a = [rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    b = [x.copy() for x in a]
+    out_a, out_b = np.empty(n, np.float16), np.empty(n, np.uint16)
+    ca.adam_step(*a, g, out_a, step=1, lr=1e-3)
+    ca.adam_step(*b, g.view(np.uint16), out_b, step=1, lr=1e-3, grad_dtype="fp16", out_dtype="fp16")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(out_a.view(np.uint16), out_b)
+    assert ca.grad_sumsq(g.view(np.uint16), grad_dtype="fp16") == ca.grad_sumsq(g)
+
+
 def test_threads_bitwise_identical():
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
