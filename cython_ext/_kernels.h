@@ -34,6 +34,17 @@ static int zo_openmp_enabled(void) { return 0; }
 static int zo_max_threads(void) { return 1; }
 #endif
 
+/*
+ * Progress word of a blocked update: (tag << ZO_PROGRESS_SHIFT) | elements done.
+ * The release store comes after the OpenMP barrier that ends a block, so a
+ * reader whose acquire load sees the value also sees every weight written
+ * before it (this is what lets the worker copy finished weights while the rest
+ * of the update still runs, possibly from another process on another core).
+ */
+#define ZO_PROGRESS_SHIFT 40
+static inline void zo_progress_store(uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
+static inline uint64_t zo_progress_load(const uint64_t *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
+
 /* dtype codes shared with the Cython wrapper */
 #define ZO_F32 0
 #define ZO_F16 1

@@ -13,6 +13,14 @@ int16 array (``torch_bf16_tensor.view(torch.int16).numpy()``) together with
 ``grad_dtype="bf16"`` / ``out_dtype="bf16"``.  float16 arrays need no keyword;
 raw words holding fp16 take ``"fp16"`` (so one shared uint16 buffer serves both).
 
+Progress: given ``progress`` (a 1-element uint64 array, usually in shared
+memory), the update runs in blocks of ``progress_block`` elements in order, and
+after each block stores ``(progress_tag << PROGRESS_SHIFT) | elements_done``
+with release semantics.  A reader that sees the word through
+``load_progress`` (acquire) may use every weight below ``elements_done``
+while the rest of the update runs: the worker copies finished weights to the
+device this way.  ``progress_tag`` is taken modulo 2**24.
+
 The SIMD path is chosen once at import from what the CPU supports; the
 environment variable ``ZERO_OFFLOAD_SIMD=scalar|avx2|avx512`` or
 ``set_simd_level()`` forces a lower one (tests compare them).
@@ -21,7 +29,7 @@ import math
 import os
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint64_t
 from cython.parallel cimport prange
 
 cdef extern from "_kernels.h" nogil:
@@ -52,6 +60,9 @@ cdef extern from "_kernels.h" nogil:
     double zo_sumsq_chunk(int level, const void *g, int gk, int64_t lo, int64_t hi)
     void zo_stream_chunk(int level, float *p, float *m, float *v, const unsigned short *g,
                          unsigned short *out, int64_t lo, int64_t hi)
+    int ZO_PROGRESS_SHIFT
+    void zo_progress_store(uint64_t *w, uint64_t v)
+    uint64_t zo_progress_load(const uint64_t *w)
 
 cdef enum:
     # Elements per parallel work item.  A multiple of 16 so only the last chunk
@@ -59,6 +70,10 @@ cdef enum:
     CHUNK = 65536
     # Below this a second thread costs more to wake than it saves.
     MIN_PARALLEL = 262144
+
+PROGRESS_SHIFT = int(ZO_PROGRESS_SHIFT)
+PROGRESS_TAG_MASK = (1 << (64 - PROGRESS_SHIFT)) - 1   # Python ints: no C overflow
+PROGRESS_DONE_MASK = (1 << PROGRESS_SHIFT) - 1
 
 _LEVEL_NAMES = {ZO_SCALAR: "scalar", ZO_AVX2: "avx2", ZO_AVX512: "avx512"}
 _LEVEL_CODES = {v: k for k, v in _LEVEL_NAMES.items()}
@@ -212,7 +227,8 @@ cdef int _out_kind(_Buf out, out_dtype) except -1:
 
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
               step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-              adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0):
+              adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
+              progress=None, progress_tag=0, progress_block=0):
     """One Adam (adamw=False, L2 decay) or AdamW (decoupled decay) step, in place.
 
     param, exp_avg, exp_avg_sq: 1-D C-contiguous float32, updated in place.
@@ -223,6 +239,7 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     Non-finite gradients are not masked: the caller decides to skip the step.
     predict: param_out gets p_new + predict * (p_new - p_old) instead of p_new (weight
     prediction for delayed updates; the fp32 param itself is the exact update).
+    progress, progress_tag, progress_block: publish progress per block (module docstring).
     """
     cdef _Buf bp = _get(param, "param", True)
     cdef _Buf bm = _get(exp_avg, "exp_avg", True)
@@ -252,6 +269,7 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     if not 0.0 <= pred <= 4.0:
         raise ValueError(f"predict must be in [0, 4], got {pred}")
     cdef int nt = _threads(num_threads)
+    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
     cdef zo_hparams h
     h.predict = <float>pred
     # Bias corrections and 1-beta in double, rounded once (see REFERENCE.md §1).
@@ -266,11 +284,12 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     h.decoupled = 1 if adamw else 0
     h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
     h.l2 = 0.0 if adamw else <float>wd
-    _run(0, &h, bp, bm, bv, bg, gk, bo, ok, n, nt)
+    _run(0, &h, bp, bm, bv, bg, gk, bo, ok, n, nt, pg)
 
 
 def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weight_decay=0.0,
-                 grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+                 grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+                 progress=None, progress_tag=0, progress_block=0):
     """One Adagrad step in place (torch.optim.Adagrad with lr_decay=0; L2 weight decay).
 
     state_sum += g*g;  param -= lr * g / (sqrt(state_sum) + eps).
@@ -295,6 +314,7 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     if dlr < 0.0 or wd < 0.0:
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
     cdef int nt = _threads(num_threads)
+    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
     cdef zo_hparams h
     h.grad_scale = <float>gs
     h.beta1 = 0.0; h.one_minus_beta1 = 0.0; h.beta2 = 0.0; h.one_minus_beta2 = 0.0
@@ -305,11 +325,12 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     h.decay = 1.0
     h.l2 = <float>wd
     h.predict = 0.0
-    _run(1, &h, bp, bs, None, bg, gk, bo, ok, n, nt)
+    _run(1, &h, bp, bs, None, bg, gk, bo, ok, n, nt, pg)
 
 
 def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
-              grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None):
+              grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+              progress=None, progress_tag=0, progress_block=0):
     """One Lion step in place (Chen et al. 2023; decoupled weight decay).
 
     c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
@@ -333,6 +354,7 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     if dlr < 0.0 or wd < 0.0:
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
     cdef int nt = _threads(num_threads)
+    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
     cdef zo_hparams h
     h.grad_scale = <float>gs
     h.beta1 = <float>b1
@@ -346,7 +368,7 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     h.decay = <float>(1.0 - dlr * wd)
     h.l2 = 0.0
     h.predict = 0.0
-    _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt)
+    _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt, pg)
 
 
 def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
@@ -401,34 +423,103 @@ def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
         raise TypeError("stream_probe takes float16 grad and param_out")
     cdef zo_hparams h
     h.predict = 0.0
-    _run(3, &h, bp, bm, bv, bg, ZO_F16, bo, ZO_F16, n, _threads(num_threads))
+    _run(3, &h, bp, bm, bv, bg, ZO_F16, bo, ZO_F16, n, _threads(num_threads), _Progress())
+
+
+cdef class _Progress:
+    """Where and how often a blocked update publishes its progress (none: word is NULL)."""
+    cdef _Buf buf
+    cdef uint64_t *word
+    cdef uint64_t tagbits
+    cdef int64_t block
+
+
+cdef _Progress _progress(progress, tag, block, Py_ssize_t n):
+    cdef _Progress pg = _Progress()
+    pg.word = NULL
+    pg.tagbits = 0
+    pg.block = 0
+    if progress is None:
+        return pg
+    pg.buf = _get(progress, "progress", True)
+    if pg.buf.itemsize != 8 or pg.buf.fmt not in ("Q", "L") or pg.buf.n < 1:
+        raise TypeError(f"progress must be a uint64 array of at least one element, got format {pg.buf.fmt!r} "
+                        f"with {pg.buf.n} element(s)")
+    if (<size_t>pg.buf.view.buf) % 8 != 0:
+        raise ValueError("progress must be 8-byte aligned (its stores are atomic)")
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ValueError(f"progress_tag must be an int >= 0, got {tag!r}")
+    if not isinstance(block, int) or isinstance(block, bool) or block < 0:
+        raise ValueError(f"progress_block must be an int >= 0 (0 = publish once, at the end), got {block!r}")
+    if n > PROGRESS_DONE_MASK:
+        raise ValueError(f"a progress word counts at most {PROGRESS_DONE_MASK} elements, got {n}")
+    pg.word = <uint64_t *>pg.buf.view.buf
+    pg.tagbits = (<uint64_t>(tag & PROGRESS_TAG_MASK)) << ZO_PROGRESS_SHIFT
+    pg.block = block if block > 0 else n
+    return pg
+
+
+def load_progress(progress, *, tag=None):
+    """Read a progress word with acquire semantics.
+
+    Returns the elements done, or, given ``tag``, the elements done if the word
+    carries that tag (mod 2**24) and 0 if it carries another (an older update's).
+    """
+    cdef _Buf b = _get(progress, "progress", False)
+    if b.itemsize != 8 or b.fmt not in ("Q", "L") or b.n < 1:
+        raise TypeError(f"progress must be a uint64 array of at least one element, got format {b.fmt!r}")
+    cdef uint64_t v = zo_progress_load(<const uint64_t *>b.view.buf)
+    done = int(v & PROGRESS_DONE_MASK)
+    if tag is None:
+        return done
+    return done if int(v >> ZO_PROGRESS_SHIFT) == (tag & PROGRESS_TAG_MASK) else 0
 
 
 cdef void _run(int which, zo_hparams *h, _Buf bp, _Buf bs1, _Buf bs2, _Buf bg, int gk,
-               _Buf bo, int ok, Py_ssize_t n, int nt):
+               _Buf bo, int ok, Py_ssize_t n, int nt, _Progress pg):
     cdef float *p = <float *>bp.view.buf
     cdef float *s1 = <float *>bs1.view.buf
     cdef float *s2 = <float *>bs2.view.buf if bs2 is not None else NULL
     cdef const void *g = bg.view.buf
     cdef void *o = bo.view.buf if bo is not None else NULL
     cdef int level = _level
-    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef uint64_t *word = pg.word
+    cdef uint64_t tagbits = pg.tagbits
+    cdef int64_t block = pg.block if word != NULL else n
+    cdef int64_t b0 = 0
+    cdef int64_t b1
+    if n == 0:
+        if word != NULL:
+            zo_progress_store(word, tagbits)
+        return
+    with nogil:
+        # Blocks run one after another, each with all threads, so progress
+        # grows from the front of the shard: the order backward frees buckets.
+        while b0 < n:
+            b1 = b0 + block if b0 + block < n else n
+            _run_range(which, level, p, s1, s2, g, gk, o, ok, b0, b1, nt, h)
+            if word != NULL:
+                zo_progress_store(word, tagbits | <uint64_t>b1)
+            b0 = b1
+
+
+cdef void _run_range(int which, int level, float *p, float *s1, float *s2, const void *g, int gk,
+                     void *o, int ok, int64_t b0, int64_t b1, int nt, const zo_hparams *h) noexcept nogil:
+    cdef Py_ssize_t nchunks = (b1 - b0 + CHUNK - 1) // CHUNK
     cdef Py_ssize_t c
     cdef int64_t lo, hi
-    if n == 0:
-        return
-    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
-        with nogil:
-            _chunk(which, level, p, s1, s2, g, gk, o, ok, 0, n, h)
+    if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        _chunk(which, level, p, s1, s2, g, gk, o, ok, b0, b1, h)
         return
     # Static schedule: each thread owns a contiguous run of chunks, which keeps
-    # its hardware prefetch streams long.  Elementwise, so any thread count gives
-    # bitwise identical results.
-    for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
-        lo = c * CHUNK
+    # its hardware prefetch streams long.  Elementwise, so any thread count (and
+    # any block size) gives bitwise identical results.  The parallel region's
+    # closing barrier orders every thread's stores before the progress store.
+    for c in prange(nchunks, num_threads=nt, schedule="static"):
+        lo = b0 + c * CHUNK
         hi = lo + CHUNK
-        if hi > n:
-            hi = n
+        if hi > b1:
+            hi = b1
         _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h)
 
 

@@ -15,6 +15,8 @@ import time
 import numpy as np
 import zmq
 
+from cython_ext.cpu_adam import load_progress
+
 from . import protocol as P
 from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
 from .ipc import remove_socket_files
@@ -39,7 +41,7 @@ class ShardClient:
     def __init__(self, address: str, token: str, *, rank: int = 0, world_size: int = 1, numel: int,
                  dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S):
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -54,7 +56,8 @@ class ShardClient:
         self.segment: Segment | None = None
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
-                        dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid())
+                        dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
+                        progress_block=progress_block)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:
@@ -69,6 +72,7 @@ class ShardClient:
         self.grads = [self.segment.array(np.uint16, off, n) for off in ok.grad_offsets]
         self.weights16 = self.segment.array(np.uint16, ok.weights_offset, n)
         self.staging = self.segment.array(np.float32, ok.staging_offset, n)
+        self.progress = self.segment.array(np.uint64, ok.progress_offset, 1)
         self._hb_stop = threading.Event()
         self._hb_last_ok = time.monotonic()
         self._hb_interval_s = heartbeat_interval_s
@@ -184,6 +188,21 @@ class ShardClient:
     def in_flight(self) -> int | None:
         return self._inflight
 
+    def published(self, step: int) -> int:
+        """Elements of weights16 that already hold step's new weights (it may still be
+        running; see the progress word in optimizer_server.shm).  0 for another step's."""
+        return load_progress(self.progress, tag=step)
+
+    def reply_ready(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for a reply to arrive (it is not read); checks liveness."""
+        self._check_usable()
+        if self._poller.poll(max(0, int(timeout_s * 1000))):
+            return True
+        why = self._server_gone()
+        if why:
+            self._raise_dead(why)
+        return False
+
     def step(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None) -> P.Done:
         self.step_async(step, slot, lr, grad_scale, hparams)
         return self.wait_done()
@@ -234,7 +253,7 @@ class ShardClient:
             pass
         finally:
             self.grads = []
-            self.weights16 = self.staging = None
+            self.weights16 = self.staging = self.progress = None
             if self.segment is not None:
                 self.segment.close()
             self._close_sockets()

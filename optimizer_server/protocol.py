@@ -17,6 +17,7 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
       (write fp16 grads to slot s)
       STEP(session, step, slot, lr, grad_scale, hparams, predict)
                                         --->    update on a worker thread
+                                        (progress word: weights16 final up to here)
                                         <---  DONE(step, update_s)    (weights16 ready)
       SKIP(session, step)               --->  OK        (overflow: state untouched)
       GET_MASTER(session)               --->  OK        (master copied into staging)
@@ -28,18 +29,24 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
 
 Shared segment of one shard (offsets in HELLO_OK's layout):
 
-     0                                   grad_bytes         weights_offset
-     +-----------------+-----------------+ . . . . . +-----------------+
-     | grad slot 0     | grad slot 1     |  padding  | weights16       |
-     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     |
-     +-----------------+-----------------+ . . . . . +-----------------+
+     0                                   grad_bytes         weights_offset                  progress_offset
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+
+     | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress |
+     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+
      |<---- staging fp32: numel x 4 B -->|
        (aliases both gradient slots: used only when no step is in flight,
         for the initial weights, GET_MASTER and LOAD)
 
 Writers: the worker writes a gradient slot and the staging area before the
 request that names them; the server writes weights16 (and staging on GET_MASTER)
-before its reply.  The reply is the only synchronisation.
+before its reply.  The reply is the synchronisation, with one exception that
+only ever lets the worker read earlier: during a STEP the server publishes
+(step << 40) | n in the progress word after each block, meaning weights16[:n]
+already holds this step's weights (release store after the block's writes; the
+worker reads it with an acquire load).  INIT and LOAD reset it to 0.
+
+Version 2 added the progress word (HELLO_OK.progress_offset).
 """
 from __future__ import annotations
 
@@ -50,9 +57,10 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
-MAX_NUMEL = 1 << 40                    # sanity bound on one shard's length
+MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
+DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
 DTYPES = ("fp16", "bf16")
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
 NUM_GRAD_SLOTS = 2
@@ -126,6 +134,7 @@ class Hello(Message):
     optimizer: str
     hparams: dict = field(default_factory=dict)  # lr, beta1, beta2, eps, weight_decay
     pid: int = 0
+    progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -134,6 +143,8 @@ class Hello(Message):
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         validate_hparams(self.hparams)
+        _require(0 <= self.progress_block <= MAX_NUMEL,
+                 f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
 
 
 HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -163,6 +174,7 @@ class HelloOk(Message):
     grad_offsets: list
     weights_offset: int
     staging_offset: int
+    progress_offset: int
     server_pid: int
     version: int = PROTOCOL_VERSION
 

@@ -374,7 +374,8 @@ class OptimizerServer:
                  msg.dtype, msg.optimizer, name)
         return P.HelloOk(session=session, segment=name, segment_bytes=layout.total_bytes, numel=msg.numel,
                          grad_offsets=list(layout.grad_offsets), weights_offset=layout.weights_offset,
-                         staging_offset=layout.staging_offset, server_pid=os.getpid()).encode()
+                         staging_offset=layout.staging_offset, progress_offset=layout.progress_offset,
+                         server_pid=os.getpid()).encode()
 
     # ------------------------------------------------------------------ updates
     def _traced_step(self, shard: Shard, msg: P.Step) -> float:

@@ -71,6 +71,8 @@ class Shard:
         self.grads = [segment.array(np.uint16, off, n) for off in self.layout.grad_offsets]
         self.weights16 = segment.array(np.uint16, self.layout.weights_offset, n)
         self.staging = segment.array(np.float32, self.layout.staging_offset, n)
+        self.progress = segment.array(np.uint64, self.layout.progress_offset, 1)
+        self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
         self.steps = 0
         self.skipped = 0
         self.initialized = False
@@ -91,7 +93,7 @@ class Shard:
     def close(self) -> None:
         """Drop views, unmap and unlink the segment (the server created it)."""
         self.grads = []
-        self.weights16 = self.staging = None
+        self.weights16 = self.staging = self.progress = None
         self.segment.close()
         self.segment.unlink()
         self.master = None
@@ -104,6 +106,7 @@ class Shard:
             a.fill(0.0)
         self.steps = 0
         self._write_weights16()
+        self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
         self.initialized = True
 
     def step(self, msg: P.Step) -> float:
@@ -113,8 +116,11 @@ class Shard:
         h = self.hparams
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
         gin, out = self.grads[msg.slot], self.weights16
+        # progress: weights16 is final block by block, front first; the worker copies
+        # each block up as soon as it is published (and, with DPU, free on the device)
         kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
-                  num_threads=self.threads)
+                  num_threads=self.threads, progress=self.progress, progress_tag=msg.step,
+                  progress_block=self.progress_block)
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
         t0 = time.perf_counter()
@@ -203,4 +209,5 @@ class Shard:
         self.hparams.update(man.get("hparams", {}))
         self.initialized = True
         self._write_weights16()
+        self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
         return {"steps": self.steps}

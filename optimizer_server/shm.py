@@ -3,16 +3,21 @@
 The server creates (and alone unlinks) each segment; workers attach to it by
 name.  Layout of a shard's segment (see also optimizer_server.protocol):
 
-     0                                   grad_bytes         weights_offset
-     +-----------------+-----------------+ . . . . . +-----------------+
-     | grad slot 0     | grad slot 1     |  padding  | weights16       |
-     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     |
-     +-----------------+-----------------+ . . . . . +-----------------+
+     0                                   grad_bytes         weights_offset                  progress_offset
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
+     | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress | to 4 KiB
+     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
      |<---- staging fp32: numel x 4 B -->|
 
 The fp32 staging area aliases the two gradient slots: it is only used when no
 step is in flight (initial weights, GET_MASTER, LOAD), and sharing saves 4 B/param
 of host RAM (host state is 12 B/param private + 6 B/param shared = 18 B/param).
+
+The progress word, on a cache line of its own, is written by the server alone:
+during an update, (step << 40) | weights16 elements already final, after each
+block (cython_ext.cpu_adam, release store); 0 after INIT and LOAD.  The worker
+reads it (acquire) to copy finished weights up while the update still runs.
 Segments are created with mode 0600 under names unique to the server instance.
 """
 from __future__ import annotations
@@ -53,9 +58,13 @@ class ShardLayout:
         return _round_up(4 * self.numel)
 
     @property
+    def progress_offset(self) -> int:
+        # its own cache line: the worker polls it while the server writes weights
+        return _round_up(self.weights_offset + 2 * self.numel, 64)
+
+    @property
     def total_bytes(self) -> int:
-        # never zero: mmap refuses empty maps
-        return max(PAGE, _round_up(self.weights_offset + 2 * self.numel))
+        return _round_up(self.progress_offset + 8)
 
 
 class Segment:

@@ -36,6 +36,13 @@ class OffloadConfig:
         weights a synchronous run would have; computed in the update's own pass, no
         extra memory traffic.  0 = plain DPU (the paper's), 1 = linear extrapolation.
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
+    overlap_weights_up: copy the new weights up as the server publishes them (during
+        the wait, and with DPU inside the next backward as it frees each bucket).
+        False: the whole shard after DONE, as before version 2 of the protocol (for A/B).
+    progress_block_numel: the server publishes its progress through an update every
+        this many elements, and the engine copies finished weights up that soon
+        (runtime.weights_up).  Smaller: less copy left after the update, more
+        publications (each a few microseconds).
     server_address / server_token: connect to a running server; "" = the launcher's
         environment variables, or a private server started (and stopped) by the engine.
     server_threads: OpenMP threads of a private server's updates (0 = its default).
@@ -63,6 +70,8 @@ class OffloadConfig:
     dpu_warmup_steps: int = 40
     dpu_predict: float = 0.0
     bucket_numel: int = 1 << 24
+    overlap_weights_up: bool = True
+    progress_block_numel: int = 1 << 20
     server_address: str = ""
     server_token: str = ""
     server_threads: int = 0
@@ -111,6 +120,8 @@ class OffloadConfig:
             raise ValueError(f"dpu_predict works with optimizer adamw or adam, not {self.optimizer!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
             raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
+        if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= 1):
+            raise ValueError(f"progress_block_numel must be an int >= 1, got {self.progress_block_numel!r}")
         if self.server_address and not self.server_address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"server_address must start with ipc:// or tcp://, got {self.server_address!r}")
         if not (isinstance(self.server_threads, int) and self.server_threads >= 0):

@@ -49,6 +49,7 @@ from .config import OffloadConfig
 from .flat import Bucket, FlatParams
 from .loss_scaler import LossScaler
 from .optimizer_proxy import ServerOptimizer
+from .weights_up import WeightReturn
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ENGINE_STATE_VERSION = 1
@@ -117,6 +118,7 @@ class OffloadEngine:
         self._sq_host = 0.0
         self._cpu_threads = torch.get_num_threads()
         self._final = False
+        self._front = 0
         self._seen: set[int] = set()
         self._pending_reduces: list = []
         self.bytes_to_host = 0
@@ -139,15 +141,16 @@ class OffloadEngine:
               "weight_decay": cfg.weight_decay}
         self.client = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
                                   numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
-                                  hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc)
+                                  hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
+                                  progress_block=cfg.progress_block_numel)
         c = self.client
         as16 = lambda a: torch.from_numpy(a.view(np.int16)).view(self.dtype)  # noqa: E731
         self._host_grads = [as16(g) for g in c.grads]
         self._host_w16 = as16(c.weights16)
         if self.is_cuda:
             self._register_host_memory()
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._h2d_done = torch.cuda.Event()
+            self._copy_stream = torch.cuda.Stream(self.device)  # gradients down
+        self._up = WeightReturn(self)  # weights up (its own stream on CUDA)
 
     def _register_host_memory(self) -> None:
         """Page-lock the shared segment so device copies are DMA, truly async."""
@@ -192,6 +195,7 @@ class OffloadEngine:
             for b in self.flat.buckets:
                 b.remaining = len(b.slots)
                 b.buf = None
+            self._front = 0  # buckets [0, _front) are done: their weights are free on the device
             self._sq = torch.zeros((), dtype=torch.float32, device=self.device)
             self._sq_host = 0.0
             self._seen = set()
@@ -243,8 +247,19 @@ class OffloadEngine:
             b.remaining = 0
             self._bucket_done(b)
 
+    def _weights_free(self) -> None:
+        """Backward is done with a prefix of buckets: copy the pending update's
+        weights there (those published so far; runtime.weights_up)."""
+        bs = self.flat.buckets
+        while self._front < len(bs) and bs[self._front].remaining == 0:
+            self._front += 1
+        free = bs[self._front].lo if self._front < len(bs) else self.flat.padded_numel
+        self._up.pump(min(max(free - self.shard_lo, 0), self.flat.shard_numel))
+
     def _bucket_done(self, b: Bucket) -> None:
         """The bucket is complete: reduce across ranks, copy our shard's part down."""
+        if self._up.pending:
+            self._weights_free()
         lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
         if self._direct_host:
             # the bytes were copied by the hooks; only the norm is left to do
@@ -343,6 +358,7 @@ class OffloadEngine:
         with self.tracer.span("signal", step=k):
             self.client.step_async(k, self._slot, lr, clip / scale, hp,
                                    predict=self.cfg.dpu_predict if delayed else 0.0)
+            self._up.begin(k)
         self.updates = k
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
@@ -350,31 +366,25 @@ class OffloadEngine:
             self._land_inflight(copy=True)
 
     def _land_inflight(self, copy: bool) -> None:
+        """Wait for the update in flight; with copy, its weights go up (as they are
+        published, while it runs) and every rank gets the whole model."""
         if self.client.in_flight is not None:
             t0 = time.perf_counter()
             with self.tracer.span("wait_server"), self._record("zo.wait_server"):
-                done = self.client.wait_done()
+                if copy:
+                    done = self._up.wait_landed()
+                else:
+                    done = self.client.wait_done()
+                    self._up.land()
             self.wait_s += time.perf_counter() - t0
             self.update_s += done.update_s
             self._stale = True
         if copy and self._stale:
-            self._copy_weights_up()
-
-    def _copy_weights_up(self) -> None:
-        with self.tracer.span("weights_up", bytes=2 * self.flat.shard_numel), self._record("zo.weights_up"):
-            dst = self.flat16[self.shard_lo:self.shard_hi]
-            if self.is_cuda:
-                dst.copy_(self._host_w16, non_blocking=True)
-                # the server may overwrite the weight buffer as soon as the next STEP
-                # is sent, so the copy must have finished reading it by then
-                self._h2d_done.record()
-                self._h2d_done.synchronize()
-            else:
-                dst.copy_(self._host_w16)
-            self.bytes_to_device += 2 * self.flat.shard_numel
-            if self.world_size > 1:
-                distributed.all_gather_weights(self)
-        self._stale = False
+            with self.tracer.span("weights_up_tail"), self._record("zo.weights_up"):
+                self._up.finish()
+                if self.world_size > 1:
+                    distributed.all_gather_weights(self)
+            self._stale = False
 
     def synchronize(self, copy_weights: bool = False) -> None:
         """Wait for the update in flight.  With copy_weights the device gets the
@@ -414,6 +424,9 @@ class OffloadEngine:
         previous checkpoint intact and current.  The newest `keep` are kept.
         """
         self._check_open()
+        if self._grads_ready or self._micro % self.cfg.grad_accumulation_steps:
+            raise RuntimeError("save_checkpoint() in the middle of a step would lose its gradients: call it "
+                               "after engine.step()")
         self._land_inflight(copy=False)
         root = Path(directory)
         name = f"step-{self.iteration:08d}"
@@ -506,13 +519,18 @@ class OffloadEngine:
                                  f"{self.flat.shard_numel}")
             # nothing is in flight: the server does not touch the buffer until the next STEP
             np.copyto(self.client.weights16, pending)
+        self._up.reset()
+        if self._stale:
+            self._up.begin(self.updates)
+            self._up.land()
         self.scaler.load_state_dict(meta["scaler"])
         self.optimizer.load_state_dict_small(meta["optimizer_proxy"])
 
     def stats(self) -> dict:
         return {"steps": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
                 "loss_scale": self.scaler.scale, "bytes_to_host": self.bytes_to_host,
-                "bytes_to_device": self.bytes_to_device, "wait_s": self.wait_s, "server_update_s": self.update_s,
+                "bytes_to_device": self.bytes_to_device, "bytes_to_device_early": self._up.early_bytes,
+                "wait_s": self.wait_s, "server_update_s": self.update_s,
                 "grad_norm": self.last_grad_norm, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 

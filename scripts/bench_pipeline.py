@@ -51,6 +51,8 @@ def pin(pid: int, cores: set[int]) -> None:
 # "baseline-1core" is the no-offload run with exactly our worker's compute.
 # "dpu-shared": DPU with the worker on both cores too (2 threads) and the server
 # unpinned, the set-up for a CPU device when forward/backward dominates.
+# "*-after": the weights go up only after DONE, in one piece (overlap_weights_up=False),
+# the A/B for copying them up block by block as the server publishes them.
 WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared"}
 
 
@@ -63,7 +65,7 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     model = GPT(mc)
     dpu = name.startswith("dpu")
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup,
-                        dpu_predict=1.0 if dpu else 0.0,
+                        dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
                         server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
@@ -163,7 +165,7 @@ def main(argv=None) -> int:
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
           f"each; no-offload and DeepSpeed on all {len(cores)} cores, baseline-1core on the worker's", flush=True)
-    variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared"]
+    variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared", "sync-after", "dpu-after"]
     try:
         import deepspeed  # noqa: F401
         variants.append("deepspeed")
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     from runtime.gpt import PRESETS
     span_us = span_cost_us()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
-    rows = []
+    rows, ab_rows = [], []
     for setting in a.settings.split(","):
         model_name, shape = setting.split(":")
         L, H, D = PRESETS[model_name]
@@ -207,9 +209,14 @@ def main(argv=None) -> int:
                f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
                f"{med['sync-untraced'] / med['dpu']:.2f}x | {best / med['baseline']:.2f} | {best / ds:.2f} | "
                f"{tok / best * 1e3:.0f} | {100 * overhead:+.1f}% | {100 * cost:.3f}% |")
+        ab = (f"| {model_name} {bs}x{sl} | {med['sync-after']:.1f} | {med['sync-untraced']:.1f} | "
+              f"{med['sync-after'] / med['sync-untraced']:.2f}x | {med['dpu-after']:.1f} | {med['dpu']:.1f} | "
+              f"{med['dpu-after'] / med['dpu']:.2f}x |")
         del batches, src
         print(row, flush=True)
+        print(ab, flush=True)
         rows.append(row)
+        ab_rows.append(ab)
     head = ("| model, batch | no offload ms | no offload, 1 core ms | offload sync ms | offload DPU ms "
             "| offload DPU, shared cores ms | DeepSpeed ms | T_fb ms | T_cpu ms | max(T_fb,T_cpu) | T_fb+T_cpu "
             "| DPU / ideal | sync / DPU | best DPU / no offload | best DPU / DeepSpeed | best DPU tokens/s "
@@ -223,7 +230,12 @@ def main(argv=None) -> int:
             + "\nT_fb and T_cpu come from the traced synchronous run; the sync column is the untraced one. "
               "'tracing A/B' is traced/untraced - 1 for the same synchronous configuration (separate engines: "
               "its noise is several percent); 'tracing cost' is the worker's spans per step times the measured "
-              f"cost of one span ({span_us:.1f} us), over the step time.\n")
+              f"cost of one span ({span_us:.1f} us), over the step time.\n"
+            + "\nWeights up as the server publishes them (runtime/weights_up.py) vs in one piece after DONE "
+              "(overlap_weights_up=False), same run:\n\n"
+            + "\n".join(["| model, batch | sync, copy after DONE ms | sync, copy as published ms | gain "
+                          "| DPU, copy after DONE ms | DPU, copy in backward ms | gain |", "|" + "---|" * 7,
+                          *ab_rows]) + "\n")
     if not a.no_write:
         update_section("bench_pipeline", body)
     return 0

@@ -341,3 +341,85 @@ def test_grad_sumsq_propagates_nonfinite():
     assert ca.grad_sumsq(g) == float("inf")
     g[5] = np.nan
     assert np.isnan(ca.grad_sumsq(g))
+
+
+# --------------------------------------------------------------------------- progress publication
+
+def _step_all(which, bufs, g, out, **kw):
+    if which == "adam":
+        ca.adam_step(*bufs, g, out, step=3, lr=1e-3, weight_decay=0.1, **kw)
+    elif which == "adagrad":
+        ca.adagrad_step(bufs[0], bufs[2], g, out, lr=1e-2, **kw)
+    else:
+        ca.lion_step(bufs[0], bufs[1], g, out, lr=1e-4, **kw)
+
+
+@pytest.mark.parametrize("which", ["adam", "adagrad", "lion"])
+@pytest.mark.parametrize("n,block", [(0, 7), (1, 1), (1000, 7), (300_001, 65_536), (300_001, 0)])
+def test_blocked_update_is_bitwise_the_whole_update(which, n, block):
+    """Publishing progress splits the update into blocks; the result must not change,
+    and the word ends at (tag << 40) | n."""
+    rng = np.random.default_rng()
+    p0 = rng.standard_normal(n).astype(np.float32)
+    base = [p0, (0.1 * rng.standard_normal(n)).astype(np.float32), np.abs(rng.standard_normal(n)).astype(np.float32)]
+    g = rng.standard_normal(n).astype(np.float16)
+    res = []
+    for kw in ({}, {"progress": np.zeros(1, np.uint64), "progress_tag": (1 << 24) + 5, "progress_block": block}):
+        bufs = [x.copy() for x in base]
+        out = np.zeros(n, np.float16)
+        _step_all(which, bufs, g, out, num_threads=2, **kw)
+        res.append(bufs + [out])
+        if kw:
+            w = kw["progress"]
+            assert int(w[0]) == (5 << ca.PROGRESS_SHIFT) | n  # tag taken mod 2**24
+            assert ca.load_progress(w) == n
+            assert ca.load_progress(w, tag=5) == n and ca.load_progress(w, tag=(1 << 24) + 5) == n
+            assert ca.load_progress(w, tag=4) == 0
+    for a, b in zip(*res):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_progress_never_runs_ahead_of_the_weights():
+    """A reader polling the word while the update runs on another thread must find
+    weights16[:done] already final every time it looks (release/acquire order)."""
+    import threading
+    rng = np.random.default_rng()
+    n, block = 4_000_000, 65_536
+    base = [rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
+    g = rng.standard_normal(n).astype(np.float16)
+    expect = np.zeros(n, np.float16)
+    ca.adam_step(*[x.copy() for x in base], g, expect, step=1, lr=1e-2, num_threads=1)
+    out = np.zeros(n, np.float16)  # the update writes nonzero weights: zeros mark "not yet"
+    word = np.zeros(1, np.uint64)
+    t = threading.Thread(target=ca.adam_step, args=(*base, g, out),
+                         kwargs=dict(step=1, lr=1e-2, num_threads=1, progress=word, progress_tag=1,
+                                     progress_block=block))
+    seen = []
+    t.start()
+    while True:
+        done = ca.load_progress(word, tag=1)
+        np.testing.assert_array_equal(out[:done], expect[:done])
+        seen.append(done)
+        if done == n:
+            break
+        t.join(0.0005)
+        assert t.is_alive() or ca.load_progress(word, tag=1) == n, "the update ended without publishing n"
+    t.join(10)
+    assert seen == sorted(seen) and all(d % block == 0 or d == n for d in seen)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_progress_arguments_are_validated():
+    n = 64
+    f = lambda: np.ones(n, np.float32)  # noqa: E731
+    g = np.ones(n, np.float16)
+    bad = [(TypeError, dict(progress=np.zeros(1, np.int64))),
+           (TypeError, dict(progress=np.zeros(0, np.uint64))),
+           (ValueError, dict(progress=np.zeros(2, np.uint64)[1:], progress_tag=-1)),
+           (ValueError, dict(progress=np.zeros(1, np.uint64), progress_block=-1)),
+           (ValueError, dict(progress=np.zeros(3, np.uint64).view(np.uint8)[4:12].view(np.uint64)))]
+    for exc, kw in bad:
+        p = f()
+        with pytest.raises(exc):
+            ca.adam_step(p, f(), f(), g, step=1, lr=1e-3, **kw)
+        np.testing.assert_array_equal(p, f())  # nothing written

@@ -41,6 +41,24 @@ def test_cuda_matches_reference(dtype, dpu):
         assert abs(a - b) <= 1e-2 * abs(b)
 
 
+@pytest.mark.parametrize("dpu", [None, 3])
+def test_cuda_weights_up_block_by_block_match_reference(dpu):
+    """Weights go up in many small pieces on their own stream, while the update runs
+    (sync) or inside the next backward behind the bucket's kernels (DPU)."""
+    p0, master, ref_master, _, _, st = run_pair(gpt, gpt_batch, "bf16", steps=12, dpu=dpu, device="cuda",
+                                                bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    copied = st["updates"] - (1 if dpu else 0)
+    assert st["bytes_to_device"] == 2 * st["shard_numel"] * copied
+
+
+def test_cuda_dpu_copies_weights_inside_backward():
+    p0, master, ref_master, _, _, st = run_pair(gpt, gpt_batch, "bf16", steps=10, dpu=3, device="cuda",
+                                                land_early=True, bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    assert st["bytes_to_device_early"] >= 2 * st["shard_numel"] * (st["updates"] - 3)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_many_small_buckets_equal_one_bucket(dtype):
     """Side-stream copies of many buckets during backward land exactly what one bucket does."""

@@ -62,7 +62,7 @@ def train_engine(engine, batch, steps, dtype, start=1, accum=1):
     return losses
 
 
-def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", **hp):
+def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=False, **hp):
     """Engine and reference side by side.  Each step first checks that the engine's
     16-bit weights are the ones the reference schedule prescribes (up to a rare
     1-ulp rounding flip from fp32 arithmetic order), then the reference takes its
@@ -74,7 +74,8 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", **hp):
                                   clip=hp.get("clip"), predict=hp.get("predict", 0.0))
     cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
                         dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
-                        dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24))
+                        dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24),
+                        progress_block_numel=hp.get("progress_block", 1 << 20))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
@@ -84,6 +85,8 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", **hp):
             assert flips <= 1e-3, f"step {t}: engine weights are not the schedule's ({flips:.2%} differ)"
             ref_losses.append(ref.step([batch(t, dtype)], force_weights=w_eng)[0])
             losses += train_engine(eng, batch, 1, dtype, start=t)
+            if land_early:
+                eng.synchronize()  # DONE now; the copy up still waits for backward to free each bucket
         master = flat_master(eng)
         stats = eng.stats()
     return p0, master, ref.master_flat().cpu(), losses, ref_losses, stats
@@ -128,6 +131,29 @@ def test_dpu_matches_reference_schedule_and_differs_from_sync(dtype):
     assert losses[:N] == sync_losses[:N]
     assert losses[N] == losses[N - 1] or True  # W_(N+1) == W_N, but batches differ
     assert all(a != b for a, b in zip(losses[N + 1:N + 4], sync_losses[N + 1:N + 4]))
+
+
+@pytest.mark.parametrize("dpu", [None, 3], ids=["sync", "dpu"])
+def test_weights_copied_up_block_by_block_match_reference(dpu):
+    """Small buckets and progress blocks: the weights go up in many pieces, while
+    the update runs (sync) or inside the next backward (DPU), and still every
+    step's weights are the schedule's."""
+    p0, master, ref_master, losses, ref_losses, st = run_pair(gpt, gpt_batch, "bf16", steps=12, dpu=dpu,
+                                                              bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    copied = st["updates"] - (1 if dpu else 0)  # DPU: the last update has landed, not gone up
+    assert st["bytes_to_device"] == 2 * st["shard_numel"] * copied  # each weight once per update
+
+
+def test_dpu_copies_weights_inside_backward():
+    """Once DONE is in (synchronize() lands it without copying), DPU copies every
+    update's weights from the gradient hooks as backward frees each bucket."""
+    N = 3
+    p0, master, ref_master, _, _, st = run_pair(gpt, gpt_batch, "bf16", steps=10, dpu=N, land_early=True,
+                                                bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    delayed = st["updates"] - (N - 1)
+    assert st["bytes_to_device_early"] >= 2 * st["shard_numel"] * (delayed - 1)
 
 
 def test_dpu_weight_prediction_matches_reference():

@@ -27,14 +27,14 @@ pytestmark = pytest.mark.timeout(120)
 
 class MiniClient:
     def __init__(self, address: str, token: str, numel: int, rank: int = 0, world_size: int = 1, pid: int = 0,
-                 **hp):
+                 progress_block: int = 0, **hp):
         self.ctx = zmq.Context()
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(address)
         self.numel = numel
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
-                        dtype="fp16", optimizer="adamw", hparams=hp, pid=pid)
+                        dtype="fp16", optimizer="adamw", hparams=hp, pid=pid, progress_block=progress_block)
         ok = self.req(hello)
         assert isinstance(ok, P.HelloOk), ok
         self.session, self.seg = ok.session, ok.segment
@@ -44,6 +44,7 @@ class MiniClient:
         self.grad = [np.frombuffer(self.mm, np.float16, numel, off) for off in ok.grad_offsets]
         self.w16 = np.frombuffer(self.mm, np.float16, numel, ok.weights_offset)
         self.staging = np.frombuffer(self.mm, np.float32, numel, ok.staging_offset)
+        self.progress = np.frombuffer(self.mm, np.uint64, 1, ok.progress_offset)
 
     def send_raw(self, data: bytes, timeout_s: float = 10.0) -> P.Message:
         self.s.send(data)
@@ -56,7 +57,7 @@ class MiniClient:
     def close(self, bye: bool = True):
         if bye:
             assert isinstance(self.req(P.Bye(session=self.session)), P.Ok)
-        del self.grad, self.w16, self.staging
+        del self.grad, self.w16, self.staging, self.progress
         self.mm.close()
         self.s.close(linger=0)
         self.ctx.term()
@@ -227,6 +228,37 @@ def test_save_load_bitwise_equals_uninterrupted(tmp_path):
         c = MiniClient(srv.address, srv.token, n + 1)
         e = c.req(P.Load(session=c.session, dir=str(tmp_path)))
         assert isinstance(e, P.Error) and e.code == P.E_CHECKPOINT and str(n) in e.message and str(n + 1) in e.message
+        c.close()
+
+
+def test_progress_word_tags_each_step_and_resets_on_init_and_load(server, tmp_path):
+    """After STEP t's DONE the word reads (t << 40) | n; INIT and LOAD reset it, so a
+    step number that repeats after a rollback cannot match a stale word."""
+    n = 5000
+    rng = np.random.default_rng()
+    c = MiniClient(server.address, server.token, n, progress_block=512)
+    try:
+        c.staging[:] = rng.standard_normal(n).astype(np.float32)
+        c.progress[0] = 12345  # whatever was there: INIT clears it
+        assert isinstance(c.req(P.Init(session=c.session)), P.Ok)
+        assert int(c.progress[0]) == 0
+        for t in range(1, 6):
+            c.grad[t % 2][:] = rng.standard_normal(n).astype(np.float16)
+            assert isinstance(c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=1e-3)), P.Done)
+            assert int(c.progress[0]) == (t << 40) | n
+            if t == 3:
+                assert isinstance(c.req(P.Save(session=c.session, dir=str(tmp_path))), P.Ok)
+        assert isinstance(c.req(P.Skip(session=c.session, step=6)), P.Ok)
+        assert int(c.progress[0]) == (5 << 40) | n  # a skip publishes nothing
+        assert isinstance(c.req(P.Load(session=c.session, dir=str(tmp_path))), P.Ok)
+        assert int(c.progress[0]) == 0
+        c.grad[0][:] = rng.standard_normal(n).astype(np.float16)
+        assert isinstance(c.req(P.Step(session=c.session, step=4, slot=0, lr=1e-3)), P.Done)
+        assert int(c.progress[0]) == (4 << 40) | n
+        bad = c.req(P.Hello(version=P.PROTOCOL_VERSION, token=server.token, rank=0, world_size=1, numel=8,
+                            dtype="fp16", optimizer="adamw", progress_block=-1))
+        assert isinstance(bad, P.Error) and "progress_block" in bad.message
+    finally:
         c.close()
 
 
