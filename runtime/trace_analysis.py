@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 WORKER_PHASES = ("iteration", "forward", "backward", "step", "grad_bucket", "grad_check", "signal", "wait_server",
-                 "weights_up", "all_gather", "skip")
+                 "weights_up", "weights_up_tail", "all_gather", "skip")
 
 
 @dataclass
@@ -111,7 +111,9 @@ def bytes_per_step(spans: list[Span]) -> dict:
     down = [s for s in w if s.name == "grad_bucket"]
     up = [s for s in w if s.name == "weights_up"]
     res = {"to_host_B": sum(s.args.get("bytes", 0) for s in down) / n,
-           "to_device_B": sum(s.args.get("bytes", 0) for s in up) / n}
+           "to_device_B": sum(s.args.get("bytes", 0) for s in up) / n,
+           # copied while the update still ran, or inside backward (runtime.weights_up)
+           "to_device_early_B": sum(s.args.get("bytes", 0) for s in up if s.args.get("early")) / n}
     t_up = sum(s.dur for s in up)
     res["to_device_GBps"] = sum(s.args.get("bytes", 0) for s in up) / (t_up * 1e3) if t_up else float("nan")
     upd = [s for s in spans if s.role == "server" and s.name == "update"]

@@ -32,7 +32,8 @@ def global_batch(step: int, bs: int = 32):
 
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
-                         dpu=mode == "dpu", dpu_warmup_steps=4, bucket_numel=2048)
+                         dpu=mode == "dpu", dpu_warmup_steps=4, bucket_numel=2048,
+                         progress_block_numel=256)  # many published blocks per shard: partial copies
 
 
 def main():
