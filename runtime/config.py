@@ -48,6 +48,10 @@ class OffloadConfig:
     server_threads: OpenMP threads of a private server's updates (0 = its default).
     request_timeout_s: bound on any single wait for the server.
     trace_dir: write this process's Chrome trace here ("" = no tracing).
+    pin_host_memory: CUDA only: page-lock the shared segment (cudaHostRegister) so copies
+        are DMA overlapping compute.  "auto": try, and if the system refuses (locked-memory
+        limit, a sandbox) warn and go on with pageable copies, which are slower and block;
+        "require": raise instead; "off": do not try.
     device: where the 16-bit weights live ("" = where the model's parameters are).
         Build the fp32 model on the CPU and pass device="cuda" to train a model whose
         fp32 copy would not fit on the GPU: only 2 B/param ever reach the device.
@@ -78,6 +82,7 @@ class OffloadConfig:
     request_timeout_s: float = 300.0
     trace_dir: str = ""
     device: str = ""
+    pin_host_memory: str = "auto"
 
     def __post_init__(self) -> None:
         if callable(self.lr):
@@ -126,6 +131,8 @@ class OffloadConfig:
             raise ValueError(f"server_address must start with ipc:// or tcp://, got {self.server_address!r}")
         if not (isinstance(self.server_threads, int) and self.server_threads >= 0):
             raise ValueError(f"server_threads must be an int >= 0, got {self.server_threads!r}")
+        if self.pin_host_memory not in ("auto", "require", "off"):
+            raise ValueError(f"pin_host_memory must be 'auto', 'require' or 'off', got {self.pin_host_memory!r}")
         if self.device and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be '', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not self.request_timeout_s > 0:

@@ -31,6 +31,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -154,12 +155,20 @@ class OffloadEngine:
 
     def _register_host_memory(self) -> None:
         """Page-lock the shared segment so device copies are DMA, truly async."""
+        if self.cfg.pin_host_memory == "off":
+            return
         seg = self.client.segment
         ptr = np.frombuffer(seg.buffer, np.uint8).ctypes.data
         err = torch.cuda.cudart().cudaHostRegister(ptr, seg.size, 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of the shared segment ({seg.size} bytes) failed with {err}; "
-                               f"raise the locked-memory limit (ulimit -l) or use fewer/smaller shards")
+            _clear_cuda_last_error()
+            msg = (f"cudaHostRegister of the shared segment ({seg.size} bytes) failed with {err}; raise the "
+                   f"locked-memory limit (ulimit -l) or use more ranks (smaller shards)")
+            if self.cfg.pin_host_memory == "require":
+                raise RuntimeError(msg)
+            warnings.warn(msg + "; going on with pageable copies, which are slower and do not overlap compute "
+                          "(pin_host_memory='require' makes this an error)", RuntimeWarning, stacklevel=3)
+            return
         self._registered_ptr = ptr
 
     def _init_weights(self) -> None:
@@ -571,6 +580,24 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's per-thread last error after a failed call we handled.
+
+    torch checks cudaGetLastError() after its kernel launches, so a refused
+    cudaHostRegister would otherwise surface as an unrelated error at the next
+    launch.  torch.cuda.cudart() has no cudaGetLastError, so call it in the
+    libcudart this process already loaded (the same instance, hence the same
+    error state); best effort: a statically linked runtime is not reachable."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in libs:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 class _NullCtxType:

@@ -100,6 +100,7 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     idx = torch.randint(0, mc.vocab_size, (batch, mc.seq_len + 1), generator=gen).to(dev)
     x, y = idx[:, :-1], idx[:, 1:]
     times, state_bytes = [], 0
+    pinned = getattr(eng, "_registered_ptr", None) is not None  # False: page-locking was refused (a warning said why)
     try:
         for i in range(steps + warm):
             sync(dev)
@@ -117,7 +118,8 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     finally:
         eng.close()
         del eng, model
-    return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak}
+    return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak,
+            "pinned": pinned if kind != "baseline" else None}
 
 
 def main(argv=None) -> int:
@@ -160,7 +162,8 @@ def main(argv=None) -> int:
             res[f"{kind}_b{b}"] = r
             rows.append((b, kind, r))
             print(f"(c) batch {b} {kind}: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPS, "
-                  f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+                  f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+                  + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
     # (b) model-state bytes per parameter on the device
     bb = res[f"baseline_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
     eb = res[f"sync_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")

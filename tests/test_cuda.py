@@ -59,6 +59,13 @@ def test_cuda_dpu_copies_weights_inside_backward():
     assert st["bytes_to_device_early"] >= 2 * st["shard_numel"] * (st["updates"] - 3)
 
 
+def test_pageable_host_memory_matches_reference():
+    """pin_host_memory="off" (what "auto" falls back to when page-locking is refused)."""
+    p0, master, ref_master, _, _, _ = run_pair(gpt, gpt_batch, "bf16", steps=10, dpu=3, device="cuda", pin="off",
+                                               bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_many_small_buckets_equal_one_bucket(dtype):
     """Side-stream copies of many buckets during backward land exactly what one bucket does."""

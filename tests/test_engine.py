@@ -75,7 +75,8 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=Fa
     cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
                         dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
                         dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24),
-                        progress_block_numel=hp.get("progress_block", 1 << 20))
+                        progress_block_numel=hp.get("progress_block", 1 << 20),
+                        pin_host_memory=hp.get("pin", "auto"))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
@@ -288,10 +289,25 @@ def test_lr_callable_and_torch_scheduler():
                                          ("eps", 0.0), ("optimizer", "sgd"), ("dtype", "fp8"),
                                          ("loss_scale", -2.0), ("clip_grad_norm", 0.0),
                                          ("grad_accumulation_steps", 0), ("dpu_warmup_steps", 0),
-                                         ("bucket_numel", 10), ("server_address", "http://x")])
+                                         ("bucket_numel", 10), ("server_address", "http://x"),
+                                         ("progress_block_numel", 0), ("pin_host_memory", "yes")])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
         OffloadConfig(**{field: value})
+
+
+def test_checkpoint_in_the_middle_of_a_step_is_refused(tmp_path):
+    """Saving between backward() and step() would drop that step's gradients."""
+    with OffloadEngine(mlp(), OffloadConfig(dtype="bf16", server_threads=1, grad_accumulation_steps=2)) as eng:
+        eng.backward(mlp_batch(1, "bf16")(eng.model))
+        with pytest.raises(RuntimeError, match="after engine.step"):
+            eng.save_checkpoint(str(tmp_path))
+        eng.backward(mlp_batch(1, "bf16", 1)(eng.model))
+        with pytest.raises(RuntimeError, match="after engine.step"):
+            eng.save_checkpoint(str(tmp_path))
+        eng.step()
+        eng.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").exists()
 
 
 def test_step_without_backward_is_an_error():
