@@ -100,7 +100,8 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     idx = torch.randint(0, mc.vocab_size, (batch, mc.seq_len + 1), generator=gen).to(dev)
     x, y = idx[:, :-1], idx[:, 1:]
     times, state_bytes = [], 0
-    pinned = getattr(eng, "_registered_ptr", None) is not None  # False: page-locking was refused (a warning said why)
+    # False: page-locking was refused (a warning said why); None: not applicable
+    pinned = getattr(eng, "_registered_ptr", None) is not None if dev.type == "cuda" else None
     try:
         for i in range(steps + warm):
             sync(dev)
