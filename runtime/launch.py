@@ -6,6 +6,9 @@
     zero-offload-launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
         --nproc-per-node 8 train.py
 
+    # survive crashes: restart the server and the workers (from the last checkpoint)
+    zero-offload-launch --max-restarts 3 scripts/train_gpt.py --ckpt-dir ck --ckpt-every 50 --auto-resume
+
 The server's address and token reach the workers through ZERO_OFFLOAD_ADDRESS
 and ZERO_OFFLOAD_TOKEN, which OffloadEngine reads.  The CPU cores are split
 between the server's update threads and the workers (affinity and
@@ -29,14 +32,15 @@ STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 # torchrun options that take no value; every other option before SCRIPT takes one
 TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path"}
-OURS = {"--nproc-per-node", "--nproc_per_node", "--server-threads", "--worker-threads", "--server-log-level"}
+OURS = {"--nproc-per-node", "--nproc_per_node", "--server-threads", "--worker-threads", "--server-log-level",
+        "--max-restarts"}
 
 USAGE = ("usage: zero-offload-launch [--nproc-per-node N] [--server-threads T] [--worker-threads W] "
-         "[--server-log-level L] [torchrun options] SCRIPT [ARGS...]")
+         "[--server-log-level L] [--max-restarts R] [torchrun options] SCRIPT [ARGS...]")
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
-    opts = {"nproc": 1, "server_threads": 0, "worker_threads": 0, "log_level": "WARNING"}
+    opts = {"nproc": 1, "server_threads": 0, "worker_threads": 0, "log_level": "WARNING", "max_restarts": 0}
     torch_opts: list[str] = []
     i = 0
     while i < len(argv):
@@ -55,7 +59,8 @@ def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
                 val = argv[i + 1]
                 i += 1
             key = {"--nproc-per-node": "nproc", "--nproc_per_node": "nproc", "--server-threads": "server_threads",
-                   "--worker-threads": "worker_threads", "--server-log-level": "log_level"}[name]
+                   "--worker-threads": "worker_threads", "--server-log-level": "log_level",
+                   "--max-restarts": "max_restarts"}[name]
             if key == "log_level":
                 opts[key] = val
             else:
@@ -109,6 +114,20 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    rc = 1
+    for attempt in range(opts["max_restarts"] + 1):
+        if attempt:
+            print(f"zero-offload-launch: restart {attempt} of {opts['max_restarts']}: a fresh optimizer server and "
+                  f"workers (they resume from their last checkpoint)", file=sys.stderr, flush=True)
+        rc, why = _attempt(opts, torch_opts, script, server_cores, worker_cores, st, wt, stop, attempt)
+        if rc == 0 or stop["sig"] is not None:
+            break
+        print(f"zero-offload-launch: {why}", file=sys.stderr, flush=True)
+    return rc if rc >= 0 else 128 - rc
+
+
+def _attempt(opts, torch_opts, script, server_cores, worker_cores, st, wt, stop, attempt) -> tuple[int, str]:
+    """One run of server + workers; (exit code, what ended it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(st))
     server = spawn(threads=st, log_level=opts["log_level"], env=env, stderr=None,
                    extra_args=[])
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except (AttributeError, OSError):
         pass
     wenv = dict(os.environ, ZERO_OFFLOAD_ADDRESS=server.address, ZERO_OFFLOAD_TOKEN=server.token,
-                OMP_NUM_THREADS=str(wt))
+                OMP_NUM_THREADS=str(wt), ZERO_OFFLOAD_RESTART_COUNT=str(attempt))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts["nproc"]), *torch_opts, *script]
 
     def pin():
@@ -127,32 +146,34 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     workers = subprocess.Popen(cmd, env=wenv, start_new_session=True, preexec_fn=pin)
-    rc = None
+    rc, why = None, ""
     try:
         while rc is None:
             rc = workers.poll()
             if rc is not None:
+                why = f"workers {describe_exit(rc)}"
                 break
             if stop["sig"] is not None:
                 print(f"zero-offload-launch: {signal.Signals(stop['sig']).name}: stopping workers and server",
                       file=sys.stderr, flush=True)
                 rc = 128 + stop["sig"]
+                why = f"stopped by {signal.Signals(stop['sig']).name}"
                 break
             if not server.alive():
-                print(f"zero-offload-launch: optimizer server {describe_exit(server.returncode)}; stopping workers",
-                      file=sys.stderr, flush=True)
+                why = f"optimizer server {describe_exit(server.returncode)}"
+                print(f"zero-offload-launch: {why}; stopping workers", file=sys.stderr, flush=True)
                 deadline = time.monotonic() + STOP_TIMEOUT_S  # workers raise OptimizerServerDeadError themselves
                 while workers.poll() is None and time.monotonic() < deadline:
                     time.sleep(POLL_S)
-                rc = workers.poll() if workers.poll() is not None else 1
+                rc = workers.poll() if workers.poll() else 1  # a dead server is a failure even if they exit 0
                 break
             time.sleep(POLL_S)
     finally:
         _stop_group(workers)
         server.stop(STOP_TIMEOUT_S)
-    if rc != 0:
-        print(f"zero-offload-launch: workers {describe_exit(rc)}", file=sys.stderr, flush=True)
-    return rc if rc >= 0 else 128 - rc
+    if rc != 0 and not why.startswith("workers"):
+        why += f"; workers {describe_exit(rc)}"
+    return rc, why
 
 
 def _stop_group(proc: subprocess.Popen) -> None:

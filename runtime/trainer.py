@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,10 @@ class TrainConfig:
     offload: False runs the baseline (fp32 master + torch AdamW on the device);
         with simulate_dpu the baseline follows the DPU schedule in plain PyTorch.
     threads: torch intra-op threads of this worker (0 = leave torch's default).
+    resume: continue from ckpt_dir's latest checkpoint (it must exist).
+    auto_resume: continue from it if there is one, else start fresh: what a run under
+        `zero-offload-launch --max-restarts N` wants, so a restart picks up where the
+        last checkpoint left off.
     eval_every: validation every K steps (0 = only at the end) over eval_batches batches."""
     model: str = "cpu-mini"
     n_layer: int = 0
@@ -57,6 +62,7 @@ class TrainConfig:
     ckpt_dir: str = ""
     ckpt_every: int = 0
     resume: bool = False
+    auto_resume: bool = False
     trace_dir: str = ""
     seed: int = 0
     log_json: str = ""
@@ -75,8 +81,10 @@ class TrainConfig:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.resume and not self.ckpt_dir:
+        if (self.resume or self.auto_resume) and not self.ckpt_dir:
             raise ValueError("resume needs ckpt_dir (the checkpoint to resume from)")
+        if self.auto_resume and not self.offload:
+            raise ValueError("auto_resume needs offload (the baseline writes no checkpoints)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -129,12 +137,16 @@ def train(tc: TrainConfig) -> dict:
     val_src = Batches(corpus.val, tc.batch_size, tc.seq_len, seed=tc.seed + 2, device=device)
     val_batches = [val_src.next() for _ in range(tc.eval_batches)]
     engine = make_engine(tc, model, tc.steps, device)
+    if tc.log_json:
+        Path(tc.log_json).parent.mkdir(parents=True, exist_ok=True)
     log = open(tc.log_json, "a") if tc.log_json else None
     history = {"step": [], "loss": [], "val_step": [], "val_loss": [], "step_s": [], "wait_s": []}
     start = 1
     try:
-        if tc.resume:
+        if tc.resume or (tc.auto_resume and (Path(tc.ckpt_dir) / "latest").exists()):
             engine.load_checkpoint(tc.ckpt_dir)
+            print(f"resumed from {engine.resolve_checkpoint(tc.ckpt_dir)} at step {engine.iteration}",
+                  file=sys.stderr, flush=True)
             start = engine.iteration + 1
             for _ in range((start - 1) * tc.grad_accum):  # replay the data stream to where it stopped
                 train_b.next()

@@ -51,6 +51,8 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--ckpt-dir", default="", help="save a checkpoint here at the end (and every --ckpt-every)")
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="resume from --ckpt-dir")
+    ap.add_argument("--auto-resume", action="store_true",
+                    help="resume from --ckpt-dir if it holds a checkpoint, else start fresh (for --max-restarts)")
     ap.add_argument("--trace-dir", default="", help="write per-process Chrome traces here")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--log-json", default="", help="append one JSON line per step here")
@@ -67,7 +69,7 @@ def parse(argv=None) -> TrainConfig:
                            grad_accum=a.grad_accum,
                            clip=a.clip or None, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                            beta1=a.beta1, beta2=a.beta2, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every,
-                           resume=a.resume, trace_dir=a.trace_dir, seed=a.seed, log_json=a.log_json,
+                           resume=a.resume, auto_resume=a.auto_resume, trace_dir=a.trace_dir, seed=a.seed, log_json=a.log_json,
                            eval_every=a.eval_every, server_threads=a.server_threads, threads=threads,
                            progress=a.progress)
     except ValueError as e:
