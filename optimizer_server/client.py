@@ -41,7 +41,8 @@ class ShardClient:
     def __init__(self, address: str, token: str, *, rank: int = 0, world_size: int = 1, numel: int,
                  dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0):
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
+                 weight_slots: int = 1):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -57,7 +58,7 @@ class ShardClient:
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
-                        progress_block=progress_block)
+                        progress_block=progress_block, weight_slots=weight_slots)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:
@@ -70,7 +71,8 @@ class ShardClient:
         self.segment = Segment.attach(ok.segment, ok.segment_bytes)
         n = ok.numel
         self.grads = [self.segment.array(np.uint16, off, n) for off in ok.grad_offsets]
-        self.weights16 = self.segment.array(np.uint16, ok.weights_offset, n)
+        self.weights16_slots = [self.segment.array(np.uint16, off, n) for off in ok.weights_offsets]
+        self.weights16 = self.weights16_slots[0]
         self.staging = self.segment.array(np.float32, ok.staging_offset, n)
         self.progress = self.segment.array(np.uint64, ok.progress_offset, 1)
         self._hb_stop = threading.Event()
@@ -166,13 +168,13 @@ class ShardClient:
         self._request(P.Init(session=self.session), P.Ok)
 
     def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
-                   predict: float = 0.0):
+                   predict: float = 0.0, out_slot: int = 0):
         self._check_usable()
         if self._inflight is not None:
             raise OptimizerServerError(f"step {step} sent while step {self._inflight} is in flight", code=P.E_ORDER)
         self._sock.send(P.Step(session=self.session, step=step, slot=slot, lr=float(lr),
                                grad_scale=float(grad_scale), hparams=dict(hparams or {}),
-                               predict=float(predict)).encode())
+                               predict=float(predict), out_slot=out_slot).encode())
         self._inflight = step
 
     def wait_done(self, timeout_s: float | None = None) -> P.Done:
@@ -254,6 +256,7 @@ class ShardClient:
         finally:
             self.grads = []
             self.weights16 = self.staging = self.progress = None
+            self.weights16_slots = []
             if self.segment is not None:
                 self.segment.close()
             self._close_sockets()

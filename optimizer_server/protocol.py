@@ -46,7 +46,8 @@ only ever lets the worker read earlier: during a STEP the server publishes
 already holds this step's weights (release store after the block's writes; the
 worker reads it with an acquire load).  INIT and LOAD reset it to 0.
 
-Version 2 added the progress word (HELLO_OK.progress_offset).
+Version 2 added the progress word (HELLO_OK.progress_offset) and the optional
+second weights16 slot (HELLO.weight_slots, HELLO_OK.weights_offsets, STEP.out_slot).
 """
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ class Hello(Message):
     hparams: dict = field(default_factory=dict)  # lr, beta1, beta2, eps, weight_decay
     pid: int = 0
     progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
+    weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -143,6 +145,7 @@ class Hello(Message):
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         validate_hparams(self.hparams)
+        _require(self.weight_slots in (1, 2), f"weight_slots must be 1 or 2, got {self.weight_slots}")
         _require(0 <= self.progress_block <= MAX_NUMEL,
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
 
@@ -172,7 +175,7 @@ class HelloOk(Message):
     segment_bytes: int
     numel: int
     grad_offsets: list
-    weights_offset: int
+    weights_offsets: list  # one per weight slot
     staging_offset: int
     progress_offset: int
     server_pid: int
@@ -195,9 +198,11 @@ class Step(Message):
     grad_scale: float = 1.0
     hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
     predict: float = 0.0  # weights16 gets p + predict*(p - p_prev): DPU weight prediction (Adam only)
+    out_slot: int = 0     # which weights16 slot receives the new weights (HELLO.weight_slots = 2)
 
     def validate(self) -> None:
         _require(self.step >= 1, f"step must be >= 1, got {self.step}")
+        _require(self.out_slot in (0, 1), f"out_slot must be 0 or 1, got {self.out_slot}")
         _require(math.isfinite(self.predict) and 0.0 <= self.predict <= 4.0,
                  f"predict must be in [0, 4], got {self.predict}")
         _require(0 <= self.slot < NUM_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")

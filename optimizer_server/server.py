@@ -302,6 +302,9 @@ class OptimizerServer:
             if msg.step != shard.steps + 1:
                 return P.error(P.E_ORDER, f"STEP {msg.step} out of order: the shard has done {shard.steps} "
                                           f"update(s), so the next is {shard.steps + 1}")
+            if msg.out_slot >= len(shard.weights16_slots):
+                return P.error(P.E_DECODE, f"out_slot {msg.out_slot} but HELLO asked for "
+                                           f"{len(shard.weights16_slots)} weight slot(s)")
             if msg.predict and shard.optimizer not in ("adamw", "adam"):
                 return P.error(P.E_DECODE, f"predict is implemented for adam/adamw, not {shard.optimizer}")
             shard.busy = True
@@ -338,7 +341,7 @@ class OptimizerServer:
         if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
             return P.error(P.E_AUTH, "wrong or missing token: pass the token the server wrote next to its "
                                      "address file (ZERO_OFFLOAD_TOKEN)")
-        layout = ShardLayout(msg.numel)
+        layout = ShardLayout(msg.numel, msg.weight_slots)
         need = msg.numel * state_bytes_per_param(msg.optimizer) + layout.total_bytes
         avail = read_mem_available()
         if need > avail * self.cfg.max_ram_fraction:
@@ -373,7 +376,7 @@ class OptimizerServer:
         log.info("rank %d/%d registered: %d params %s %s, segment %s", msg.rank, msg.world_size, msg.numel,
                  msg.dtype, msg.optimizer, name)
         return P.HelloOk(session=session, segment=name, segment_bytes=layout.total_bytes, numel=msg.numel,
-                         grad_offsets=list(layout.grad_offsets), weights_offset=layout.weights_offset,
+                         grad_offsets=list(layout.grad_offsets), weights_offsets=list(layout.weights_offsets),
                          staging_offset=layout.staging_offset, progress_offset=layout.progress_offset,
                          server_pid=os.getpid()).encode()
 

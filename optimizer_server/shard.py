@@ -64,12 +64,13 @@ class Shard:
         self.hparams.update(hello.hparams)
         self.threads = threads
         self.segment = segment
-        self.layout = ShardLayout(self.numel)
+        self.layout = ShardLayout(self.numel, hello.weight_slots)
         n = self.numel
         self.master = np.zeros(n, np.float32)
         self.state = {name: np.zeros(n, np.float32) for name in STATE_ARRAYS[self.optimizer]}
         self.grads = [segment.array(np.uint16, off, n) for off in self.layout.grad_offsets]
-        self.weights16 = segment.array(np.uint16, self.layout.weights_offset, n)
+        self.weights16_slots = [segment.array(np.uint16, off, n) for off in self.layout.weights_offsets]
+        self.weights16 = self.weights16_slots[0]  # INIT and LOAD write this one
         self.staging = segment.array(np.float32, self.layout.staging_offset, n)
         self.progress = segment.array(np.uint64, self.layout.progress_offset, 1)
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
@@ -94,6 +95,7 @@ class Shard:
         """Drop views, unmap and unlink the segment (the server created it)."""
         self.grads = []
         self.weights16 = self.staging = self.progress = None
+        self.weights16_slots = []
         self.segment.close()
         self.segment.unlink()
         self.master = None
@@ -115,7 +117,7 @@ class Shard:
         self.hparams["lr"] = msg.lr
         h = self.hparams
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
-        gin, out = self.grads[msg.slot], self.weights16
+        gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         # progress: weights16 is final block by block, front first; the worker copies
         # each block up as soon as it is published (and, with DPU, free on the device)
         kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,

@@ -14,6 +14,11 @@ The fp32 staging area aliases the two gradient slots: it is only used when no
 step is in flight (initial weights, GET_MASTER, LOAD), and sharing saves 4 B/param
 of host RAM (host state is 12 B/param private + 6 B/param shared = 18 B/param).
 
+With weight_slots=2 (HELLO asks for it) there are two page-aligned weights16
+slots one after the other, and each STEP names the one it writes (out_slot):
+a worker whose device is this CPU keeps its model's 16-bit weights in the
+other slot, so the new weights need no copy at all, only a swap.
+
 The progress word, on a cache line of its own, is written by the server alone:
 during an update, (step << 40) | weights16 elements already final, after each
 block (cython_ext.cpu_adam, release store); 0 after INIT and LOAD.  The worker
@@ -44,6 +49,7 @@ def _round_up(x: int, a: int = PAGE) -> int:
 @dataclass(frozen=True)
 class ShardLayout:
     numel: int
+    weight_slots: int = 1  # 2: the worker's CPU model lives in the segment (zero-copy), see above
 
     @property
     def grad_offsets(self) -> tuple[int, int]:
@@ -54,13 +60,18 @@ class ShardLayout:
         return 0
 
     @property
+    def weights_offsets(self) -> tuple[int, ...]:
+        first = _round_up(4 * self.numel)
+        return tuple(first + i * _round_up(2 * self.numel) for i in range(self.weight_slots))
+
+    @property
     def weights_offset(self) -> int:
-        return _round_up(4 * self.numel)
+        return self.weights_offsets[0]
 
     @property
     def progress_offset(self) -> int:
         # its own cache line: the worker polls it while the server writes weights
-        return _round_up(self.weights_offset + 2 * self.numel, 64)
+        return _round_up(self.weights_offsets[-1] + 2 * self.numel, 64)
 
     @property
     def total_bytes(self) -> int:

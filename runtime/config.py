@@ -36,6 +36,11 @@ class OffloadConfig:
         weights a synchronous run would have; computed in the update's own pass, no
         extra memory traffic.  0 = plain DPU (the paper's), 1 = linear extrapolation.
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
+    cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
+        weights live in the shared segment (two slots): the server writes the next weights
+        into the slot the model is not using and landing an update swaps the model onto
+        it, so no weight bytes are copied (the gradients still are).  False: copy them
+        like a GPU would (what the copy path's CPU tests use).
     overlap_weights_up: copy the new weights up as the server publishes them (during
         the wait, and with DPU inside the next backward as it frees each bucket).
         False: the whole shard after DONE, as before version 2 of the protocol (for A/B).
@@ -74,6 +79,7 @@ class OffloadConfig:
     dpu_warmup_steps: int = 40
     dpu_predict: float = 0.0
     bucket_numel: int = 1 << 24
+    cpu_zero_copy: bool = True
     overlap_weights_up: bool = True
     progress_block_numel: int = 1 << 20
     server_address: str = ""

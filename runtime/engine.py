@@ -18,6 +18,13 @@ server and returns; at the end of the next step it waits for that update,
 copies the weights up and hands over the new gradients.  So with M_k the
 master after k updates, the device computes step i on W_i = M_(i-2) for i > N.
 
+The weights go up as the server publishes them (runtime.weights_up): during
+the wait when synchronous, and inside the next backward as buckets free with
+DPU.  When the device is this CPU and there is one rank, they do not go up at
+all: the model's 16-bit weights live in one of two weights16 slots of the
+shared segment, the server writes the next weights into the other, and landing
+an update rebinds the parameters to it (cpu_zero_copy).
+
 State machine across step() calls:  in_flight (a STEP awaits DONE) ->
 stale (DONE came, the new weights are in the shared buffer, not yet on the
 device) -> copied.  Checkpoints wait for the update in flight but keep the
@@ -83,6 +90,11 @@ class OffloadEngine:
         # one CPU rank: device memory is host memory, so gradients go straight into
         # the shared slot from the hooks, with no bucket buffer in between
         self._direct_host = self.world_size == 1 and not self.is_cuda
+        # ... and its 16-bit weights can live in the shared segment itself: two slots,
+        # the server writes the next weights into the one the model is not using,
+        # and landing an update swaps the model onto it (no copy up at all)
+        self._zero_copy = self._direct_host and cfg.cpu_zero_copy
+        self._cur = 0  # zero-copy: the weights16 slot the model's parameters view
         self.tracer = Tracer(cfg.trace_dir, "worker", self.rank)
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
         S = self.flat.shard_numel
@@ -143,11 +155,12 @@ class OffloadEngine:
         self.client = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
                                   numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
                                   hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
-                                  progress_block=cfg.progress_block_numel)
+                                  progress_block=cfg.progress_block_numel,
+                                  weight_slots=2 if self._zero_copy else 1)
         c = self.client
         as16 = lambda a: torch.from_numpy(a.view(np.int16)).view(self.dtype)  # noqa: E731
         self._host_grads = [as16(g) for g in c.grads]
-        self._host_w16 = as16(c.weights16)
+        self._w16_slots = [as16(w) for w in c.weights16_slots]
         if self.is_cuda:
             self._register_host_memory()
             self._copy_stream = torch.cuda.Stream(self.device)  # gradients down
@@ -179,7 +192,11 @@ class OffloadEngine:
             self.client.init_weights()
             # every rank casts the full model itself (identical on all ranks); the
             # server's 16-bit copy of our shard rounds the same way (RNE)
-            self.flat16 = fp32.to(self.dtype).to(self.device)
+            if self._zero_copy:
+                self.flat16 = self._w16_slots[self._cur]
+                self.flat16.copy_(fp32)  # the cast every rank makes; the server wrote the same (RNE)
+            else:
+                self.flat16 = fp32.to(self.dtype).to(self.device)
             del fp32
             self.flat.bind(self.flat16)
             for b in self.model.buffers():
@@ -256,6 +273,22 @@ class OffloadEngine:
             b.remaining = 0
             self._bucket_done(b)
 
+    @property
+    def _host_w16(self) -> torch.Tensor:
+        """The shared slot the next weights arrive in (as a tensor of self.dtype)."""
+        return self._w16_slots[1 - self._cur if self._zero_copy else 0]
+
+    def _incoming_words(self) -> np.ndarray:
+        return self.client.weights16_slots[1 - self._cur if self._zero_copy else 0]
+
+    def _swap_weights(self) -> None:
+        """Zero-copy landing: the model's parameters move onto the slot the server
+        just wrote (a view change per parameter, microseconds; no bytes move)."""
+        self._cur = 1 - self._cur
+        self.flat16 = self._w16_slots[self._cur]
+        self.flat.bind(self.flat16)
+        self._up.reset()
+
     def _weights_free(self) -> None:
         """Backward is done with a prefix of buckets: copy the pending update's
         weights there (those published so far; runtime.weights_up)."""
@@ -267,7 +300,7 @@ class OffloadEngine:
 
     def _bucket_done(self, b: Bucket) -> None:
         """The bucket is complete: reduce across ranks, copy our shard's part down."""
-        if self._up.pending:
+        if self._up.pending and not self._zero_copy:
             self._weights_free()
         lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
         if self._direct_host:
@@ -366,7 +399,8 @@ class OffloadEngine:
         hp = {"weight_decay": float(pg["weight_decay"])}
         with self.tracer.span("signal", step=k):
             self.client.step_async(k, self._slot, lr, clip / scale, hp,
-                                   predict=self.cfg.dpu_predict if delayed else 0.0)
+                                   predict=self.cfg.dpu_predict if delayed else 0.0,
+                                   out_slot=1 - self._cur if self._zero_copy else 0)
             self._up.begin(k)
         self.updates = k
         self.scaler.update(False)
@@ -380,7 +414,7 @@ class OffloadEngine:
         if self.client.in_flight is not None:
             t0 = time.perf_counter()
             with self.tracer.span("wait_server"), self._record("zo.wait_server"):
-                if copy:
+                if copy and not self._zero_copy:
                     done = self._up.wait_landed()
                 else:
                     done = self.client.wait_done()
@@ -389,10 +423,14 @@ class OffloadEngine:
             self.update_s += done.update_s
             self._stale = True
         if copy and self._stale:
-            with self.tracer.span("weights_up_tail"), self._record("zo.weights_up"):
-                self._up.finish()
-                if self.world_size > 1:
-                    distributed.all_gather_weights(self)
+            if self._zero_copy:
+                with self.tracer.span("weights_swap"):
+                    self._swap_weights()
+            else:
+                with self.tracer.span("weights_up_tail"), self._record("zo.weights_up"):
+                    self._up.finish()
+                    if self.world_size > 1:
+                        distributed.all_gather_weights(self)
             self._stale = False
 
     def synchronize(self, copy_weights: bool = False) -> None:
@@ -450,7 +488,7 @@ class OffloadEngine:
                 if self._stale:
                     # the landed update not yet on the device (with dpu_predict it is
                     # not simply RNE(master), so it is saved as it is)
-                    atomic_write_bytes(self._pending_file(tmp), self.client.weights16.tobytes())
+                    atomic_write_bytes(self._pending_file(tmp), self._incoming_words().tobytes())
                 meta = {"version": ENGINE_STATE_VERSION, "world_size": self.world_size, "rank": self.rank,
                         "numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer,
                         "iteration": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
@@ -527,7 +565,7 @@ class OffloadEngine:
                 raise ValueError(f"{self._pending_file(d)} holds {pending.size} weights, expected "
                                  f"{self.flat.shard_numel}")
             # nothing is in flight: the server does not touch the buffer until the next STEP
-            np.copyto(self.client.weights16, pending)
+            np.copyto(self._incoming_words(), pending)
         self._up.reset()
         if self._stale:
             self._up.begin(self.updates)
@@ -540,7 +578,7 @@ class OffloadEngine:
                 "loss_scale": self.scaler.scale, "bytes_to_host": self.bytes_to_host,
                 "bytes_to_device": self.bytes_to_device, "bytes_to_device_early": self._up.early_bytes,
                 "wait_s": self.wait_s, "server_update_s": self.update_s,
-                "grad_norm": self.last_grad_norm, "num_params": self.flat.numel,
+                "grad_norm": self.last_grad_norm, "weights_zero_copy": self._zero_copy, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 
     # ------------------------------------------------------------------ teardown
@@ -560,11 +598,16 @@ class OffloadEngine:
                 except OptimizerServerError:
                     pass
         finally:
+            if self._zero_copy and getattr(self, "flat16", None) is not None:
+                # the parameters view the shared segment, which goes away now: give
+                # the model its weights in private memory (the user may keep using it)
+                self.flat16 = self.flat16.clone()
+                self.flat.bind(self.flat16)
             for h in self._hooks:
                 h.remove()
             self._hooks = []
             self._host_grads = []
-            self._host_w16 = None
+            self._w16_slots = []
             if self._registered_ptr is not None:
                 torch.cuda.synchronize(self.device)
                 torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)

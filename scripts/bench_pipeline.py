@@ -51,8 +51,10 @@ def pin(pid: int, cores: set[int]) -> None:
 # "baseline-1core" is the no-offload run with exactly our worker's compute.
 # "dpu-shared": DPU with the worker on both cores too (2 threads) and the server
 # unpinned, the set-up for a CPU device when forward/backward dominates.
-# "*-after": the weights go up only after DONE, in one piece (overlap_weights_up=False),
-# the A/B for copying them up block by block as the server publishes them.
+# The weights' way up, A/B/C (runtime/weights_up.py): the plain names keep the CPU
+# device's zero-copy weights (the model lives in the shared segment, landing is a
+# swap); "*-copy" copies them as a GPU must, block by block as the server publishes
+# them; "*-after" copies them in one piece after DONE (overlap_weights_up=False).
 WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared"}
 
 
@@ -66,6 +68,7 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     dpu = name.startswith("dpu")
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup,
                         dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
+                        cpu_zero_copy=not name.endswith(("-copy", "-after")),
                         server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
           f"each; no-offload and DeepSpeed on all {len(cores)} cores, baseline-1core on the worker's", flush=True)
-    variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared", "sync-after", "dpu-after"]
+    variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared", "sync-copy", "dpu-copy",
+                "sync-after", "dpu-after"]
     try:
         import deepspeed  # noqa: F401
         variants.append("deepspeed")
@@ -209,8 +213,9 @@ def main(argv=None) -> int:
                f"{t_fb:.1f} | {t_cpu:.1f} | {ideal:.1f} | {total:.1f} | {med['dpu'] / ideal:.2f} | "
                f"{med['sync-untraced'] / med['dpu']:.2f}x | {best / med['baseline']:.2f} | {best / ds:.2f} | "
                f"{tok / best * 1e3:.0f} | {100 * overhead:+.1f}% | {100 * cost:.3f}% |")
-        ab = (f"| {model_name} {bs}x{sl} | {med['sync-after']:.1f} | {med['sync-untraced']:.1f} | "
-              f"{med['sync-after'] / med['sync-untraced']:.2f}x | {med['dpu-after']:.1f} | {med['dpu']:.1f} | "
+        ab = (f"| {model_name} {bs}x{sl} | {med['sync-after']:.1f} | {med['sync-copy']:.1f} | "
+              f"{med['sync-untraced']:.1f} | {med['sync-after'] / med['sync-untraced']:.2f}x | "
+              f"{med['dpu-after']:.1f} | {med['dpu-copy']:.1f} | {med['dpu']:.1f} | "
               f"{med['dpu-after'] / med['dpu']:.2f}x |")
         del batches, src
         print(row, flush=True)
@@ -231,10 +236,12 @@ def main(argv=None) -> int:
               "'tracing A/B' is traced/untraced - 1 for the same synchronous configuration (separate engines: "
               "its noise is several percent); 'tracing cost' is the worker's spans per step times the measured "
               f"cost of one span ({span_us:.1f} us), over the step time.\n"
-            + "\nWeights up as the server publishes them (runtime/weights_up.py) vs in one piece after DONE "
-              "(overlap_weights_up=False), same run:\n\n"
-            + "\n".join(["| model, batch | sync, copy after DONE ms | sync, copy as published ms | gain "
-                          "| DPU, copy after DONE ms | DPU, copy in backward ms | gain |", "|" + "---|" * 7,
+            + "\nThe weights' way up, same run: copied in one piece after DONE (overlap_weights_up=False), "
+              "copied block by block as the server publishes them (during the wait; with DPU inside the next "
+              "backward), or not copied at all (the CPU device's zero-copy slots, the columns above):\n\n"
+            + "\n".join(["| model, batch | sync, copy after DONE ms | sync, copy as published ms | sync, zero-copy ms "
+                          "| after / zero-copy | DPU, copy after DONE ms | DPU, copy in backward ms "
+                          "| DPU, zero-copy ms | after / zero-copy |", "|" + "---|" * 9,
                           *ab_rows]) + "\n")
     if not a.no_write:
         update_section("bench_pipeline", body)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import filecmp
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,7 +77,7 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=Fa
                         dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
                         dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24),
                         progress_block_numel=hp.get("progress_block", 1 << 20),
-                        pin_host_memory=hp.get("pin", "auto"))
+                        pin_host_memory=hp.get("pin", "auto"), cpu_zero_copy=hp.get("zero_copy", True))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
@@ -140,7 +141,8 @@ def test_weights_copied_up_block_by_block_match_reference(dpu):
     the update runs (sync) or inside the next backward (DPU), and still every
     step's weights are the schedule's."""
     p0, master, ref_master, losses, ref_losses, st = run_pair(gpt, gpt_batch, "bf16", steps=12, dpu=dpu,
-                                                              bucket_numel=1024, progress_block=100)
+                                                              bucket_numel=1024, progress_block=100,
+                                                              zero_copy=False)
     assert rel_err(master - p0, ref_master - p0) < 1e-4
     copied = st["updates"] - (1 if dpu else 0)  # DPU: the last update has landed, not gone up
     assert st["bytes_to_device"] == 2 * st["shard_numel"] * copied  # each weight once per update
@@ -151,10 +153,46 @@ def test_dpu_copies_weights_inside_backward():
     update's weights from the gradient hooks as backward frees each bucket."""
     N = 3
     p0, master, ref_master, _, _, st = run_pair(gpt, gpt_batch, "bf16", steps=10, dpu=N, land_early=True,
-                                                bucket_numel=1024, progress_block=100)
+                                                bucket_numel=1024, progress_block=100, zero_copy=False)
     assert rel_err(master - p0, ref_master - p0) < 1e-4
     delayed = st["updates"] - (N - 1)
     assert st["bytes_to_device_early"] >= 2 * st["shard_numel"] * (delayed - 1)
+
+
+@pytest.mark.parametrize("dpu", [None, 3], ids=["sync", "dpu"])
+def test_cpu_zero_copy_model_lives_in_the_segment_and_swaps_slots(dpu):
+    """One CPU rank: the parameters view a weights16 slot of the shared segment; each
+    landed update moves them to the other slot, and no weight bytes are copied.
+    The copying path gives bitwise the same training."""
+    def run(zero_copy):
+        model = gpt()
+        cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu is not None, dpu_warmup_steps=dpu or 40,
+                            server_threads=1, cpu_zero_copy=zero_copy)
+        eng = OffloadEngine(model, cfg)
+        p = next(model.parameters())
+        seg = np.frombuffer(eng.client.segment.buffer, np.uint8).ctypes.data
+        inside = lambda: seg <= p.data_ptr() < seg + eng.client.segment.size  # noqa: E731
+        slots = []
+        try:
+            for t in range(1, 9):
+                assert inside() == zero_copy
+                slots.append(eng._cur)
+                train_engine(eng, gpt_batch, 1, "bf16", start=t)
+            st = eng.stats()
+            master = flat_master(eng)
+        finally:
+            eng.close()
+        assert not inside() or not zero_copy  # private again after close...
+        loss = gpt_batch(9, "bf16")(model)    # ...and the model still works
+        return slots, st, master, [q.detach().clone() for q in model.parameters()], float(loss.detach())
+
+    slots, st, master, w, loss = run(True)
+    assert st["weights_zero_copy"] and st["bytes_to_device"] == 0 and st["bytes_to_host"] > 0
+    assert len(set(slots)) == 2  # the model moved between the two slots
+    slots_c, st_c, master_c, w_c, loss_c = run(False)
+    assert st_c["bytes_to_device"] > 0 and set(slots_c) == {0}
+    assert torch.equal(master, master_c) and loss == loss_c
+    assert all(torch.equal(a, b) for a, b in zip(w, w_c))
 
 
 def test_dpu_weight_prediction_matches_reference():
@@ -236,15 +274,19 @@ def test_accumulation_equals_larger_batch():
     assert rel_err(out[0] - p0, out[1] - p0) < 2e-2  # bf16 gradient rounding of two half-batch sums
 
 
-def test_traffic_is_four_bytes_per_param_per_step():
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_traffic_is_four_bytes_per_param_per_step(zero_copy):
+    """2 B/param down and 2 up, as a GPU would move them; with the CPU's zero-copy
+    weights only the 2 down remain."""
     model = gpt()
     n = sum(p.numel() for p in model.parameters())
     T = 7
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server_threads=1, cpu_zero_copy=zero_copy)) as eng:
         train_engine(eng, gpt_batch, T, "fp16")
         st = eng.stats()
     assert st["num_params"] == n
-    assert st["bytes_to_host"] == st["bytes_to_device"] == 2 * n * T
+    assert st["bytes_to_host"] == 2 * n * T
+    assert st["bytes_to_device"] == (0 if zero_copy else 2 * n * T)
 
 
 @pytest.mark.parametrize("dpu,predict", [(False, 0.0), (True, 0.0), (True, 1.0)])

@@ -12,7 +12,7 @@ SAMPLES = [
     P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
             hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64),
     P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
-              weights_offset=4096, staging_offset=0, progress_offset=4160, server_pid=1),
+              weights_offsets=[4096], staging_offset=0, progress_offset=4160, server_pid=1),
     P.Init(session="s"),
     P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}),
     P.Done(step=3, update_s=0.01),

@@ -42,7 +42,7 @@ class MiniClient:
         self.mm = mmap.mmap(fd, ok.segment_bytes)
         os.close(fd)
         self.grad = [np.frombuffer(self.mm, np.float16, numel, off) for off in ok.grad_offsets]
-        self.w16 = np.frombuffer(self.mm, np.float16, numel, ok.weights_offset)
+        self.w16 = np.frombuffer(self.mm, np.float16, numel, ok.weights_offsets[0])
         self.staging = np.frombuffer(self.mm, np.float32, numel, ok.staging_offset)
         self.progress = np.frombuffer(self.mm, np.uint64, 1, ok.progress_offset)
 
