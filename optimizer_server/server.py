@@ -36,6 +36,7 @@ from .procs import pid_alive
 from .shard import Shard, state_bytes_per_param
 from .shm import Segment, ShardLayout
 from .shm import unlink as shm_unlink
+from .spawn import SPAWN_DIR_PREFIX
 from .tracing import Tracer
 
 log = logging.getLogger("optimizer_server")
@@ -480,6 +481,16 @@ class OptimizerServer:
         if self.cfg.address_file:
             for suffix in ("", ".token", ".segments"):
                 Path(self.cfg.address_file + suffix).unlink(missing_ok=True)
+            # spawn() made the address file's private directory and removes it at its
+            # exit; when that parent was killed first, the server is the last one who
+            # knows it.  rmdir only ever removes an empty directory.
+            if self.cfg.parent_pid and not pid_alive(self.cfg.parent_pid):
+                d = Path(self.cfg.address_file).parent
+                if d.name.startswith(SPAWN_DIR_PREFIX):
+                    try:
+                        d.rmdir()
+                    except OSError:
+                        pass
 
 
 def run(cfg: ServerConfig) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from .procs import describe_exit
 
 READY_TIMEOUT_S = 60.0
+SPAWN_DIR_PREFIX = "zero-offload-spawn-"  # the server removes such a directory if its parent was killed
 STOP_TIMEOUT_S = 10.0
 
 
@@ -80,7 +81,7 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
           extra_args: list[str] | None = None, trace_dir: str = "") -> ServerHandle:
     tmpdir = None
     if not address_file:
-        tmpdir = tempfile.mkdtemp(prefix="zero-offload-spawn-")
+        tmpdir = tempfile.mkdtemp(prefix=SPAWN_DIR_PREFIX)
         address_file = os.path.join(tmpdir, "server.addr")
     token = token or secrets.token_hex(16)
     cmd = [sys.executable, "-m", "optimizer_server", "--address-file", address_file, "--threads", str(threads),

@@ -116,3 +116,26 @@ def test_resume_after_server_crash_is_bitwise(tmp_path):
             masters.append(torch.load(max(ck.glob("master-*.pt"), key=os.path.getmtime)))
     for k in masters[0]:
         assert torch.equal(masters[0][k], masters[1][k])
+
+
+def test_killed_parent_leaves_no_spawn_directory():
+    """spawn()'s private directory goes at the parent's exit; when the parent is
+    SIGKILLed instead, the server (which exits with it) removes it."""
+    from optimizer_server.procs import pid_alive
+    code = ("import time\nfrom optimizer_server import spawn\ns = spawn(threads=1)\n"
+            "print(s.address_file, s.pid, flush=True)\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        address_file, server_pid = p.stdout.readline().split()
+        d = Path(address_file).parent
+        assert d.is_dir() and d.name.startswith("zero-offload-spawn-")
+    finally:
+        p.kill()
+        p.wait(10)
+        p.stdout.close()
+    deadline = time.monotonic() + 20
+    while pid_alive(int(server_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(int(server_pid)), "the server outlived its killed parent"
+    assert not d.exists(), f"{d} was left behind"
