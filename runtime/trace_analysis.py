@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 WORKER_PHASES = ("iteration", "forward", "backward", "step", "grad_bucket", "grad_check", "signal", "wait_server",
-                 "weights_up", "weights_up_tail", "all_gather", "skip")
+                 "weights_up", "weights_up_tail", "weights_swap", "all_gather", "skip")
 
 
 @dataclass

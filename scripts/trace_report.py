@@ -26,10 +26,12 @@ def main(argv=None) -> int:
               f"{100 * r['share']:6.1f}%")
     print(f"CPU update hidden behind forward/backward: {100 * hidden_fraction(spans):.1f}%")
     b = bytes_per_step(spans)
-    early = b["to_device_early_B"] / b["to_device_B"] if b["to_device_B"] else float("nan")
-    print(f"per step: {b['to_host_B'] / 1e6:.2f} MB to host, {b['to_device_B'] / 1e6:.2f} MB to device "
-          f"({100 * early:.0f}% of it before the update ended or inside backward); "
-          f"weights up at {b['to_device_GBps']:.1f} GB/s; server update at {b['update_GBps']:.1f} GB/s")
+    if b["to_device_B"]:
+        up = (f"{b['to_device_B'] / 1e6:.2f} MB to device ({100 * b['to_device_early_B'] / b['to_device_B']:.0f}% "
+              f"of it before the update ended or inside backward), at {b['to_device_GBps']:.1f} GB/s")
+    else:
+        up = "no weight copies (the CPU device's zero-copy slots)"
+    print(f"per step: {b['to_host_B'] / 1e6:.2f} MB to host, {up}; server update at {b['update_GBps']:.1f} GB/s")
     if a.png:
         timeline_png(spans, a.png)
         print(f"timeline: {a.png}")
