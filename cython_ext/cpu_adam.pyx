@@ -30,6 +30,7 @@ import os
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE
 from libc.stdint cimport int64_t, uint64_t
+from libc.string cimport memcpy
 from cython.parallel cimport prange
 
 cdef extern from "_kernels.h" nogil:
@@ -401,6 +402,52 @@ def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
             lo = c * CHUNK
             hi = lo + CHUNK if lo + CHUNK < n else n
             acc[c] = zo_sumsq_chunk(level, g, gk, lo, hi)
+    cdef double total = 0.0
+    for c in range(nchunks):  # in order: deterministic
+        total += acc[c]
+    return total
+
+
+def copy_grad_sumsq(src, dst, *, grad_dtype=None, num_threads=0):
+    """dst[:] = src for a 16-bit gradient, returning its sum of squares as grad_sumsq would.
+
+    One pass over memory instead of two: each chunk is copied and then summed from
+    the copy while it is still in cache.  The result is bitwise grad_sumsq(dst).
+    src: float16, or 16-bit words with grad_dtype="fp16"/"bf16"; dst: 16-bit, writable.
+    The engine calls it from its gradient hooks on the CPU device (copy into the
+    shared slot plus the global-norm contribution).
+    """
+    cdef _Buf bs = _get(src, "grad", False)
+    cdef _Buf bd = _get(dst, "dst", True)
+    cdef int gk = _kind_of(bs, "grad", grad_dtype, False)
+    if bd.itemsize != 2 or bd.fmt not in ("e", "H", "h"):
+        raise TypeError(f"dst must hold 16-bit values (float16 or 16-bit words), got buffer format {bd.fmt!r}")
+    cdef Py_ssize_t n = bs.n
+    _check_len(bd, "dst", n)
+    cdef int nt = _threads(num_threads)
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    cdef int level = _level
+    cdef const unsigned short *g = <const unsigned short *>bs.view.buf
+    cdef unsigned short *d = <unsigned short *>bd.view.buf
+    if n == 0:
+        return 0.0
+    parts = bytearray(8 * nchunks)
+    cdef double[::1] acc = memoryview(parts).cast("d")
+    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        with nogil:
+            for c in range(nchunks):
+                lo = c * CHUNK
+                hi = lo + CHUNK if lo + CHUNK < n else n
+                memcpy(d + lo, g + lo, 2 * (hi - lo))
+                acc[c] = zo_sumsq_chunk(level, d, gk, lo, hi)
+    else:
+        for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
+            lo = c * CHUNK
+            hi = lo + CHUNK if lo + CHUNK < n else n
+            memcpy(d + lo, g + lo, 2 * (hi - lo))
+            acc[c] = zo_sumsq_chunk(level, d, gk, lo, hi)
     cdef double total = 0.0
     for c in range(nchunks):  # in order: deterministic
         total += acc[c]

@@ -245,7 +245,15 @@ class OffloadEngine:
         b = self.flat.buckets[s.bucket]
         g = p.grad.reshape(-1)
         if self._direct_host:
-            self._host_grads[self._slot][s.offset:s.offset + s.numel].copy_(g)
+            # copy into the shared slot and take the norm's share in one pass over
+            # memory (the sum is read from cache, right behind the copy)
+            dst = self.client.grads[self._slot][s.offset:s.offset + s.numel]
+            if g.dtype == self.dtype and g.is_contiguous():
+                self._sq_host += cpu_adam.copy_grad_sumsq(g.view(torch.int16).numpy(), dst,
+                                                          grad_dtype=self.cfg.dtype, num_threads=self._cpu_threads)
+            else:  # a hook or a custom autograd.Function handed back another layout
+                self._host_grads[self._slot][s.offset:s.offset + s.numel].copy_(g)
+                self._sq_host += cpu_adam.grad_sumsq(dst, grad_dtype=self.cfg.dtype, num_threads=self._cpu_threads)
         else:
             if b.buf is None:
                 b.buf = torch.empty(b.numel, dtype=self.dtype, device=self.device)
@@ -304,9 +312,10 @@ class OffloadEngine:
             self._weights_free()
         lo, hi = max(b.lo, self.shard_lo), min(b.hi, self.shard_hi)
         if self._direct_host:
-            # the bytes were copied by the hooks; only the norm is left to do
+            # the hooks copied the bytes and summed their squares already; the
+            # (empty) span marks the bucket's completion and bytes in the trace
             with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * b.numel):
-                self._sq_host += self._host_sumsq(b.lo, b.hi)
+                pass
             self.bytes_to_host += 2 * b.numel
             return
         if self.world_size > 1 and not self.is_cuda:

@@ -10,6 +10,8 @@ import torch
 
 from cython_ext import cpu_adam as ca
 
+DT16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 LEVELS = [lv for lv in ("scalar", "avx2", "avx512")
           if ["scalar", "avx2", "avx512"].index(lv) <= ["scalar", "avx2", "avx512"].index(ca.best_simd_level())]
 
@@ -423,3 +425,30 @@ def test_progress_arguments_are_validated():
         with pytest.raises(exc):
             ca.adam_step(p, f(), f(), g, step=1, lr=1e-3, **kw)
         np.testing.assert_array_equal(p, f())  # nothing written
+
+
+@pytest.mark.parametrize("gdt", ["fp16", "bf16"])
+@pytest.mark.parametrize("n", [0, 1, 65_537, 1_000_003])
+def test_copy_grad_sumsq_copies_and_sums_like_grad_sumsq(level, gdt, n):
+    """The fused copy + norm the engine's CPU hooks use: an exact copy, and bitwise the
+    sum grad_sumsq gives for the copy, for any thread count; both close to float64."""
+    rng = np.random.default_rng()
+    x = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 3).to(DT16[gdt])
+    words = x.view(torch.int16).numpy()
+    ref = float((x.double() ** 2).sum())
+    for nt in (1, 2):
+        dst = np.full(n, 7, np.uint16)
+        s = ca.copy_grad_sumsq(words, dst, grad_dtype=gdt, num_threads=nt)
+        np.testing.assert_array_equal(dst, words.view(np.uint16))
+        assert s == ca.grad_sumsq(dst, grad_dtype=gdt, num_threads=nt)
+        assert abs(s - ref) <= 1e-4 * ref + 1e-12  # fp32 sums within a chunk, as grad_sumsq
+
+
+def test_copy_grad_sumsq_validates():
+    src = np.ones(8, np.float16)
+    for exc, dst, kw in [(ValueError, np.zeros(7, np.uint16), {}), (TypeError, np.zeros(8, np.float32), {}),
+                         (TypeError, np.zeros(8, np.uint16), {"grad_dtype": "fp32"})]:
+        with pytest.raises(exc):
+            ca.copy_grad_sumsq(src, dst, **kw)
+    with pytest.raises(TypeError, match="grad_dtype"):
+        ca.copy_grad_sumsq(np.ones(8, np.uint16), np.zeros(8, np.uint16))  # words need a dtype keyword
