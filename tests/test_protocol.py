@@ -10,11 +10,11 @@ from optimizer_server import protocol as P
 
 SAMPLES = [
     P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
-            hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64),
+            hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64, weight_slots=2),
     P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
-              weights_offsets=[4096], staging_offset=0, progress_offset=4160, server_pid=1),
+              weights_offsets=[4096, 8192], staging_offset=0, progress_offset=8256, server_pid=1),
     P.Init(session="s"),
-    P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}),
+    P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}, out_slot=1),
     P.Done(step=3, update_s=0.01),
     P.Skip(session="s", step=4),
     P.GetMaster(session="s"),
@@ -68,6 +68,9 @@ def _hello_dict(**over):
     (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 2, "lr": 0.1}), "slot"),
     (_raw({"t": "STEP", "session": "s", "step": 0, "slot": 0, "lr": 0.1}), "step"),
     (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 0, "lr": float("inf")}), "lr"),
+    (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 0, "lr": 0.1, "out_slot": 2}), "out_slot"),
+    (_raw(_hello_dict(weight_slots=3)), "weight_slots"),
+    (_raw(_hello_dict(progress_block=-1)), "progress_block"),
     (b"\x00" * (P.MAX_MESSAGE_BYTES + 1), "exceeds"),
 ])
 def test_rejections(data, match):

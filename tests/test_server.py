@@ -248,6 +248,8 @@ def test_progress_word_tags_each_step_and_resets_on_init_and_load(server, tmp_pa
             assert int(c.progress[0]) == (t << 40) | n
             if t == 3:
                 assert isinstance(c.req(P.Save(session=c.session, dir=str(tmp_path))), P.Ok)
+        e = c.req(P.Step(session=c.session, step=6, slot=0, lr=1e-3, out_slot=1))  # HELLO asked for one slot
+        assert isinstance(e, P.Error) and "out_slot" in e.message
         assert isinstance(c.req(P.Skip(session=c.session, step=6)), P.Ok)
         assert int(c.progress[0]) == (5 << 40) | n  # a skip publishes nothing
         assert isinstance(c.req(P.Load(session=c.session, dir=str(tmp_path))), P.Ok)
