@@ -12,7 +12,8 @@ name.  Layout of a shard's segment (see also optimizer_server.protocol):
 
 The fp32 staging area aliases the two gradient slots: it is only used when no
 step is in flight (initial weights, GET_MASTER, LOAD), and sharing saves 4 B/param
-of host RAM (host state is 12 B/param private + 6 B/param shared = 18 B/param).
+of host RAM (host state is 12 B/param private + 6 B/param shared = 18 B/param;
+8 B/param shared with two weights slots, which spare the CPU worker its own copy).
 
 With weight_slots=2 (HELLO asks for it) there are two page-aligned weights16
 slots one after the other, and each STEP names the one it writes (out_slot):
