@@ -23,6 +23,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+# fail in seconds, not after the build, when a dependency did not travel
+if ! "$PY" -c "import zmq, msgpack, Cython, pytest, pytest_timeout" 2>"$OUT/imports.log"; then
+  echo "missing Python packages there: $(tail -1 "$OUT/imports.log"); carry wheels in .whl/ (README:"
+  echo "'Checking the CUDA path'): pyzmq is not in the H200 image"
+  exit 1
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "== build"
 if ! "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
