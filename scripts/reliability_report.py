@@ -27,6 +27,11 @@ def main() -> int:
             lines.append(f"| {k.replace('_', ' ')} | {v['trials']} trials at random steps; named error after "
                          f"{v['mean_detect_s'] * 1e3:.0f} ms mean, {v['max_detect_s'] * 1e3:.0f} ms max (bound 5 s); "
                          f"no segment left |")
+        elif k.startswith("restart_"):
+            lines.append(f"| zero-offload-launch --max-restarts, the {k[8:]} SIGKILLed after step "
+                         f"{v['killed_after_step']} | restarted; resumed from the step-{v['resumed_from']} checkpoint, "
+                         f"first new step {v['back_after_s']:.1f} s after the kill; final master, m, v and weights "
+                         f"bitwise those of an uninterrupted run |")
         elif k == "fuzz":
             lines.append(f"| fuzzing the control socket | {v['messages']} messages (seed {v['seed']}), "
                          f"{v['error_replies']} error replies, server alive, shard state bitwise unchanged |")

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import our_segments
+from tests.faults.test_crashes import record
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +87,12 @@ def test_restart_ends_where_an_uninterrupted_run_ends(tmp_path, uninterrupted, v
             pid = find_pid("train_gpt.py", str(log), exclude=("runtime.launch", "torch.distributed.run"))
         killed_at = len(records(log))
         os.kill(pid, signal.SIGKILL)
+        t_kill = time.monotonic()
         assert killed_at < STEPS, "the run ended before the kill; make it longer"
+        lines_at_kill = len(records(log))
+        while len(records(log)) <= lines_at_kill and p.poll() is None and time.monotonic() < t_kill + 120:
+            time.sleep(0.01)
+        back_after_s = time.monotonic() - t_kill  # detection, fresh server, engine set-up, load, one step
         out, _ = p.communicate(timeout=180)
     finally:
         if p.poll() is None:
@@ -107,3 +113,4 @@ def test_restart_ends_where_an_uninterrupted_run_ends(tmp_path, uninterrupted, v
         assert r["loss"] == ref_loss[r["step"]], r  # bitwise the same trajectory
     assert final_files(tmp_path / "crash-ck") == ref_files  # master, m, v, device weights
     assert not our_segments()
+    record(f"restart_{victim}", {"killed_after_step": killed_at, "resumed_from": n, "back_after_s": back_after_s})
