@@ -373,3 +373,24 @@ def test_huggingface_gpt2_trains_unchanged():
             losses.append(float(out.loss))
         assert next(model.parameters()).dtype == torch.bfloat16
     assert losses[-1] < losses[0] * 0.8
+
+
+def test_dpu_with_accumulation_copy_path_equals_zero_copy():
+    """With several micro-batches per step, the early copies may only start in the
+    last one's backward (the earlier ones still need the old weights): the GPU-style
+    copy path must train bitwise like the zero-copy one, which copies nothing."""
+    def run(zero_copy):
+        model = gpt()
+        cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=True, dpu_warmup_steps=2, grad_accumulation_steps=3,
+                            server_threads=1, cpu_zero_copy=zero_copy, bucket_numel=1024, progress_block_numel=64)
+        with OffloadEngine(model, cfg) as eng:
+            losses = train_engine(eng, gpt_batch, 8, "bf16", accum=3)
+            eng.synchronize()  # land without copying; the copy path has it pending, the swap path too
+            master = flat_master(eng)
+            early = eng.stats()["bytes_to_device_early"]
+        return losses, master, early
+
+    losses_z, master_z, _ = run(True)
+    losses_c, master_c, early = run(False)
+    assert early > 0
+    assert losses_c == losses_z and torch.equal(master_c, master_z)
