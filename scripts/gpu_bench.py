@@ -116,11 +116,14 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
             if i == 0 and dev.type == "cuda":
                 state_bytes = torch.cuda.memory_allocated(dev)  # after a step: model states only
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+        st = eng.stats() if kind != "baseline" else {}
+        # share of the weights that went up while the update ran or inside backward
+        early = st["bytes_to_device_early"] / st["bytes_to_device"] if st.get("bytes_to_device") else None
     finally:
         eng.close()
         del eng, model
     return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak,
-            "pinned": pinned if kind != "baseline" else None}
+            "pinned": pinned if kind != "baseline" else None, "early_up": early}
 
 
 def main(argv=None) -> int:
@@ -164,6 +167,7 @@ def main(argv=None) -> int:
             rows.append((b, kind, r))
             print(f"(c) batch {b} {kind}: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPS, "
                   f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+                  + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
                   + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
     # (b) model-state bytes per parameter on the device
     bb = res[f"baseline_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
