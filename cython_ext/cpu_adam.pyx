@@ -380,13 +380,18 @@ def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
     """
     cdef _Buf bg = _get(grad, "grad", False)
     cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
-    cdef Py_ssize_t n = bg.n
-    cdef int nt = _threads(num_threads)
+    return _sumsq(bg.view.buf, gk, NULL, bg.n, _threads(num_threads))
+
+
+cdef double _sumsq(const void *g, int gk, unsigned short *copy_to, Py_ssize_t n, int nt):
+    """Chunked sum of squares, chunk sums added in order (deterministic for any
+    thread count).  With copy_to, each chunk is first copied there and summed
+    from the copy while it is in cache (16-bit gradients only)."""
     cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     cdef int level = _level
-    cdef const void *g = bg.view.buf
+    cdef const void *src = <const void *>copy_to if copy_to != NULL else g
     if n == 0:
         return 0.0
     parts = bytearray(8 * nchunks)
@@ -396,14 +401,18 @@ def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
             for c in range(nchunks):
                 lo = c * CHUNK
                 hi = lo + CHUNK if lo + CHUNK < n else n
-                acc[c] = zo_sumsq_chunk(level, g, gk, lo, hi)
+                if copy_to != NULL:
+                    memcpy(copy_to + lo, <const unsigned short *>g + lo, 2 * (hi - lo))
+                acc[c] = zo_sumsq_chunk(level, src, gk, lo, hi)
     else:
         for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
             lo = c * CHUNK
             hi = lo + CHUNK if lo + CHUNK < n else n
-            acc[c] = zo_sumsq_chunk(level, g, gk, lo, hi)
+            if copy_to != NULL:
+                memcpy(copy_to + lo, <const unsigned short *>g + lo, 2 * (hi - lo))
+            acc[c] = zo_sumsq_chunk(level, src, gk, lo, hi)
     cdef double total = 0.0
-    for c in range(nchunks):  # in order: deterministic
+    for c in range(nchunks):
         total += acc[c]
     return total
 
@@ -422,36 +431,8 @@ def copy_grad_sumsq(src, dst, *, grad_dtype=None, num_threads=0):
     cdef int gk = _kind_of(bs, "grad", grad_dtype, False)
     if bd.itemsize != 2 or bd.fmt not in ("e", "H", "h"):
         raise TypeError(f"dst must hold 16-bit values (float16 or 16-bit words), got buffer format {bd.fmt!r}")
-    cdef Py_ssize_t n = bs.n
-    _check_len(bd, "dst", n)
-    cdef int nt = _threads(num_threads)
-    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
-    cdef Py_ssize_t c
-    cdef int64_t lo, hi
-    cdef int level = _level
-    cdef const unsigned short *g = <const unsigned short *>bs.view.buf
-    cdef unsigned short *d = <unsigned short *>bd.view.buf
-    if n == 0:
-        return 0.0
-    parts = bytearray(8 * nchunks)
-    cdef double[::1] acc = memoryview(parts).cast("d")
-    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
-        with nogil:
-            for c in range(nchunks):
-                lo = c * CHUNK
-                hi = lo + CHUNK if lo + CHUNK < n else n
-                memcpy(d + lo, g + lo, 2 * (hi - lo))
-                acc[c] = zo_sumsq_chunk(level, d, gk, lo, hi)
-    else:
-        for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
-            lo = c * CHUNK
-            hi = lo + CHUNK if lo + CHUNK < n else n
-            memcpy(d + lo, g + lo, 2 * (hi - lo))
-            acc[c] = zo_sumsq_chunk(level, d, gk, lo, hi)
-    cdef double total = 0.0
-    for c in range(nchunks):  # in order: deterministic
-        total += acc[c]
-    return total
+    _check_len(bd, "dst", bs.n)
+    return _sumsq(bs.view.buf, gk, <unsigned short *>bd.view.buf, bs.n, _threads(num_threads))
 
 
 def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
