@@ -469,12 +469,7 @@ cdef _Progress _progress(progress, tag, block, Py_ssize_t n):
     pg.block = 0
     if progress is None:
         return pg
-    pg.buf = _get(progress, "progress", True)
-    if pg.buf.itemsize != 8 or pg.buf.fmt not in ("Q", "L") or pg.buf.n < 1:
-        raise TypeError(f"progress must be a uint64 array of at least one element, got format {pg.buf.fmt!r} "
-                        f"with {pg.buf.n} element(s)")
-    if (<size_t>pg.buf.view.buf) % 8 != 0:
-        raise ValueError("progress must be 8-byte aligned (its stores are atomic)")
+    pg.buf = _word(progress, True)
     if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
         raise ValueError(f"progress_tag must be an int >= 0, got {tag!r}")
     if not isinstance(block, int) or isinstance(block, bool) or block < 0:
@@ -487,15 +482,24 @@ cdef _Progress _progress(progress, tag, block, Py_ssize_t n):
     return pg
 
 
+cdef _Buf _word(obj, bint writable):
+    """The progress word's buffer: one aligned uint64 (its loads and stores are atomic)."""
+    cdef _Buf b = _get(obj, "progress", writable)
+    if b.itemsize != 8 or b.fmt not in ("Q", "L") or b.n < 1:
+        raise TypeError(f"progress must be a uint64 array of at least one element, got format {b.fmt!r} "
+                        f"with {b.n} element(s)")
+    if (<size_t>b.view.buf) % 8 != 0:
+        raise ValueError("progress must be 8-byte aligned (its loads and stores are atomic)")
+    return b
+
+
 def load_progress(progress, *, tag=None):
     """Read a progress word with acquire semantics.
 
     Returns the elements done, or, given ``tag``, the elements done if the word
     carries that tag (mod 2**24) and 0 if it carries another (an older update's).
     """
-    cdef _Buf b = _get(progress, "progress", False)
-    if b.itemsize != 8 or b.fmt not in ("Q", "L") or b.n < 1:
-        raise TypeError(f"progress must be a uint64 array of at least one element, got format {b.fmt!r}")
+    cdef _Buf b = _word(progress, False)
     cdef uint64_t v = zo_progress_load(<const uint64_t *>b.view.buf)
     done = int(v & PROGRESS_DONE_MASK)
     if tag is None:
