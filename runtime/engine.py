@@ -126,7 +126,6 @@ class OffloadEngine:
         self.skipped_steps = 0
         self._micro = 0
         self._grads_ready = False
-        self._stale = False
         self._sq = None
         self._sq_host = 0.0
         self._cpu_threads = torch.get_num_threads()
@@ -282,12 +281,21 @@ class OffloadEngine:
             self._bucket_done(b)
 
     @property
+    def _stale(self) -> bool:
+        """An update has landed whose weights are not (all) on the device yet."""
+        return self._up.pending and self._up.landed
+
+    @property
+    def _incoming_slot(self) -> int:
+        """The weights16 slot the next update writes (zero-copy: the one the model is not on)."""
+        return 1 - self._cur if self._zero_copy else 0
+
+    @property
     def _host_w16(self) -> torch.Tensor:
-        """The shared slot the next weights arrive in (as a tensor of self.dtype)."""
-        return self._w16_slots[1 - self._cur if self._zero_copy else 0]
+        return self._w16_slots[self._incoming_slot]
 
     def _incoming_words(self) -> np.ndarray:
-        return self.client.weights16_slots[1 - self._cur if self._zero_copy else 0]
+        return self.client.weights16_slots[self._incoming_slot]
 
     def _swap_weights(self) -> None:
         """Zero-copy landing: the model's parameters move onto the slot the server
@@ -409,7 +417,7 @@ class OffloadEngine:
         with self.tracer.span("signal", step=k):
             self.client.step_async(k, self._slot, lr, clip / scale, hp,
                                    predict=self.cfg.dpu_predict if delayed else 0.0,
-                                   out_slot=1 - self._cur if self._zero_copy else 0)
+                                   out_slot=self._incoming_slot)
             self._up.begin(k)
         self.updates = k
         self.scaler.update(False)
@@ -430,7 +438,6 @@ class OffloadEngine:
                     self._up.land()
             self.wait_s += time.perf_counter() - t0
             self.update_s += done.update_s
-            self._stale = True
         if copy and self._stale:
             if self._zero_copy:
                 with self.tracer.span("weights_swap"):
@@ -440,7 +447,6 @@ class OffloadEngine:
                     self._up.finish()
                     if self.world_size > 1:
                         distributed.all_gather_weights(self)
-            self._stale = False
 
     def synchronize(self, copy_weights: bool = False) -> None:
         """Wait for the update in flight.  With copy_weights the device gets the
@@ -567,16 +573,14 @@ class OffloadEngine:
         self.updates = meta["updates"]
         self.skipped_steps = meta["skipped_steps"]
         self._micro = meta["micro"]
-        self._stale = meta["stale"]
-        if self._stale:
+        self._up.reset()
+        if meta["stale"]:
             pending = np.fromfile(self._pending_file(d), dtype=np.uint16)
             if pending.size != self.flat.shard_numel:
                 raise ValueError(f"{self._pending_file(d)} holds {pending.size} weights, expected "
                                  f"{self.flat.shard_numel}")
             # nothing is in flight: the server does not touch the buffer until the next STEP
             np.copyto(self._incoming_words(), pending)
-        self._up.reset()
-        if self._stale:
             self._up.begin(self.updates)
             self._up.land()
         self.scaler.load_state_dict(meta["scaler"])
