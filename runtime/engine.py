@@ -61,6 +61,7 @@ from .weights_up import WeightReturn
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ENGINE_STATE_VERSION = 1
+LATEST = "latest"  # in a checkpoint directory: the name of the newest complete step-N
 
 
 class OffloadEngine:
@@ -531,7 +532,7 @@ class OffloadEngine:
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 fsync_dir(root)
-                atomic_write_bytes(root / "latest", name.encode())
+                atomic_write_bytes(root / LATEST, name.encode())
                 old = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != name)
                 for p in old[:max(0, len(old) - (keep - 1))]:
                     shutil.rmtree(p, ignore_errors=True)
@@ -540,10 +541,15 @@ class OffloadEngine:
         return str(root / name)
 
     @staticmethod
+    def has_checkpoint(directory: str) -> bool:
+        """True once save_checkpoint(directory) has completed (its `latest` pointer exists)."""
+        return (Path(directory) / LATEST).exists()
+
+    @staticmethod
     def resolve_checkpoint(directory: str) -> Path:
         """directory/latest's target, or the directory itself if it holds the files."""
         d = Path(directory)
-        latest = d / "latest"
+        latest = d / LATEST
         if latest.exists():
             return d / latest.read_text().strip()
         return d

@@ -143,7 +143,7 @@ def train(tc: TrainConfig) -> dict:
     history = {"step": [], "loss": [], "val_step": [], "val_loss": [], "step_s": [], "wait_s": []}
     start = 1
     try:
-        if tc.resume or (tc.auto_resume and (Path(tc.ckpt_dir) / "latest").exists()):
+        if tc.resume or (tc.auto_resume and OffloadEngine.has_checkpoint(tc.ckpt_dir)):
             engine.load_checkpoint(tc.ckpt_dir)
             print(f"resumed from {engine.resolve_checkpoint(tc.ckpt_dir)} at step {engine.iteration}",
                   file=sys.stderr, flush=True)
