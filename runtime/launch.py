@@ -165,7 +165,7 @@ def _attempt(opts, torch_opts, script, server_cores, worker_cores, st, wt, stop,
                 deadline = time.monotonic() + STOP_TIMEOUT_S  # workers raise OptimizerServerDeadError themselves
                 while workers.poll() is None and time.monotonic() < deadline:
                     time.sleep(POLL_S)
-                rc = workers.poll() if workers.poll() else 1  # a dead server is a failure even if they exit 0
+                rc = workers.poll() or 1  # a dead server is a failure even if the workers exit 0
                 break
             time.sleep(POLL_S)
     finally:
