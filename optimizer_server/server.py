@@ -305,7 +305,8 @@ class OptimizerServer:
                                           f"update(s), so the next is {shard.steps + 1}")
             if msg.out_slot >= len(shard.weights16_slots):
                 return P.error(P.E_DECODE, f"out_slot {msg.out_slot} but HELLO asked for "
-                                           f"{len(shard.weights16_slots)} weight slot(s)")
+                                           f"{len(shard.weights16_slots)} weight slot(s): send out_slot 0, or "
+                                           f"register with weight_slots=2")
             if msg.predict and shard.optimizer not in ("adamw", "adam"):
                 return P.error(P.E_DECODE, f"predict is implemented for adam/adamw, not {shard.optimizer}")
             shard.busy = True
