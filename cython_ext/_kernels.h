@@ -140,6 +140,17 @@ static inline void zo_store_out(void *o, int kind, int64_t i, float v) {
     else if (kind == ZO_BF16) ((uint16_t *)o)[i] = zo_f32_to_bf16(v);
 }
 
+/* fp32 -> 16-bit words, rounded as the update's own stores round (RNE; NaN
+ * stays NaN): the 16-bit weights after INIT and LOAD are exactly what a step
+ * that left the master unchanged would write.  Compilers vectorise this. */
+static void zo_cast_chunk(const float *src, uint16_t *dst, int ok, int64_t lo, int64_t hi) {
+    int64_t i;
+    if (ok == ZO_F16)
+        for (i = lo; i < hi; i++) dst[i] = zo_f32_to_f16(src[i]);
+    else
+        for (i = lo; i < hi; i++) dst[i] = zo_f32_to_bf16(src[i]);
+}
+
 /* ---------------------------------------------------------------- scalar loops */
 /* These are the reference the vector paths are tested against, and the tail
  * of every vector loop, so each line mirrors the vector code op for op. */

@@ -59,6 +59,7 @@ cdef extern from "_kernels.h" nogil:
     void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
                        void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h)
     double zo_sumsq_chunk(int level, const void *g, int gk, int64_t lo, int64_t hi)
+    void zo_cast_chunk(const float *src, unsigned short *dst, int ok, int64_t lo, int64_t hi)
     void zo_stream_chunk(int level, float *p, float *m, float *v, const unsigned short *g,
                          unsigned short *out, int64_t lo, int64_t hi)
     int ZO_PROGRESS_SHIFT
@@ -433,6 +434,36 @@ def copy_grad_sumsq(src, dst, *, grad_dtype=None, num_threads=0):
         raise TypeError(f"dst must hold 16-bit values (float16 or 16-bit words), got buffer format {bd.fmt!r}")
     _check_len(bd, "dst", bs.n)
     return _sumsq(bs.view.buf, gk, <unsigned short *>bd.view.buf, bs.n, _threads(num_threads))
+
+
+def cast_to_16(src, dst, *, out_dtype=None, num_threads=0):
+    """dst[:] = src rounded to fp16/bf16 (to nearest even; NaN stays NaN), in place.
+
+    The same rounding as the 16-bit weights every update writes, with no
+    temporaries: the server casts a whole shard's master with it at INIT and
+    LOAD, where NumPy's bit arithmetic would allocate several fp32-sized arrays.
+    src: float32; dst: float16, or 16-bit words with out_dtype="fp16"/"bf16".
+    """
+    cdef _Buf bs = _get(src, "src", False)
+    cdef _Buf bd = _get(dst, "param_out", True)
+    _check_f32(bs, "src")
+    cdef int ok = _kind_of(bd, "param_out", out_dtype, False)
+    _check_len(bd, "dst", bs.n)
+    cdef Py_ssize_t n = bs.n
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    cdef int nt = _threads(num_threads)
+    cdef const float *s = <const float *>bs.view.buf
+    cdef unsigned short *d = <unsigned short *>bd.view.buf
+    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        with nogil:
+            zo_cast_chunk(s, d, ok, 0, n)
+    else:
+        for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
+            lo = c * CHUNK
+            hi = lo + CHUNK if lo + CHUNK < n else n
+            zo_cast_chunk(s, d, ok, lo, hi)
 
 
 def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):

@@ -39,16 +39,6 @@ def state_bytes_per_param(optimizer: str) -> int:
     return 4 * (1 + len(STATE_ARRAYS[optimizer]))
 
 
-def f32_to_bf16_bits(x: np.ndarray, out: np.ndarray) -> None:
-    """Round-to-nearest-even fp32 -> bf16 words (NaN stays NaN)."""
-    u = x.view(np.uint32)
-    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    nan = np.isnan(x)
-    if nan.any():
-        r[nan] = (u[nan] >> np.uint32(16)) | np.uint32(0x40)
-    out[:] = r.astype(np.uint16)
-
-
 class Shard:
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
 
@@ -77,6 +67,7 @@ class Shard:
         self.steps = 0
         self.skipped = 0
         self.initialized = False
+        self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
         self.busy = False
         self.drop_reason: str | None = None  # set when its worker died mid-update
         self.last_seen = time.monotonic()
@@ -86,10 +77,9 @@ class Shard:
 
     # -- helpers ---------------------------------------------------------------
     def _write_weights16(self) -> None:
-        if self.dtype == "fp16":
-            np.copyto(self.weights16.view(np.float16), self.master, casting="same_kind")
-        else:
-            f32_to_bf16_bits(self.master, self.weights16)
+        # in place, no temporaries: this runs while the worker still holds the
+        # user's fp32 model, the moment host memory peaks
+        cpu_adam.cast_to_16(self.master, self.weights16, out_dtype=self.dtype, num_threads=self.threads)
 
     def close(self) -> None:
         """Drop views, unmap and unlink the segment (the server created it)."""
@@ -104,8 +94,12 @@ class Shard:
     # -- requests ------------------------------------------------------------
     def init_from_staging(self) -> None:
         np.copyto(self.master, self.staging)
-        for a in self.state.values():
-            a.fill(0.0)
+        if self._state_dirty:
+            for a in self.state.values():
+                a.fill(0.0)
+        # else np.zeros' pages are still untouched: the first update commits them,
+        # after the worker has let go of its fp32 copy of the model
+        self._state_dirty = False
         self.steps = 0
         self._write_weights16()
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
@@ -125,6 +119,7 @@ class Shard:
                   progress_block=self.progress_block)
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
+        self._state_dirty = True
         t0 = time.perf_counter()
         if self.optimizer in ("adamw", "adam"):
             cpu_adam.adam_step(self.master, self.state["exp_avg"], self.state["exp_avg_sq"], gin, out,
@@ -201,11 +196,25 @@ class Shard:
         size = bin_path.stat().st_size
         if size != expect:
             raise ValueError(f"checkpoint {bin_path} has {size} bytes, expected {expect} (truncated?)")
-        # read into temporaries first so a failed read leaves the state untouched
-        with open(bin_path, "rb") as f:
-            loaded = [np.fromfile(f, np.float32, a.size) for a in arrays]
-        for dst, src in zip(arrays, loaded):
-            np.copyto(dst, src)
+        # Straight into the state arrays: temporaries would double the server's
+        # memory (12 B/param) exactly when resuming, the moment a job that fits
+        # would OOM.  A read that fails midway leaves a mix, so the shard is marked
+        # uninitialized and refuses STEP until a LOAD or INIT succeeds.
+        self.initialized = False
+        self._state_dirty = True
+        try:
+            with open(bin_path, "rb") as f:
+                for a in arrays:
+                    view = memoryview(a).cast("B")
+                    got = 0
+                    while got < a.nbytes:
+                        k = f.readinto(view[got:])
+                        if not k:
+                            raise OSError(f"unexpected end of file after {got} of {a.nbytes} bytes")
+                        got += k
+        except OSError as e:
+            raise OSError(f"reading checkpoint {bin_path} failed ({e}); this shard's state is now partly "
+                          f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
         self.steps = int(man["steps"])
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))

@@ -186,21 +186,23 @@ class OffloadEngine:
 
     def _init_weights(self) -> None:
         with self.tracer.span("init_weights"):
-            fp32 = self.flat.fp32_flat()
-            # only this rank's shard of the fp32 weights goes to the server, once
-            np.copyto(self.client.staging, fp32[self.shard_lo:self.shard_hi].numpy())
+            # Host memory peaks here: the user's fp32 model is still alive.  So only
+            # this rank's shard goes to the server, straight from the parameters
+            # (no flat fp32 copy of the model), and then each parameter is cast
+            # into flat16 and released in turn.  INIT comes first: if it fails the
+            # model is untouched.
+            self.flat.copy_fp32_range(torch.from_numpy(self.client.staging), self.shard_lo, self.shard_hi)
             self.client.init_weights()
             # every rank casts the full model itself (identical on all ranks); the
             # server's 16-bit copy of our shard rounds the same way (RNE)
             if self._zero_copy:
                 self.flat16 = self._w16_slots[self._cur]
-                self.flat16.copy_(fp32)  # the cast every rank makes; the server wrote the same (RNE)
             else:
-                self.flat16 = fp32.to(self.dtype).to(self.device)
-            del fp32
-            self.flat.bind(self.flat16)
+                self.flat16 = torch.empty(self.flat.padded_numel, dtype=self.dtype, device=self.device)
+            self.flat.cast_and_bind(self.flat16)
             for b in self.model.buffers():
                 b.data = b.data.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
+        _return_freed_heap()
 
     def _install_hooks(self) -> None:
         for s in self.flat.slots:
@@ -659,6 +661,20 @@ def _clear_cuda_last_error() -> None:
         for path in libs:
             ctypes.CDLL(path).cudaGetLastError()
     except OSError:
+        pass
+
+
+def _return_freed_heap() -> None:
+    """Give the heap pages freed by the cast (the user's fp32 parameters) back to the OS.
+
+    glibc keeps freed chunks below its mmap threshold in the heap, so a model of
+    many few-MB tensors would otherwise keep its 4 B/param of fp32 resident after
+    the engine let go of it: host RAM the optimizer server needs.  Best effort
+    (other C libraries have no malloc_trim)."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 

@@ -65,12 +65,30 @@ class FlatParams:
         self.shard_numel = self.padded_numel // world_size
         self.by_param = {id(s.param): s for s in self.slots}
 
-    def fp32_flat(self) -> torch.Tensor:
-        """The model's current weights as one fp32 CPU vector (padding zero)."""
-        out = torch.zeros(self.padded_numel, dtype=torch.float32)
+    def copy_fp32_range(self, out: torch.Tensor, lo: int, hi: int) -> None:
+        """out[:] = the model's current weights [lo, hi) of the flat space, as fp32
+        (padding zero), straight from each parameter: no flat copy of the whole model."""
+        assert out.numel() == hi - lo and out.dtype == torch.float32
+        out.zero_()
         for s in self.slots:
-            out[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
-        return out
+            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if b > a:
+                src = s.param.detach().reshape(-1)[a - s.offset:b - s.offset]
+                out[a - lo:b - lo].copy_(src)
+
+    def cast_and_bind(self, flat16: torch.Tensor) -> None:
+        """Cast every parameter into its place in flat16, then make it a view there.
+
+        One parameter at a time, so each fp32 tensor is released as soon as its
+        16-bit copy exists (unless the caller holds another reference): the host
+        never holds the fp32 model and a second full copy of it at once."""
+        assert flat16.numel() == self.padded_numel
+        flat16[self.numel:].zero_()
+        with torch.no_grad():
+            for s in self.slots:
+                view = flat16[s.offset:s.offset + s.numel]
+                view.copy_(s.param.detach().reshape(-1))
+                s.param.data = view.view(s.param.shape)
 
     def bind(self, flat16: torch.Tensor) -> None:
         """Make every parameter a view of flat16 (its 16-bit weights live there now)."""

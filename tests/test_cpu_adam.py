@@ -452,3 +452,35 @@ def test_copy_grad_sumsq_validates():
             ca.copy_grad_sumsq(src, dst, **kw)
     with pytest.raises(TypeError, match="grad_dtype"):
         ca.copy_grad_sumsq(np.ones(8, np.uint16), np.zeros(8, np.uint16))  # words need a dtype keyword
+
+
+@pytest.mark.parametrize("odt", ["fp16", "bf16"])
+@pytest.mark.parametrize("n", [0, 1, 17, 1_000_003])
+def test_cast_to_16_rounds_as_torch(odt, n):
+    """The server's INIT/LOAD cast of the master: torch's round-to-nearest-even,
+    infinities and overflow included; NaN stays NaN; any thread count."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-9, 6, n)).astype(np.float32)
+    if n > 8:
+        x[:8] = [np.nan, np.inf, -np.inf, 65519.0, 65520.0, 1e-30, -0.0, 3e38]
+    ref = torch.from_numpy(x).to(DT16[odt]).view(torch.int16).numpy().view(np.uint16)
+    for nt in (1, 2):
+        out = np.full(n, 7, np.uint16)
+        ca.cast_to_16(x, out, out_dtype=odt, num_threads=nt)
+        back = torch.from_numpy(out.view(np.int16)).view(DT16[odt]).float().numpy()
+        nan = np.isnan(x)
+        np.testing.assert_array_equal(out[~nan], ref[~nan])
+        assert np.isnan(back[nan]).all()
+    f16 = np.empty(n, np.float16)  # a float16 array needs no keyword
+    ca.cast_to_16(x, f16)
+    if odt == "fp16":
+        np.testing.assert_array_equal(f16.view(np.uint16)[~np.isnan(x)], ref[~np.isnan(x)])
+
+
+def test_cast_to_16_validates():
+    for exc, src, dst, kw in [(ValueError, np.ones(8, np.float32), np.zeros(7, np.uint16), {"out_dtype": "bf16"}),
+                              (TypeError, np.ones(8, np.float64), np.zeros(8, np.uint16), {"out_dtype": "bf16"}),
+                              (TypeError, np.ones(8, np.float32), np.zeros(8, np.uint16), {}),
+                              (TypeError, np.ones(8, np.float32), np.zeros(8, np.float32), {})]:
+        with pytest.raises(exc):
+            ca.cast_to_16(src, dst, **kw)

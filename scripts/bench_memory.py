@@ -1,0 +1,206 @@
+"""Host RAM per parameter: what training with offload costs the host, at its peak and steadily.
+
+    python scripts/bench_memory.py                    # 85M GPT, writes BENCHMARKS.md section "bench_memory"
+    python scripts/bench_memory.py --layers 2 --d-model 128 --no-write
+    python scripts/bench_memory.py --ds-python /tmp/dsvenv/bin/python   # adds DeepSpeed ZeRO-2 offload
+
+Each variant runs in a fresh child process (peaks must not mix) that builds the
+same GPT in fp32, wraps it, and trains a few steps.  A sampler thread reads,
+every SAMPLE_INTERVAL_S, the private resident memory (RssAnon) of the child and
+of every process it started (the optimizer server), plus the pages allocated to
+shared-memory files that appeared in /dev/shm during the run, counted once.
+Everything is reported per parameter, over what the process held before it
+built the model (the interpreter, torch): so the user's own fp32 model (4 B/param)
+is part of every variant's peak.
+
+What the numbers should be (B/param), for the CPU device:
+  torch mixed precision, AdamW on the host   fp32 master, m, v 12 + 16-bit weights 2 + grads 2 = 16
+  offload                                     server master, m, v 12 (private) + segment: 2 grad slots 4
+                                              + weights16 2 (two slots, 4, when the model lives there)
+On a GPU the offload engine's host share is the same 18 B/param and the device
+keeps 2; the baseline keeps all 16 on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+SAMPLE_INTERVAL_S = 0.002  # a sample costs ~0.1 ms (a few /proc reads): 5% of one core at most
+CHILD_TIMEOUT_S = 600.0
+VARIANTS = ("baseline", "offload-sync", "offload-dpu", "offload-dpu-copy")
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def _shm_bytes(names: set[str]) -> int:
+    total = 0
+    for n in names:
+        try:
+            total += os.stat(f"/dev/shm/{n}").st_blocks * 512  # pages actually allocated
+        except OSError:
+            pass
+    return total
+
+
+class HostSampler:
+    """Peak and current host bytes of this process tree (private + new shared segments)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self.shm_before = set(os.listdir("/dev/shm"))
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def now(self) -> int:
+        anon = sum(_status_kb(p, "RssAnon:") for p in [self.pid] + _children(self.pid)) * 1024
+        return anon + _shm_bytes(set(os.listdir("/dev/shm")) - self.shm_before)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.now())
+            time.sleep(SAMPLE_INTERVAL_S)
+
+    def start(self) -> "HostSampler":
+        self._t.start()
+        return self
+
+    def reset_peak(self) -> None:
+        self.peak = self.now()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+
+
+def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
+    import torch
+
+    from runtime.gpt import GPT, GPTConfig
+    torch.set_num_threads(1)
+    sampler = HostSampler().start()
+    base = sampler.now()
+    torch.manual_seed(0)
+    mc = GPTConfig(n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model, seq_len=64)
+    model = GPT(mc)
+    n = model.num_params()
+    built = sampler.now()
+    sampler.reset_peak()
+    if variant == "deepspeed":
+        from bench_pipeline import run_deepspeed
+        gen = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, mc.vocab_size, (1, mc.seq_len + 1), generator=gen)
+        t0 = time.perf_counter()
+        run_deepspeed(model, [(idx[:, :-1], idx[:, 1:])], steps, 0, "bf16")
+        sampler.stop()
+        return {"variant": variant, "params": n, "model_B": (built - base) / n, "peak_B": (sampler.peak - base) / n,
+                "steady_B": float("nan"), "init_peak_B": float("nan"), "seconds": time.perf_counter() - t0}
+    from runtime.baseline import DeviceMixedPrecision
+    from runtime.config import OffloadConfig
+    from runtime.engine import OffloadEngine
+    cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=variant.startswith("offload-dpu"), dpu_warmup_steps=1,
+                        cpu_zero_copy=variant != "offload-dpu-copy", server_threads=1)
+    t0 = time.perf_counter()
+    eng = DeviceMixedPrecision(model, cfg) if variant == "baseline" else OffloadEngine(model, cfg)
+    init_peak = sampler.peak
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, mc.vocab_size, (1, mc.seq_len + 1), generator=gen)
+    for _ in range(steps):
+        loss = model(idx[:, :-1], idx[:, 1:])
+        eng.backward(loss)
+        del loss
+        eng.step()
+    if hasattr(eng, "synchronize"):
+        eng.synchronize()
+    steady = sampler.now()
+    peak = sampler.peak
+    eng.close()
+    sampler.stop()
+    return {"variant": variant, "params": n, "model_B": (built - base) / n, "init_peak_B": (init_peak - base) / n,
+            "peak_B": (peak - base) / n, "steady_B": (steady - base) / n, "seconds": time.perf_counter() - t0}
+
+
+def run_child(py: str, variant: str, a) -> dict:
+    cmd = [py, __file__, "--child", variant, "--layers", str(a.layers), "--d-model", str(a.d_model),
+           "--steps", str(a.steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise SystemExit(f"{variant} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["variant"] == "baseline"), None)
+    out = ["| variant | model fp32 B/param | peak during set-up B/param | peak B/param | steady B/param "
+           "| peak vs torch |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = r["peak_B"] / base["peak_B"] if base else float("nan")
+        out.append(f"| {r['variant']} | {r['model_B']:.1f} | {r['init_peak_B']:.1f} | {r['peak_B']:.1f} | "
+                   f"{r['steady_B']:.1f} | {ratio:.2f}x |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ds-python", default="", help="a Python with deepspeed installed: adds its column")
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child, a.layers, a.d_model, a.steps)))
+        return 0
+    rows = []
+    for v in VARIANTS:
+        rows.append(run_child(sys.executable, v, a))
+        print(json.dumps(rows[-1]), flush=True)
+    if a.ds_python:
+        rows.append(run_child(a.ds_python, "deepspeed", a))
+        print(json.dumps(rows[-1]), flush=True)
+    body = table(rows)
+    print(body)
+    if not a.no_write:
+        from bench_md import machine_line, update_section
+        n = rows[0]["params"]
+        update_section("bench_memory", "## Host RAM per parameter (scripts/bench_memory.py)\n\n"
+                       f"{machine_line()}; GPT of {n / 1e6:.1f}M parameters built in fp32, bf16 training, "
+                       f"{a.steps} steps at batch 1x64; the device is the CPU, so 'host' is all of it. Bytes over "
+                       f"what the process held before it built the model, sampled every "
+                       f"{SAMPLE_INTERVAL_S * 1e3:.0f} ms: private memory of the worker and the server plus "
+                       f"the shared segments, counted once.\n\n" + body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
