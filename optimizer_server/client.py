@@ -42,7 +42,7 @@ class ShardClient:
                  dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
-                 weight_slots: int = 1):
+                 weight_slots: int = 1, grad_slots: int = 2, staging_numel: int = 0):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -58,7 +58,8 @@ class ShardClient:
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
-                        progress_block=progress_block, weight_slots=weight_slots)
+                        progress_block=progress_block, weight_slots=weight_slots, grad_slots=grad_slots,
+                        staging_numel=staging_numel)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:
@@ -73,7 +74,7 @@ class ShardClient:
         self.grads = [self.segment.array(np.uint16, off, n) for off in ok.grad_offsets]
         self.weights16_slots = [self.segment.array(np.uint16, off, n) for off in ok.weights_offsets]
         self.weights16 = self.weights16_slots[0]
-        self.staging = self.segment.array(np.float32, ok.staging_offset, n)
+        self.staging = self.segment.array(np.float32, ok.staging_offset, ok.staging_numel)
         self.progress = self.segment.array(np.uint64, ok.progress_offset, 1)
         self._hb_stop = threading.Event()
         self._hb_last_ok = time.monotonic()
@@ -160,12 +161,23 @@ class ShardClient:
             sock.close(linger=0)
 
     # ------------------------------------------------------------------ requests
-    def init_weights(self, fp32: np.ndarray | None = None) -> None:
-        """Send the initial fp32 master (written to staging unless already there)."""
+    def init_weights(self, fp32: np.ndarray | None = None, *, fill=None) -> None:
+        """Send the initial fp32 master: the array fp32 (numel elements), or what
+        fill(out, lo, hi) writes into out for elements [lo, hi), chunk by chunk
+        through the staging window (no full-size copy on either side)."""
         self._check_usable()
+        if (fp32 is None) == (fill is None):
+            raise TypeError("init_weights takes the fp32 weights or fill=, exactly one of them")
         if fp32 is not None:
-            np.copyto(self.staging, np.asarray(fp32, np.float32).reshape(-1))
-        self._request(P.Init(session=self.session), P.Ok)
+            src = np.asarray(fp32, np.float32).reshape(-1)
+            if src.size != self.numel:
+                raise ValueError(f"init_weights got {src.size} weights for a shard of {self.numel}")
+            fill = lambda out, lo, hi: np.copyto(out, src[lo:hi])  # noqa: E731
+        w = max(1, self.staging.size)
+        for lo in range(0, max(self.numel, 1), w):
+            hi = min(lo + w, self.numel)
+            fill(self.staging[:hi - lo], lo, hi)
+            self._request(P.Init(session=self.session, offset=lo, count=hi - lo), P.Ok)
 
     def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
                    predict: float = 0.0, out_slot: int = 0):
@@ -214,10 +226,15 @@ class ShardClient:
         self._request(P.Skip(session=self.session, step=step), P.Ok)
 
     def get_master(self) -> np.ndarray:
-        """A copy of the fp32 master weights of this shard."""
+        """A copy of the fp32 master weights of this shard (fetched window by window)."""
         self._check_usable()
-        self._request(P.GetMaster(session=self.session), P.Ok)
-        return self.staging.copy()
+        out = np.empty(self.numel, np.float32)
+        w = max(1, self.staging.size)
+        for lo in range(0, self.numel, w):
+            hi = min(lo + w, self.numel)
+            self._request(P.GetMaster(session=self.session, offset=lo, count=hi - lo), P.Ok)
+            out[lo:hi] = self.staging[:hi - lo]
+        return out
 
     def save(self, directory: str) -> dict:
         self._check_usable()

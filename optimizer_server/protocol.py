@@ -11,16 +11,17 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
     worker                                    server
       HELLO(version, token, rank, ...)  --->    check version, token, RAM; create segment
                                         <---  HELLO_OK(session, segment, layout, pid)
-      (write fp32 weights to staging)
-      INIT(session)                     --->    staging -> master; weights16 written
-                                        <---  OK
+      (write fp32 weights [o, o+c) to staging)          in chunks of at most
+      INIT(session, offset=o, count=c)  --->    staging -> master[o:o+c]    staging_numel,
+                                        <---  OK                            in order from 0;
+                                  (after the chunk that reaches numel: weights16 written)
       (write fp16 grads to slot s)
       STEP(session, step, slot, lr, grad_scale, hparams, predict)
                                         --->    update on a worker thread
                                         (progress word: weights16 final up to here)
                                         <---  DONE(step, update_s)    (weights16 ready)
       SKIP(session, step)               --->  OK        (overflow: state untouched)
-      GET_MASTER(session)               --->  OK        (master copied into staging)
+      GET_MASTER(session, offset, count) ---> OK        (master[o:o+c] copied into staging)
       SAVE(session, dir) / LOAD(...)    --->  OK
       STATS(session)                    --->  STATS_OK(...)
       HEARTBEAT(session)                --->  HEARTBEAT_OK   (own socket, own thread)
@@ -34,9 +35,11 @@ Shared segment of one shard (offsets in HELLO_OK's layout):
      | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress |
      | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
      +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+
-     |<---- staging fp32: numel x 4 B -->|
-       (aliases both gradient slots: used only when no step is in flight,
-        for the initial weights, GET_MASTER and LOAD)
+     |<- staging fp32: staging_numel x 4 B ->|
+       (a window over the start of the gradient region, which is made at least
+        that long; used only when no step is in flight, for INIT and GET_MASTER)
+       grad slot 1 exists only when HELLO asks for two (DPU: the next step's
+       gradients arrive while the server still reads this step's)
 
 Writers: the worker writes a gradient slot and the staging area before the
 request that names them; the server writes weights16 (and staging on GET_MASTER)
@@ -48,6 +51,9 @@ worker reads it with an acquire load).  INIT and LOAD reset it to 0.
 
 Version 2 added the progress word (HELLO_OK.progress_offset) and the optional
 second weights16 slot (HELLO.weight_slots, HELLO_OK.weights_offsets, STEP.out_slot).
+Version 3 made staging a window (HELLO.staging_numel, HELLO_OK.staging_numel,
+INIT/GET_MASTER offset and count) and the second gradient slot optional
+(HELLO.grad_slots): a synchronous worker's shard costs 16 B/param of host RAM.
 """
 from __future__ import annotations
 
@@ -58,13 +64,14 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
 DTYPES = ("fp16", "bf16")
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
-NUM_GRAD_SLOTS = 2
+MAX_GRAD_SLOTS = 2
+DEFAULT_STAGING_NUMEL = 1 << 24        # fp32 elements per INIT/GET_MASTER chunk (64 MiB)
 
 
 class ProtocolError(ValueError):
@@ -137,6 +144,8 @@ class Hello(Message):
     pid: int = 0
     progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
     weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
+    grad_slots: int = 2      # 1: one gradient slot (synchronous steps: the next gradients wait for DONE)
+    staging_numel: int = 0   # fp32 elements of the staging window (0: DEFAULT_STAGING_NUMEL)
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -146,11 +155,19 @@ class Hello(Message):
         _require(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         validate_hparams(self.hparams)
         _require(self.weight_slots in (1, 2), f"weight_slots must be 1 or 2, got {self.weight_slots}")
+        _require(1 <= self.grad_slots <= MAX_GRAD_SLOTS, f"grad_slots must be 1 or 2, got {self.grad_slots}")
+        _require(0 <= self.staging_numel <= MAX_NUMEL,
+                 f"staging_numel must be in [0, {MAX_NUMEL}] (0: server default), got {self.staging_numel}")
         _require(0 <= self.progress_block <= MAX_NUMEL,
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
 
 
 HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _check_range(offset: int, count: int) -> None:
+    _require(0 <= offset <= MAX_NUMEL and 0 <= count <= MAX_NUMEL,
+             f"offset and count must be in [0, {MAX_NUMEL}], got {offset} and {count}")
 
 
 def validate_hparams(h: dict) -> None:
@@ -177,6 +194,7 @@ class HelloOk(Message):
     grad_offsets: list
     weights_offsets: list  # one per weight slot
     staging_offset: int
+    staging_numel: int     # INIT/GET_MASTER move at most this many fp32 elements each
     progress_offset: int
     server_pid: int
     version: int = PROTOCOL_VERSION
@@ -186,6 +204,11 @@ class HelloOk(Message):
 class Init(Message):
     TYPE: ClassVar[str] = "INIT"
     session: str
+    offset: int  # staging[:count] holds master[offset:offset + count]
+    count: int
+
+    def validate(self) -> None:
+        _check_range(self.offset, self.count)
 
 
 @dataclass(kw_only=True)
@@ -205,7 +228,7 @@ class Step(Message):
         _require(self.out_slot in (0, 1), f"out_slot must be 0 or 1, got {self.out_slot}")
         _require(math.isfinite(self.predict) and 0.0 <= self.predict <= 4.0,
                  f"predict must be in [0, 4], got {self.predict}")
-        _require(0 <= self.slot < NUM_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
+        _require(0 <= self.slot < MAX_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
         _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
         _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")
         validate_hparams(self.hparams)
@@ -229,6 +252,11 @@ class Skip(Message):
 class GetMaster(Message):
     TYPE: ClassVar[str] = "GET_MASTER"
     session: str
+    offset: int  # master[offset:offset + count] goes to staging[:count]
+    count: int
+
+    def validate(self) -> None:
+        _check_range(self.offset, self.count)
 
 
 @dataclass(kw_only=True)

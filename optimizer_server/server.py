@@ -287,7 +287,10 @@ class OptimizerServer:
             self._drop(session, "said BYE", logging.INFO)
             return P.Ok().encode()
         if isinstance(msg, P.Init):
-            shard.init_from_staging()
+            try:
+                shard.init_chunk(msg.offset, msg.count)
+            except ValueError as e:
+                return P.error(P.E_ORDER, str(e))
             return P.Ok().encode()
         if isinstance(msg, P.Load):
             try:
@@ -303,6 +306,9 @@ class OptimizerServer:
             if msg.step != shard.steps + 1:
                 return P.error(P.E_ORDER, f"STEP {msg.step} out of order: the shard has done {shard.steps} "
                                           f"update(s), so the next is {shard.steps + 1}")
+            if msg.slot >= len(shard.grads):
+                return P.error(P.E_DECODE, f"gradient slot {msg.slot} but HELLO asked for {len(shard.grads)} "
+                                           f"slot(s): send slot 0, or register with grad_slots=2")
             if msg.out_slot >= len(shard.weights16_slots):
                 return P.error(P.E_DECODE, f"out_slot {msg.out_slot} but HELLO asked for "
                                            f"{len(shard.weights16_slots)} weight slot(s): send out_slot 0, or "
@@ -320,7 +326,10 @@ class OptimizerServer:
             shard.skipped += 1
             return P.Ok(info={"steps": shard.steps}).encode()
         if isinstance(msg, P.GetMaster):
-            shard.copy_master_to_staging()
+            try:
+                shard.master_to_staging(msg.offset, msg.count)
+            except ValueError as e:
+                return P.error(P.E_ORDER, str(e))
             return P.Ok().encode()
         if isinstance(msg, P.Save):
             try:
@@ -343,7 +352,7 @@ class OptimizerServer:
         if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
             return P.error(P.E_AUTH, "wrong or missing token: pass the token the server wrote next to its "
                                      "address file (ZERO_OFFLOAD_TOKEN)")
-        layout = ShardLayout(msg.numel, msg.weight_slots)
+        layout = ShardLayout(msg.numel, msg.weight_slots, msg.grad_slots, msg.staging_numel)
         need = msg.numel * state_bytes_per_param(msg.optimizer) + layout.total_bytes
         avail = read_mem_available()
         if need > avail * self.cfg.max_ram_fraction:
@@ -379,7 +388,8 @@ class OptimizerServer:
                  msg.dtype, msg.optimizer, name)
         return P.HelloOk(session=session, segment=name, segment_bytes=layout.total_bytes, numel=msg.numel,
                          grad_offsets=list(layout.grad_offsets), weights_offsets=list(layout.weights_offsets),
-                         staging_offset=layout.staging_offset, progress_offset=layout.progress_offset,
+                         staging_offset=layout.staging_offset, staging_numel=layout.staging_numel,
+                         progress_offset=layout.progress_offset,
                          server_pid=os.getpid()).encode()
 
     # ------------------------------------------------------------------ updates

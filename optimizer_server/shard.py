@@ -54,20 +54,21 @@ class Shard:
         self.hparams.update(hello.hparams)
         self.threads = threads
         self.segment = segment
-        self.layout = ShardLayout(self.numel, hello.weight_slots)
+        self.layout = ShardLayout(self.numel, hello.weight_slots, hello.grad_slots, hello.staging_numel)
         n = self.numel
         self.master = np.zeros(n, np.float32)
         self.state = {name: np.zeros(n, np.float32) for name in STATE_ARRAYS[self.optimizer]}
         self.grads = [segment.array(np.uint16, off, n) for off in self.layout.grad_offsets]
         self.weights16_slots = [segment.array(np.uint16, off, n) for off in self.layout.weights_offsets]
         self.weights16 = self.weights16_slots[0]  # INIT and LOAD write this one
-        self.staging = segment.array(np.float32, self.layout.staging_offset, n)
+        self.staging = segment.array(np.float32, self.layout.staging_offset, self.layout.staging_numel)
         self.progress = segment.array(np.uint64, self.layout.progress_offset, 1)
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
         self.steps = 0
         self.skipped = 0
         self.initialized = False
         self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
+        self._init_next = 0        # INIT chunks arrive in order: the offset the next must have
         self.busy = False
         self.drop_reason: str | None = None  # set when its worker died mid-update
         self.last_seen = time.monotonic()
@@ -92,14 +93,32 @@ class Shard:
         self.state = {}
 
     # -- requests ------------------------------------------------------------
-    def init_from_staging(self) -> None:
-        np.copyto(self.master, self.staging)
+    def _check_chunk(self, what: str, offset: int, count: int) -> None:
+        """A user mistake in an INIT/GET_MASTER chunk: ValueError naming the fix."""
+        if count > self.layout.staging_numel or offset + count > self.numel:
+            raise ValueError(f"{what} chunk [{offset}, {offset + count}) does not fit: the shard has "
+                             f"{self.numel} elements and the staging window {self.layout.staging_numel}")
+
+    def init_chunk(self, offset: int, count: int) -> None:
+        """master[offset:offset+count] = staging[:count]; chunks come in order from 0,
+        and the one that reaches numel finishes INIT (state reset, weights16 cast)."""
+        self._check_chunk("INIT", offset, count)
+        if offset not in (0, self._init_next):
+            raise ValueError(f"INIT chunks must come in order: expected offset {self._init_next} "
+                             f"(or 0 to start over), got {offset}")
+        # a partial master must never be stepped on: until the last chunk, STEP is refused
+        self.initialized = False
+        np.copyto(self.master[offset:offset + count], self.staging[:count])
+        self._init_next = offset + count
+        if self._init_next < self.numel:
+            return
         if self._state_dirty:
             for a in self.state.values():
                 a.fill(0.0)
         # else np.zeros' pages are still untouched: the first update commits them,
         # after the worker has let go of its fp32 copy of the model
         self._state_dirty = False
+        self._init_next = 0
         self.steps = 0
         self._write_weights16()
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
@@ -145,8 +164,9 @@ class Shard:
         """Memory traffic of one update: 28 B/param for Adam, 20 for Adagrad and Lion."""
         return self.numel * 2 * (2 + 4 * (1 + len(self.state)))
 
-    def copy_master_to_staging(self) -> None:
-        np.copyto(self.staging, self.master)
+    def master_to_staging(self, offset: int, count: int) -> None:
+        self._check_chunk("GET_MASTER", offset, count)
+        np.copyto(self.staging[:count], self.master[offset:offset + count])
 
     def stats(self) -> P.StatsOk:
         ut = self.update_times
@@ -219,6 +239,7 @@ class Shard:
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))
         self.initialized = True
+        self._init_next = 0
         self._write_weights16()
         self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
         return {"steps": self.steps}

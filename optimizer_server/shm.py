@@ -8,12 +8,17 @@ name.  Layout of a shard's segment (see also optimizer_server.protocol):
      | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress | to 4 KiB
      | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
      +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
-     |<---- staging fp32: numel x 4 B -->|
+     |<- staging fp32: staging_numel x 4 B ->|
 
-The fp32 staging area aliases the two gradient slots: it is only used when no
-step is in flight (initial weights, GET_MASTER, LOAD), and sharing saves 4 B/param
-of host RAM (host state is 12 B/param private + 6 B/param shared = 18 B/param;
-8 B/param shared with two weights slots, which spare the CPU worker its own copy).
+The fp32 staging area is a window (staging_numel = min(numel, HELLO's window))
+over the start of the gradient region, which is made at least as long: it is
+only used when no step is in flight, and INIT and GET_MASTER move the fp32
+weights through it in chunks: it costs at most the window (64 MiB by default)
+beyond the gradient slots, nothing once they are longer.  Grad slot 1
+exists only with grad_slots=2 (DPU).  Host RAM per parameter: 12 private (the
+server's master, m, v) + 4 shared (one gradient slot, weights16) = 16 for
+synchronous steps; +2 for DPU's second gradient slot, +2 for a second weights
+slot (which spares the CPU worker its own copy of the model).
 
 With weight_slots=2 (HELLO asks for it) there are two page-aligned weights16
 slots one after the other, and each STEP names the one it writes (out_slot):
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .protocol import DEFAULT_STAGING_NUMEL
+
 try:
     import _posixshmem  # CPython's shm_open/shm_unlink, without resource_tracker
 except ImportError:  # pragma: no cover - non-POSIX
@@ -51,18 +58,24 @@ def _round_up(x: int, a: int = PAGE) -> int:
 class ShardLayout:
     numel: int
     weight_slots: int = 1  # 2: the worker's CPU model lives in the segment (zero-copy), see above
+    grad_slots: int = 2    # 1: synchronous steps only
+    window: int = 0        # the staging window asked for (0: protocol.DEFAULT_STAGING_NUMEL)
 
     @property
-    def grad_offsets(self) -> tuple[int, int]:
-        return (0, 2 * self.numel)
+    def grad_offsets(self) -> tuple[int, ...]:
+        return tuple(i * 2 * self.numel for i in range(self.grad_slots))
 
     @property
     def staging_offset(self) -> int:
         return 0
 
     @property
+    def staging_numel(self) -> int:
+        return min(self.numel, self.window or DEFAULT_STAGING_NUMEL)
+
+    @property
     def weights_offsets(self) -> tuple[int, ...]:
-        first = _round_up(4 * self.numel)
+        first = _round_up(max(self.grad_slots * 2 * self.numel, 4 * self.staging_numel))
         return tuple(first + i * _round_up(2 * self.numel) for i in range(self.weight_slots))
 
     @property

@@ -48,6 +48,9 @@ class OffloadConfig:
         this many elements, and the engine copies finished weights up that soon
         (runtime.weights_up).  Smaller: less copy left after the update, more
         publications (each a few microseconds).
+    staging_numel: fp32 elements per chunk of the initial weights and GET_MASTER
+        (the staging window of the shared segment; 0 = the server's 16M, 64 MiB).
+        Within the gradient slots it costs nothing; smaller only means more round trips.
     server_address / server_token: connect to a running server; "" = the launcher's
         environment variables, or a private server started (and stopped) by the engine.
     server_threads: OpenMP threads of a private server's updates (0 = its default).
@@ -82,6 +85,7 @@ class OffloadConfig:
     cpu_zero_copy: bool = True
     overlap_weights_up: bool = True
     progress_block_numel: int = 1 << 20
+    staging_numel: int = 0
     server_address: str = ""
     server_token: str = ""
     server_threads: int = 0
@@ -133,6 +137,8 @@ class OffloadConfig:
             raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
         if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= 1):
             raise ValueError(f"progress_block_numel must be an int >= 1, got {self.progress_block_numel!r}")
+        if not (isinstance(self.staging_numel, int) and self.staging_numel >= 0):
+            raise ValueError(f"staging_numel must be an int >= 0 (0: the server's default), got {self.staging_numel!r}")
         if self.server_address and not self.server_address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"server_address must start with ipc:// or tcp://, got {self.server_address!r}")
         if not (isinstance(self.server_threads, int) and self.server_threads >= 0):

@@ -96,6 +96,10 @@ class OffloadEngine:
         # and landing an update swaps the model onto it (no copy up at all)
         self._zero_copy = self._direct_host and cfg.cpu_zero_copy
         self._cur = 0  # zero-copy: the weights16 slot the model's parameters view
+        # DPU writes step t+1's gradients while the server still reads step t's: two
+        # slots.  Synchronous steps wait for DONE first, so one slot (2 B/param of
+        # host RAM less) is enough.
+        self._grad_slots = 2 if cfg.dpu else 1
         self.tracer = Tracer(cfg.trace_dir, "worker", self.rank)
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
         S = self.flat.shard_numel
@@ -156,7 +160,8 @@ class OffloadEngine:
                                   numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
                                   hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
                                   progress_block=cfg.progress_block_numel,
-                                  weight_slots=2 if self._zero_copy else 1)
+                                  weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
+                                  staging_numel=cfg.staging_numel)
         c = self.client
         as16 = lambda a: torch.from_numpy(a.view(np.int16)).view(self.dtype)  # noqa: E731
         self._host_grads = [as16(g) for g in c.grads]
@@ -188,11 +193,12 @@ class OffloadEngine:
         with self.tracer.span("init_weights"):
             # Host memory peaks here: the user's fp32 model is still alive.  So only
             # this rank's shard goes to the server, straight from the parameters
-            # (no flat fp32 copy of the model), and then each parameter is cast
-            # into flat16 and released in turn.  INIT comes first: if it fails the
-            # model is untouched.
-            self.flat.copy_fp32_range(torch.from_numpy(self.client.staging), self.shard_lo, self.shard_hi)
-            self.client.init_weights()
+            # through the staging window, chunk by chunk (no flat fp32 copy of the
+            # model), and then each parameter is cast into flat16 and released in
+            # turn.  INIT comes first: if it fails the model is untouched.
+            lo0 = self.shard_lo
+            self.client.init_weights(fill=lambda out, lo, hi: self.flat.copy_fp32_range(
+                torch.from_numpy(out), lo0 + lo, lo0 + hi))
             # every rank casts the full model itself (identical on all ranks); the
             # server's 16-bit copy of our shard rounds the same way (RNE)
             if self._zero_copy:
@@ -219,7 +225,7 @@ class OffloadEngine:
         self._micro += 1
         final = self._micro % self.cfg.grad_accumulation_steps == 0
         if final:
-            self._slot = self.iteration % 2
+            self._slot = self.iteration % self._grad_slots
             for b in self.flat.buckets:
                 b.remaining = len(b.slots)
                 b.buf = None

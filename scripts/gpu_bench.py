@@ -173,7 +173,8 @@ def main(argv=None) -> int:
     bb = res[f"baseline_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
     eb = res[f"sync_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
     res["state_bytes_per_param"] = {"baseline": bb, "engine": eb, "ratio": bb / eb if eb == eb and eb else float("nan")}
-    # (d) capacity estimate: free device memory / bytes per param, host RAM / 18 B/param for the engine (its set-up peak is lower)
+    # (d) capacity estimate: free device memory / bytes per param; host RAM / 18 B/param for the
+    # engine with DPU (16 synchronous; its set-up peak is lower: scripts/bench_memory.py)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

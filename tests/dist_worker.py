@@ -33,7 +33,8 @@ def global_batch(step: int, bs: int = 32):
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
                          dpu=mode == "dpu", dpu_warmup_steps=4, bucket_numel=2048,
-                         progress_block_numel=256)  # many published blocks per shard: partial copies
+                         progress_block_numel=256,  # many published blocks per shard: partial copies
+                         staging_numel=500)  # the initial shard and master_state_dict in chunks
 
 
 def main():

@@ -17,6 +17,7 @@ from runtime import OffloadConfig, OffloadEngine
 pytestmark = pytest.mark.timeout(240)
 
 WIDTH, DEPTH = 2048, 4  # 16.8M parameters: 67 MB in fp32, far above allocator noise
+WINDOW = 1 << 20  # staging chunks of 4 MiB: 16 INIT round trips
 SERVER_BASE_BYTES = 48 << 20  # the server's interpreter, NumPy and ZeroMQ (about 20 MiB)
 
 
@@ -54,14 +55,17 @@ def test_setup_and_load_make_no_full_size_temporaries(tmp_path, zero_copy):
     me = os.getpid()
     _reset_peak(me)
     rss0 = _kb(me, "VmRSS:") * 1024
-    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, cpu_zero_copy=zero_copy))
+    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, cpu_zero_copy=zero_copy,
+                                             staging_numel=WINDOW))
     try:
         srv = eng._server.pid
-        # worker: the fp32 staging it fills (4 B/param) and the 16-bit weights it
-        # casts into (2); a flat fp32 copy of the model would add 4
+        # worker: the 16-bit weights it casts into (2 B/param) and the staging window
+        # it fills chunk by chunk (0.25); a flat fp32 copy of the model would add 4,
+        # a staging area as long as the shard 4 more
         worker_peak = (_kb(me, "VmHWM:") * 1024 - rss0) / n
-        assert worker_peak < 7.0, f"engine set-up raised the worker's resident set by {worker_peak:.1f} B/param"
-        # server: whatever INIT touched it still holds (master 4, staging 4, weights16 2);
+        assert worker_peak < 3.0, f"engine set-up raised the worker's resident set by {worker_peak:.1f} B/param"
+        assert len(eng.client.grads) == 1  # synchronous steps: one gradient slot (2 B/param less)
+        # server: whatever INIT touched it still holds (master 4, weights16 2, the window);
         # a transient above that is a temporary (NumPy's bf16 cast made ~12 B/param)
         over = (_kb(srv, "VmHWM:") - _kb(srv, "VmRSS:")) * 1024 / n
         assert over < 1.0, f"INIT peaked {over:.1f} B/param above what the server holds after it"

@@ -10,14 +10,16 @@ from optimizer_server import protocol as P
 
 SAMPLES = [
     P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
-            hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64, weight_slots=2),
+            hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64, weight_slots=2, grad_slots=1,
+            staging_numel=7),
     P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
-              weights_offsets=[4096, 8192], staging_offset=0, progress_offset=8256, server_pid=1),
-    P.Init(session="s"),
+              weights_offsets=[4096, 8192], staging_offset=0, staging_numel=10, progress_offset=8256,
+              server_pid=1),
+    P.Init(session="s", offset=16, count=8),
     P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}, out_slot=1),
     P.Done(step=3, update_s=0.01),
     P.Skip(session="s", step=4),
-    P.GetMaster(session="s"),
+    P.GetMaster(session="s", offset=0, count=10),
     P.Save(session="s", dir="/tmp/x"),
     P.Load(session="s", dir="/tmp/x"),
     P.Stats(session="s"),
@@ -71,6 +73,12 @@ def _hello_dict(**over):
     (_raw({"t": "STEP", "session": "s", "step": 1, "slot": 0, "lr": 0.1, "out_slot": 2}), "out_slot"),
     (_raw(_hello_dict(weight_slots=3)), "weight_slots"),
     (_raw(_hello_dict(progress_block=-1)), "progress_block"),
+    (_raw(_hello_dict(grad_slots=0)), "grad_slots"),
+    (_raw(_hello_dict(grad_slots=3)), "grad_slots"),
+    (_raw(_hello_dict(staging_numel=-1)), "staging_numel"),
+    (_raw({"t": "INIT", "session": "s"}), "missing field 'offset'"),
+    (_raw({"t": "INIT", "session": "s", "offset": -1, "count": 1}), "offset and count"),
+    (_raw({"t": "GET_MASTER", "session": "s", "offset": 0, "count": 1 << 41}), "offset and count"),
     (b"\x00" * (P.MAX_MESSAGE_BYTES + 1), "exceeds"),
 ])
 def test_rejections(data, match):

@@ -27,14 +27,15 @@ pytestmark = pytest.mark.timeout(120)
 
 class MiniClient:
     def __init__(self, address: str, token: str, numel: int, rank: int = 0, world_size: int = 1, pid: int = 0,
-                 progress_block: int = 0, **hp):
+                 progress_block: int = 0, staging_numel: int = 0, grad_slots: int = 2, **hp):
         self.ctx = zmq.Context()
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.setsockopt(zmq.LINGER, 0)
         self.s.connect(address)
         self.numel = numel
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
-                        dtype="fp16", optimizer="adamw", hparams=hp, pid=pid, progress_block=progress_block)
+                        dtype="fp16", optimizer="adamw", hparams=hp, pid=pid, progress_block=progress_block,
+                        staging_numel=staging_numel, grad_slots=grad_slots)
         ok = self.req(hello)
         assert isinstance(ok, P.HelloOk), ok
         self.session, self.seg = ok.session, ok.segment
@@ -43,8 +44,27 @@ class MiniClient:
         os.close(fd)
         self.grad = [np.frombuffer(self.mm, np.float16, numel, off) for off in ok.grad_offsets]
         self.w16 = np.frombuffer(self.mm, np.float16, numel, ok.weights_offsets[0])
-        self.staging = np.frombuffer(self.mm, np.float32, numel, ok.staging_offset)
+        self.staging = np.frombuffer(self.mm, np.float32, ok.staging_numel, ok.staging_offset)
         self.progress = np.frombuffer(self.mm, np.uint64, 1, ok.progress_offset)
+
+    def init(self, p0: np.ndarray) -> None:
+        """INIT through the staging window, chunk by chunk."""
+        w = max(1, self.staging.size)
+        for lo in range(0, max(self.numel, 1), w):
+            hi = min(lo + w, self.numel)
+            self.staging[:hi - lo] = p0[lo:hi]
+            r = self.req(P.Init(session=self.session, offset=lo, count=hi - lo))
+            assert isinstance(r, P.Ok), r
+
+    def master(self) -> np.ndarray:
+        out = np.empty(self.numel, np.float32)
+        w = max(1, self.staging.size)
+        for lo in range(0, self.numel, w):
+            hi = min(lo + w, self.numel)
+            r = self.req(P.GetMaster(session=self.session, offset=lo, count=hi - lo))
+            assert isinstance(r, P.Ok), r
+            out[lo:hi] = self.staging[:hi - lo]
+        return out
 
     def send_raw(self, data: bytes, timeout_s: float = 10.0) -> P.Message:
         self.s.send(data)
@@ -83,10 +103,10 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
     rng = np.random.default_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
-    c = MiniClient(server.address, server.token, n, **hp)
+    c = MiniClient(server.address, server.token, n, staging_numel=3000, **hp)  # 4 chunks, the last short
     try:
-        c.staging[:] = p0
-        assert isinstance(c.req(P.Init(session=c.session)), P.Ok)
+        assert c.staging.size == 3000
+        c.init(p0)
         np.testing.assert_array_equal(c.w16, p0.astype(np.float16))
         ref = torch.tensor(p0, dtype=torch.float64, requires_grad=True)
         opt = torch.optim.AdamW([ref], lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -102,14 +122,12 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
         assert err <= np.abs(r).max() * 2 ** -10  # fp16 rounding of the fp32 result
         # SKIP leaves the state as it is
         before_w = c.w16.copy()
-        assert isinstance(c.req(P.GetMaster(session=c.session)), P.Ok)
-        m1 = c.staging.copy()
+        m1 = c.master()
         upd = np.linalg.norm(m1.astype(np.float64) - p0)
         assert np.linalg.norm(m1 - r) / upd < 1e-4  # update's relative error
         c.grad[1][:] = np.float16(np.inf)
         assert isinstance(c.req(P.Skip(session=c.session, step=11)), P.Ok)
-        assert isinstance(c.req(P.GetMaster(session=c.session)), P.Ok)
-        np.testing.assert_array_equal(c.staging, m1)
+        np.testing.assert_array_equal(c.master(), m1)
         np.testing.assert_array_equal(c.w16, before_w)
         st = c.req(P.Stats(session=c.session))
         assert st.steps == 10 and st.skipped == 1
@@ -169,8 +187,7 @@ def test_two_clients_one_killed(server):
         seg = victim.stdout.readline().strip()
         assert seg and os.path.exists(f"/dev/shm/{seg}")
         c = MiniClient(server.address, server.token, 3000, world_size=2)
-        c.staging[:] = 1.0
-        c.req(P.Init(session=c.session))
+        c.init(np.ones(3000, np.float32))
         victim.kill()
         victim.wait(10)
         t0 = time.monotonic()
@@ -202,16 +219,13 @@ def test_save_load_bitwise_equals_uninterrupted(tmp_path):
 
     with spawn(threads=1) as srv:
         c = MiniClient(srv.address, srv.token, n)
-        c.staging[:] = p0
-        c.req(P.Init(session=c.session))
+        c.init(p0)
         run(c, range(1, 16))
-        c.req(P.GetMaster(session=c.session))
-        full = c.staging.copy()
+        full = c.master()
         c.close()
     with spawn(threads=1) as srv:
         c = MiniClient(srv.address, srv.token, n)
-        c.staging[:] = p0
-        c.req(P.Init(session=c.session))
+        c.init(p0)
         run(c, range(1, 11))
         ok = c.req(P.Save(session=c.session, dir=str(tmp_path)))
         assert isinstance(ok, P.Ok), ok
@@ -221,8 +235,7 @@ def test_save_load_bitwise_equals_uninterrupted(tmp_path):
         ok = c.req(P.Load(session=c.session, dir=str(tmp_path)))
         assert isinstance(ok, P.Ok) and ok.info["steps"] == 10
         run(c, range(11, 16))
-        c.req(P.GetMaster(session=c.session))
-        np.testing.assert_array_equal(c.staging, full)
+        np.testing.assert_array_equal(c.master(), full)
         c.close()
         # a different layout is refused, naming both
         c = MiniClient(srv.address, srv.token, n + 1)
@@ -238,9 +251,8 @@ def test_progress_word_tags_each_step_and_resets_on_init_and_load(server, tmp_pa
     rng = np.random.default_rng()
     c = MiniClient(server.address, server.token, n, progress_block=512)
     try:
-        c.staging[:] = rng.standard_normal(n).astype(np.float32)
         c.progress[0] = 12345  # whatever was there: INIT clears it
-        assert isinstance(c.req(P.Init(session=c.session)), P.Ok)
+        c.init(rng.standard_normal(n).astype(np.float32))
         assert int(c.progress[0]) == 0
         for t in range(1, 6):
             c.grad[t % 2][:] = rng.standard_normal(n).astype(np.float16)
@@ -305,3 +317,46 @@ def test_new_server_sweeps_a_killed_servers_segments(tmp_path):
         assert not os.path.exists(srv.address[len("ipc://"):])  # and its socket directory
         assert srv2.address != srv.address
     srv.stop()
+
+
+def test_staging_window_chunks_and_one_gradient_slot(server):
+    """INIT and GET_MASTER through a window smaller than the shard: a chunk out of
+    order, too long or past the end is refused naming the fix, and a partial INIT
+    never lets a STEP through.  grad_slots=1 gives one gradient slot."""
+    n = 2500
+    rng = np.random.default_rng()
+    p0 = rng.standard_normal(n).astype(np.float32)
+    c = MiniClient(server.address, server.token, n, staging_numel=1000, grad_slots=1)
+    try:
+        assert len(c.grad) == 1 and c.staging.size == 1000
+        c.staging[:] = p0[:1000]
+        assert isinstance(c.req(P.Init(session=c.session, offset=0, count=1000)), P.Ok)
+        for bad, match in [(P.Init(session=c.session, offset=2000, count=500), "expected offset 1000"),
+                           (P.Init(session=c.session, offset=1000, count=1001), "does not fit"),
+                           (P.Step(session=c.session, step=1, slot=0, lr=1e-3), "before INIT")]:
+            e = c.req(bad)
+            assert isinstance(e, P.Error) and match in e.message, (bad, e)
+        c.init(p0)  # from 0 again, all of it
+        np.testing.assert_array_equal(c.master(), p0)
+        np.testing.assert_array_equal(c.w16, p0.astype(np.float16))
+        for bad, match in [(P.GetMaster(session=c.session, offset=2000, count=501), "does not fit"),
+                           (P.Step(session=c.session, step=1, slot=1, lr=1e-3), "grad_slots=2")]:
+            e = c.req(bad)
+            assert isinstance(e, P.Error) and match in e.message, (bad, e)
+        c.grad[0][:] = rng.standard_normal(n).astype(np.float16)
+        assert isinstance(c.req(P.Step(session=c.session, step=1, slot=0, lr=1e-3)), P.Done)
+        assert not np.array_equal(c.master(), p0)
+    finally:
+        c.close()
+
+
+def test_segment_bytes_per_param():
+    """Shared host RAM per parameter: one gradient slot + weights16 = 4 B (synchronous),
+    6 with DPU's second gradient slot, 8 with the CPU worker's second weights slot."""
+    from optimizer_server.shm import ShardLayout
+    n = 100_000_000
+    for weight_slots, grad_slots, per_param in [(1, 1, 4), (1, 2, 6), (2, 2, 8), (2, 1, 6)]:
+        assert ShardLayout(n, weight_slots, grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
+    small = ShardLayout(1000, 1, 1)  # the staging window (all 1000 fp32) is longer than the one slot
+    assert small.weights_offset >= 4 * 1000 and small.staging_numel == 1000
+    assert ShardLayout(n, 1, 1, window=4096).staging_numel == 4096
