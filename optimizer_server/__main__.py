@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, ServerConfig
+
+RAM_FRACTION_ENV = "ZERO_OFFLOAD_MAX_RAM_FRACTION"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,12 +25,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default="INFO")
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--trace-dir", default="", help="write a Chrome trace of the server's phases here")
+    ap.add_argument("--max-ram-fraction", default=os.environ.get(RAM_FRACTION_ENV, "0.9"),
+                    help=f"refuse a shard needing more than this fraction of MemAvailable; 0: no check "
+                         f"(a VM whose RAM grows as it is used); default ${RAM_FRACTION_ENV} or 0.9")
     a = ap.parse_args(argv)
+    try:
+        ram_fraction = float(a.max_ram_fraction)
+    except ValueError:
+        ap.error(f"--max-ram-fraction (or ${RAM_FRACTION_ENV}) must be a number in [0, 1], "
+                 f"got {a.max_ram_fraction!r}")
     try:
         cfg = ServerConfig(address=a.address, address_file=a.address_file, token=a.token, threads=a.threads,
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
                            log_level=a.log_level, parent_pid=a.parent_pid,
-                           trace_dir=a.trace_dir)
+                           trace_dir=a.trace_dir, max_ram_fraction=ram_fraction)
     except ValueError as e:
         ap.error(str(e))
     from .server import run  # imports the kernel; keep --help fast

@@ -20,7 +20,11 @@ class ServerConfig:
     threads: OpenMP threads per shard update (0 = OpenMP default).
     heartbeat_timeout_s: a worker silent this long is dropped and its segment unlinked.
     exit_when_idle: exit once the last worker has said BYE or been dropped.
-    max_ram_fraction: refuse a shard needing more than this fraction of MemAvailable.
+    max_ram_fraction: refuse a shard needing more than this fraction of MemAvailable;
+        0 turns the check off, for machines whose RAM grows as it is used (VMs with
+        memory hot-plug or ballooning report far less at first).  The command line's
+        default comes from ZERO_OFFLOAD_MAX_RAM_FRACTION, so a server that an engine
+        spawns can be told too.
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
@@ -45,7 +49,7 @@ class ServerConfig:
             raise ValueError(f"threads must be >= 0 (0 = OpenMP default), got {self.threads}")
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
-        if not 0 < self.max_ram_fraction <= 1:
-            raise ValueError(f"max_ram_fraction must be in (0, 1], got {self.max_ram_fraction}")
+        if not 0 <= self.max_ram_fraction <= 1:
+            raise ValueError(f"max_ram_fraction must be in [0, 1] (0: no check), got {self.max_ram_fraction}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"log_level must be a logging level name (DEBUG, INFO, ...), got {self.log_level!r}")

@@ -355,10 +355,12 @@ class OptimizerServer:
         layout = ShardLayout(msg.numel, msg.weight_slots, msg.grad_slots, msg.staging_numel)
         need = msg.numel * state_bytes_per_param(msg.optimizer) + layout.total_bytes
         avail = read_mem_available()
-        if need > avail * self.cfg.max_ram_fraction:
+        if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:
             return P.error(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
                                          f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available; "
-                                         f"use more ranks/nodes or a smaller model")
+                                         f"use more ranks/nodes or a smaller model (where RAM grows as it is "
+                                         f"used, as in some VMs, ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this "
+                                         f"check off)")
         try:
             st = os.statvfs("/dev/shm")
             shm_free = st.f_bavail * st.f_frsize

@@ -26,10 +26,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench_memory import HostSampler  # noqa: E402
 from optimizer_server.shm import Segment  # noqa: E402
 from runtime.baseline import DeviceMixedPrecision  # noqa: E402
 from runtime.config import OffloadConfig  # noqa: E402
@@ -88,7 +90,10 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
+    host = HostSampler().start()  # host RAM of this process, the server and their segments
+    host0 = host.now()
     model = make_model(mc)
+    n = model.num_params()
     cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, dpu=kind.startswith("dpu"), dpu_warmup_steps=2,
                         overlap_weights_up=kind != "dpu-after",
                         clip_grad_norm=1.0, server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
@@ -116,14 +121,17 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
             if i == 0 and dev.type == "cuda":
                 state_bytes = torch.cuda.memory_allocated(dev)  # after a step: model states only
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+        host_steady = host.now()
         st = eng.stats() if kind != "baseline" else {}
         # share of the weights that went up while the update ran or inside backward
         early = st["bytes_to_device_early"] / st["bytes_to_device"] if st.get("bytes_to_device") else None
     finally:
         eng.close()
+        host.stop()
         del eng, model
     return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak,
-            "pinned": pinned if kind != "baseline" else None, "early_up": early}
+            "pinned": pinned if kind != "baseline" else None, "early_up": early,
+            "host_peak_B": (host.peak - host0) / n, "host_steady_B": (host_steady - host0) / n}
 
 
 def main(argv=None) -> int:
@@ -137,6 +145,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,16")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--host-gib", type=float, default=0.0,
+                    help="host RAM for the capacity estimate (0: what the OS reports; a VM whose RAM grows "
+                         "as it is used reports far less at first)")
     a = ap.parse_args(argv)
     if a.dry_run:
         dev = torch.device("cpu")
@@ -167,6 +178,7 @@ def main(argv=None) -> int:
             rows.append((b, kind, r))
             print(f"(c) batch {b} {kind}: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPS, "
                   f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+                  + f", host {r['host_peak_B']:.1f} B/param peak, {r['host_steady_B']:.1f} steady"
                   + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
                   + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
     # (b) model-state bytes per parameter on the device
@@ -177,17 +189,21 @@ def main(argv=None) -> int:
     # engine with DPU (16 synchronous; its set-up peak is lower: scripts/bench_memory.py)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = a.host_gib * 2**30 or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        # the engine's host bytes/param as measured here (DPU, larger batch), at least the layout's 18
+        hb = max(18.0, res[f"dpu_b{batches[-1]}"]["host_peak_B"])
         res["capacity_params"] = {"baseline_device_bound": total * 0.9 / bb,
                                   "engine_device_bound": total * 0.9 / eb,
-                                  "engine_host_bound": host * 0.9 / 18}  # 12 B/param server + 6 segment (bench_memory)
+                                  "engine_host_bound": host * 0.9 / hb, "host_bytes_per_param": hb,
+                                  "host_bytes": host}
     res["seconds"] = time.perf_counter() - t_start
-    print("\n| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | vs GPU-only |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only |")
+    print("|---|---|---|---|---|---|---|---|")
     for b, kind, r in rows:
         base = res[f"baseline_b{b}"]["step_s"]
         print(f"| {b}x{mc.seq_len} | {kind} | {r['step_s'] * 1e3:.0f} | {r['tflops']:.1f} | "
-              f"{r['state_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['step_s'] / base:.2f}x |")
+              f"{r['state_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['host_peak_B']:.1f} | "
+              f"{r['step_s'] / base:.2f}x |")
     if "bandwidth" in res:
         bw = res["bandwidth"]
         print(f"\nbandwidth GB/s: ours h2d {bw['ours_h2d_GBps']:.1f} / d2h {bw['ours_d2h_GBps']:.1f}; torch pinned "

@@ -39,6 +39,12 @@ def test_bench_pipeline_tiny():
     assert "| tiny 1x8 |" in out
 
 
+def test_bench_memory_tiny():
+    out = run("bench_memory.py", "--layers", "1", "--d-model", "64", "--steps", "2", "--no-write")
+    for variant in ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy"):
+        assert f"| {variant} |" in out
+
+
 def test_convergence_tiny():
     out = run("convergence.py", "--model", "tiny", "--steps", "4", "--eval-every", "2", "--dpu-warmup", "2",
               "--seq-len", "16", "--batch-size", "2", "--no-write")

@@ -58,7 +58,20 @@ def test_shard_larger_than_ram_is_refused():
     with spawn(threads=1) as srv:
         with pytest.raises(OptimizerServerError, match="needs .* GiB of host RAM .* available") as e:
             ShardClient(srv.address, srv.token, numel=1 << 38, server_proc=srv.proc)
-        assert e.value.code == P.E_RESOURCE
+        assert e.value.code == P.E_RESOURCE and "ZERO_OFFLOAD_MAX_RAM_FRACTION=0" in str(e.value)
+
+
+def test_ram_check_can_be_turned_off_for_machines_whose_ram_grows():
+    """ZERO_OFFLOAD_MAX_RAM_FRACTION=0 (inherited by a server an engine spawns) skips
+    the MemAvailable check; the /dev/shm check still refuses what cannot fit."""
+    env = dict(os.environ, ZERO_OFFLOAD_MAX_RAM_FRACTION="0")
+    with spawn(threads=1, env=env) as srv:
+        with pytest.raises(OptimizerServerError, match="/dev/shm") as e:
+            ShardClient(srv.address, srv.token, numel=1 << 38, server_proc=srv.proc)
+        assert e.value.code == P.E_RESOURCE and "host RAM" not in str(e.value)
+    bad = dict(os.environ, ZERO_OFFLOAD_MAX_RAM_FRACTION="lots")
+    with pytest.raises(RuntimeError, match="max-ram-fraction"):
+        spawn(threads=1, env=bad, ready_timeout_s=20, stderr=subprocess.PIPE)
 
 
 @pytest.fixture
