@@ -20,6 +20,7 @@ from cython_ext import cpu_adam
 
 from . import protocol as P
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir
+from .reshard import pick_world_size, read_range
 from .shm import Segment, ShardLayout
 
 log = logging.getLogger("optimizer_server")
@@ -198,42 +199,48 @@ class Shard:
         return {"path": str(bin_path), "bytes": sum(a.nbytes for a in arrays), "steps": self.steps}
 
     def load(self, directory: str) -> dict:
-        bin_path, man_path = self._paths(Path(directory))
-        if not man_path.exists():
-            found = sorted(p.name for p in Path(directory).glob("shard-*.json")) if Path(directory).is_dir() else []
-            raise ValueError(f"no checkpoint for rank {self.rank} of {self.world_size} in {directory} "
-                             f"(expected {man_path.name}; found {found or 'nothing'}); loading needs the same "
-                             f"world size as saving")
-        man = json.loads(man_path.read_text())
+        """Read this shard's range of a checkpoint, saved with this world size or
+        another (optimizer_server.reshard): every rank's manifest must agree."""
+        d = Path(directory)
+        src = pick_world_size(d, "shard", self.world_size)
+        mans = []
+        for k in range(src):
+            path = d / f"shard-r{k}-of-{src}.json"
+            if not path.exists():
+                raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing")
+            mans.append(json.loads(path.read_text()))
         mine = self.manifest()
-        keys = ("format", "world_size", "rank", "numel", "dtype", "optimizer")
-        diff = {k: (man.get(k), mine[k]) for k in keys if man.get(k) != mine[k]}
-        if diff:
-            desc = ", ".join(f"{k}: checkpoint {a!r} vs this run {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"checkpoint {man_path} does not match this shard's layout ({desc})")
+        keys = ("format", "dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
+        for k, man in enumerate(mans):
+            diff = {key: (man.get(key), mine[key]) for key in keys if man.get(key) != mine[key]}
+            if man.get("numel") != mans[0].get("numel") or man.get("steps") != mans[0].get("steps"):
+                diff["numel/steps across ranks"] = ((man.get("numel"), man.get("steps")),
+                                                    (mans[0].get("numel"), mans[0].get("steps")))
+            if diff:
+                desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
+                raise ValueError(f"checkpoint {d / f'shard-r{k}-of-{src}.json'} does not match this shard's "
+                                 f"layout ({desc})")
+        per_file = int(mans[0]["numel"])
         arrays = [self.master, *self.state.values()]
-        expect = sum(a.nbytes for a in arrays)
-        size = bin_path.stat().st_size
-        if size != expect:
-            raise ValueError(f"checkpoint {bin_path} has {size} bytes, expected {expect} (truncated?)")
+        bins = [d / f"shard-r{k}-of-{src}.bin" for k in range(src)]
+        for path in bins:
+            size = path.stat().st_size if path.exists() else -1
+            if size != len(arrays) * 4 * per_file:
+                raise ValueError(f"checkpoint {path} has {size} bytes, expected {len(arrays) * 4 * per_file} "
+                                 f"(truncated?)")
+        man = mans[0]
         # Straight into the state arrays: temporaries would double the server's
         # memory (12 B/param) exactly when resuming, the moment a job that fits
         # would OOM.  A read that fails midway leaves a mix, so the shard is marked
         # uninitialized and refuses STEP until a LOAD or INIT succeeds.
         self.initialized = False
         self._state_dirty = True
+        lo = self.rank * self.numel
         try:
-            with open(bin_path, "rb") as f:
-                for a in arrays:
-                    view = memoryview(a).cast("B")
-                    got = 0
-                    while got < a.nbytes:
-                        k = f.readinto(view[got:])
-                        if not k:
-                            raise OSError(f"unexpected end of file after {got} of {a.nbytes} bytes")
-                        got += k
+            for i, a in enumerate(arrays):
+                read_range(bins, per_file, i * per_file, lo, lo + self.numel, a)
         except OSError as e:
-            raise OSError(f"reading checkpoint {bin_path} failed ({e}); this shard's state is now partly "
+            raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
         self.steps = int(man["steps"])
         self.skipped = int(man.get("skipped", 0))

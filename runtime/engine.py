@@ -49,7 +49,8 @@ import torch.distributed as dist
 from cython_ext import cpu_adam
 from optimizer_server.atomic import atomic_write_bytes, fsync_dir
 from optimizer_server.client import ShardClient
-from optimizer_server.errors import OptimizerServerError
+from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
+from optimizer_server.reshard import pick_world_size, read_range
 from optimizer_server.tracing import Tracer
 
 from . import distributed
@@ -481,6 +482,19 @@ class OffloadEngine:
     def _pending_file(self, d: Path) -> Path:
         return d / f"pending16-r{self.rank}-of-{self.world_size}.bin"
 
+    def _read_saved_shard(self, d: Path, prefix: str, src: int, out: np.ndarray | None = None) -> np.ndarray:
+        """This rank's shard of the 16-bit files {prefix}-r*-of-{src}.bin (saved by src ranks)."""
+        files = [d / f"{prefix}-r{k}-of-{src}.bin" for k in range(src)]
+        sizes = {f.stat().st_size if f.exists() else -1 for f in files}
+        per_file = sizes.pop() // 2 if len(sizes) == 1 else -1
+        if per_file < 0 or per_file * src < self.flat.numel:
+            raise ValueError(f"checkpoint {d}: {prefix} files of {src} rank(s) are missing or of unequal or "
+                             f"too small sizes ({sorted(f.name for f in files if f.exists())})")
+        if out is None:
+            out = np.empty(self.flat.shard_numel, np.int16)
+        read_range(files, per_file, 0, self.shard_lo, self.shard_hi, out)
+        return out
+
     def _engine_files(self, d: Path) -> tuple[Path, Path]:
         return d / f"engine-r{self.rank}-of-{self.world_size}.json", d / f"device16-r{self.rank}-of-{self.world_size}.bin"
 
@@ -529,6 +543,8 @@ class OffloadEngine:
             if not ok_all:
                 if self.rank == 0:
                     shutil.rmtree(tmp, ignore_errors=True)
+                if not ok and isinstance(err, OptimizerServerDeadError):
+                    raise err  # a dead server is the one named error, whatever it interrupted
                 if not ok:
                     raise OptimizerServerError(f"saving checkpoint {name} in {root} failed ({err}); the previous "
                                                f"checkpoint is intact", code="checkpoint") from err
@@ -563,23 +579,23 @@ class OffloadEngine:
         return d
 
     def load_checkpoint(self, directory: str) -> None:
+        """Restore a checkpoint saved with this world size or another: each rank
+        reads its shard's range of every saved shard (optimizer_server.reshard),
+        so a job can resume on fewer or more ranks."""
         self._check_open()
         self._land_inflight(copy=False)
         d = self.resolve_checkpoint(directory)
-        meta_path, dev_path = self._engine_files(d)
+        src = pick_world_size(d, "engine", self.world_size)
+        meta_path = d / f"engine-r{self.rank if src == self.world_size else 0}-of-{src}.json"
         if not meta_path.exists():
-            found = sorted(p.name for p in d.glob("engine-*.json")) if d.is_dir() else []
-            raise ValueError(f"no engine state for rank {self.rank} of {self.world_size} in {d} (found "
-                             f"{found or 'nothing'}); a checkpoint loads only with the world size it was saved with")
+            raise ValueError(f"checkpoint {d} is incomplete: {meta_path.name} is missing")
         meta = json.loads(meta_path.read_text())
         for k, mine in (("numel", self.flat.numel), ("dtype", self.cfg.dtype), ("optimizer", self.cfg.optimizer)):
             if meta[k] != mine:
                 raise ValueError(f"checkpoint {d} has {k}={meta[k]!r} but this engine has {mine!r}")
-        with self.tracer.span("load_checkpoint"):
+        with self.tracer.span("load_checkpoint", world_size_saved=src):
             self.client.load(str(d))
-            raw = np.fromfile(dev_path, dtype=np.int16)
-            if raw.size != self.flat.shard_numel:
-                raise ValueError(f"{dev_path} holds {raw.size} weights, expected {self.flat.shard_numel}")
+            raw = self._read_saved_shard(d, "device16", src)
             self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
             if self.world_size > 1:
                 distributed.all_gather_weights(self)
@@ -589,12 +605,8 @@ class OffloadEngine:
         self._micro = meta["micro"]
         self._up.reset()
         if meta["stale"]:
-            pending = np.fromfile(self._pending_file(d), dtype=np.uint16)
-            if pending.size != self.flat.shard_numel:
-                raise ValueError(f"{self._pending_file(d)} holds {pending.size} weights, expected "
-                                 f"{self.flat.shard_numel}")
             # nothing is in flight: the server does not touch the buffer until the next STEP
-            np.copyto(self._incoming_words(), pending)
+            self._read_saved_shard(d, "pending16", src, out=self._incoming_words().view(np.int16))
             self._up.begin(self.updates)
             self._up.land()
         self.scaler.load_state_dict(meta["scaler"])

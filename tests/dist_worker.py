@@ -32,7 +32,7 @@ def global_batch(step: int, bs: int = 32):
 
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
-                         dpu=mode == "dpu", dpu_warmup_steps=4, bucket_numel=2048,
+                         dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
                          progress_block_numel=256,  # many published blocks per shard: partial copies
                          staging_numel=500)  # the initial shard and master_state_dict in chunks
 
@@ -44,7 +44,13 @@ def main():
     model = make_model()
     eng = OffloadEngine(model, config(mode))
     dt = eng.dtype
-    for t in range(1, steps + 1):
+    extra = {}
+    if mode.startswith("load"):  # resume from a checkpoint saved with any world size
+        eng.load_checkpoint(os.path.join(out, "ckpt"))
+        extra["master_at_load"] = eng.master_state_dict()
+        extra["w16_at_load"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    first = eng.iteration + 1
+    for t in range(first, first + steps):
         if mode == "raise" and rank == 1 and t == 2:
             raise RuntimeError("worker 1 fails on purpose")
         if mode == "hang":
@@ -60,10 +66,13 @@ def main():
         eng.step()
         if h is not None:
             h.remove()
+    if mode.startswith("save"):
+        eng.save_checkpoint(os.path.join(out, "ckpt"))
+        extra["w16_at_save"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     master = eng.master_state_dict()
     eng.close()
     torch.save({"master": master, "w16": {k: v.detach().clone() for k, v in model.state_dict().items()},
-                "stats": eng.stats()}, os.path.join(out, f"rank{rank}.pt"))
+                "stats": eng.stats(), **extra}, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 

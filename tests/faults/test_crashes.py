@@ -139,3 +139,27 @@ def test_killed_parent_leaves_no_spawn_directory():
         time.sleep(0.05)
     assert not pid_alive(int(server_pid)), "the server outlived its killed parent"
     assert not d.exists(), f"{d} was left behind"
+
+
+@pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
+def test_server_killed_before_a_checkpoint_is_the_named_error(tmp_path, dpu):
+    """A save that finds the server dead raises OptimizerServerDeadError itself, not
+    a checkpoint error wrapping it (what a trainer catches to restart), and leaves
+    no partial checkpoint."""
+    from optimizer_server import OptimizerServerDeadError
+    from runtime import OffloadConfig, OffloadEngine
+    from tests.dist_worker import global_batch, make_model
+    model = make_model()
+    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=1))
+    try:
+        for t in range(1, 4):
+            x, y = global_batch(t)
+            eng.backward(torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y))
+            eng.step()
+        eng._server.proc.kill()
+        eng._server.proc.wait(10)
+        with pytest.raises(OptimizerServerDeadError, match="SIGKILL"):
+            eng.save_checkpoint(str(tmp_path))
+        assert not OffloadEngine.has_checkpoint(str(tmp_path))
+    finally:
+        eng.close()

@@ -1,0 +1,67 @@
+"""Reading one shard's range out of a checkpoint saved with any world size.
+
+A checkpoint holds, for each rank k of the W that saved it, that rank's shard
+[k*S, (k+1)*S) of the flat parameter space, in files named ``...-r{k}-of-{W}...``.
+The shards laid end to end are the whole flat space, padded to a multiple of W;
+the padding past the model's last element is zero in every array (the weights
+start at zero there and their gradients are zero, so no update moves them).
+
+So the shard of rank r among W' ranks is the range [r*S', (r+1)*S') of that
+concatenation, with zeros past its end, whatever W was: the server's LOAD and
+the engine's load_checkpoint read it piece by piece, straight into the
+destination array (no temporaries: loading is when host memory is tightest).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+
+def saved_world_sizes(directory: Path, prefix: str) -> list[int]:
+    """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``."""
+    pat = re.compile(rf"{re.escape(prefix)}-r0-of-(\d+)\.json$")
+    found = (pat.match(p.name) for p in directory.glob(f"{prefix}-r0-of-*.json")) if directory.is_dir() else ()
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def pick_world_size(directory: Path, prefix: str, mine: int) -> int:
+    """The world size to load from: ours if saved, else the only one there is."""
+    worlds = saved_world_sizes(directory, prefix)
+    if mine in worlds:
+        return mine
+    if len(worlds) == 1:
+        return worlds[0]
+    have = sorted(p.name for p in directory.glob(f"{prefix}-*.json")) if directory.is_dir() else []
+    raise ValueError(f"no checkpoint to load in {directory}: expected {prefix}-r0-of-W.json files of one world "
+                     f"size W; found {have or 'nothing'}")
+
+
+def readinto_exact(f, view: memoryview) -> None:
+    """Fill view from f, or raise OSError at a short read (a file cut short under us)."""
+    got = 0
+    while got < len(view):
+        k = f.readinto(view[got:])
+        if not k:
+            raise OSError(f"unexpected end of file {getattr(f, 'name', '?')} after {got} of {len(view)} bytes")
+        got += k
+
+
+def read_range(files: list[Path], per_file: int, base: int, lo: int, hi: int, out: np.ndarray) -> None:
+    """out[:] = elements [lo, hi) of the concatenation, over files, of each file's
+    elements [base, base + per_file); zeros past the last file."""
+    assert out.ndim == 1 and out.size == hi - lo and out.flags.c_contiguous
+    item = out.itemsize
+    view = memoryview(out).cast("B")
+    pos = lo
+    while pos < hi:
+        k = pos // per_file if per_file else len(files)
+        end = min(hi, (k + 1) * per_file) if k < len(files) else hi
+        if k >= len(files):
+            out[pos - lo:end - lo] = 0  # the padding of a larger world size
+        else:
+            with open(files[k], "rb") as f:
+                f.seek((base + pos - k * per_file) * item)
+                readinto_exact(f, view[(pos - lo) * item:(end - lo) * item])
+        pos = end
