@@ -15,10 +15,10 @@ over the start of the gradient region, which is made at least as long: it is
 only used when no step is in flight, and INIT and GET_MASTER move the fp32
 weights through it in chunks: it costs at most the window (64 MiB by default)
 beyond the gradient slots, nothing once they are longer.  Grad slot 1
-exists only with grad_slots=2 (DPU).  Host RAM per parameter: 12 private (the
-server's master, m, v) + 4 shared (one gradient slot, weights16) = 16 for
-synchronous steps; +2 for DPU's second gradient slot, +2 for a second weights
-slot (which spares the CPU worker its own copy of the model).
+exists only with grad_slots=2 (DPU without waiting for the update, an
+option).  Host RAM per parameter: 12 private (the server's master, m, v) + 4
+shared (one gradient slot, weights16) = 16; +2 for a second gradient slot, +2
+for a second weights slot (which spares the CPU worker its own copy of the model).
 
 With weight_slots=2 (HELLO asks for it) there are two page-aligned weights16
 slots one after the other, and each STEP names the one it writes (out_slot):

@@ -35,6 +35,11 @@ class OffloadConfig:
         M_k + dpu_predict * (M_k - M_(k-1)) instead of the stale M_k, an estimate of the
         weights a synchronous run would have; computed in the update's own pass, no
         extra memory traffic.  0 = plain DPU (the paper's), 1 = linear extrapolation.
+    dpu_grad_slots: 1 (default): DPU's next gradients go into the slot the update in
+        flight is still reading, each range only once the server has published that it
+        is past it (its progress word; backward and the update both run front to back,
+        so this rarely waits): host RAM stays 16 B/param.  2: a second gradient slot
+        (+2 B/param) and backward never waits for the update.
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
         weights live in the shared segment (two slots): the server writes the next weights
@@ -81,6 +86,7 @@ class OffloadConfig:
     dpu: bool = False
     dpu_warmup_steps: int = 40
     dpu_predict: float = 0.0
+    dpu_grad_slots: int = 1
     bucket_numel: int = 1 << 24
     cpu_zero_copy: bool = True
     overlap_weights_up: bool = True
@@ -129,6 +135,8 @@ class OffloadConfig:
             raise ValueError(f"grad_accumulation_steps must be an int >= 1, got {self.grad_accumulation_steps!r}")
         if not (isinstance(self.dpu_warmup_steps, int) and self.dpu_warmup_steps >= 1):
             raise ValueError(f"dpu_warmup_steps must be an int >= 1, got {self.dpu_warmup_steps!r}")
+        if self.dpu_grad_slots not in (1, 2):
+            raise ValueError(f"dpu_grad_slots must be 1 or 2, got {self.dpu_grad_slots!r}")
         if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= 4.0):
             raise ValueError(f"dpu_predict must be in [0, 4], got {self.dpu_predict!r}")
         if self.dpu_predict and self.optimizer not in ("adamw", "adam"):

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from cython_ext import cpu_adam
 from optimizer_server.atomic import atomic_write_bytes, fsync_dir
 from optimizer_server.client import ShardClient
-from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
+from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
 from optimizer_server.reshard import pick_world_size, read_range
 from optimizer_server.tracing import Tracer
 
@@ -63,6 +63,10 @@ from .weights_up import WeightReturn
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ENGINE_STATE_VERSION = 1
 LATEST = "latest"  # in a checkpoint directory: the name of the newest complete step-N
+# How long a gradient hook sleeps between looks at the progress word while the
+# update in flight still reads the range it must write (one DPU gradient slot).
+# An update block (DEFAULT_PROGRESS_BLOCK) takes milliseconds: 0.1 ms loses little.
+GRAD_SLOT_POLL_S = 0.0001
 
 
 class OffloadEngine:
@@ -97,10 +101,11 @@ class OffloadEngine:
         # and landing an update swaps the model onto it (no copy up at all)
         self._zero_copy = self._direct_host and cfg.cpu_zero_copy
         self._cur = 0  # zero-copy: the weights16 slot the model's parameters view
-        # DPU writes step t+1's gradients while the server still reads step t's: two
-        # slots.  Synchronous steps wait for DONE first, so one slot (2 B/param of
-        # host RAM less) is enough.
-        self._grad_slots = 2 if cfg.dpu else 1
+        # DPU writes step t+1's gradients while the server still reads step t's: with
+        # one slot each range waits until the update has passed it (_grad_range_free),
+        # with two it never waits (+2 B/param of host RAM).  Synchronous steps wait
+        # for DONE before the next backward anyway.
+        self._grad_slots = cfg.dpu_grad_slots if cfg.dpu else 1
         self.tracer = Tracer(cfg.trace_dir, "worker", self.rank)
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
         S = self.flat.shard_numel
@@ -142,6 +147,7 @@ class OffloadEngine:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
         self.wait_s = 0.0
+        self.grad_slot_wait_s = 0.0  # backward's hooks waiting for the update to pass (one DPU slot)
         self.update_s = 0.0
         self.last_grad_norm = float("nan")
 
@@ -256,6 +262,7 @@ class OffloadEngine:
         if self._direct_host:
             # copy into the shared slot and take the norm's share in one pass over
             # memory (the sum is read from cache, right behind the copy)
+            self._grad_range_free(s.offset + s.numel)
             dst = self.client.grads[self._slot][s.offset:s.offset + s.numel]
             if g.dtype == self.dtype and g.is_contiguous():
                 self._sq_host += cpu_adam.copy_grad_sumsq(g.view(torch.int16).numpy(), dst,
@@ -284,6 +291,7 @@ class OffloadEngine:
                 if id(s.param) in self._seen:
                     continue
                 if self._direct_host:
+                    self._grad_range_free(s.offset + s.numel)
                     self._host_grads[self._slot][s.offset:s.offset + s.numel].zero_()
                 else:
                     b.buf[s.offset - b.lo:s.offset - b.lo + s.numel].zero_()
@@ -347,6 +355,7 @@ class OffloadEngine:
                 distributed.reduce_bucket(self, b)
             if hi > lo:
                 part = b.buf[lo - b.lo:hi - b.lo]
+                self._grad_range_free(hi - self.shard_lo)
                 host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
                 if self.is_cuda:
                     # on the device, where the bucket is: no extra host pass
@@ -369,11 +378,33 @@ class OffloadEngine:
             with self.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
                 distributed.finish_bucket_reduce(self, work, acc)
                 if hi > lo:
+                    self._grad_range_free(hi - self.shard_lo)
                     host = self._host_grads[self._slot][lo - self.shard_lo:hi - self.shard_lo]
                     host.copy_(acc[lo - b.lo:hi - b.lo])  # fp32 average -> 16 bits, one rounding
                     self._sq_host += self._host_sumsq(lo - self.shard_lo, hi - self.shard_lo)
                     self.bytes_to_host += 2 * (hi - lo)
         self._pending_reduces = []
+
+    def _grad_range_free(self, hi: int) -> None:
+        """One gradient slot under DPU: wait until the update in flight has read the
+        slot's [0, hi) (shard elements), which it publishes block by block (the
+        progress word; its blocks' reads end at the block's barrier, before the
+        release store).  Backward and the update both run front to back and the
+        update starts a forward earlier, so this rarely waits."""
+        k = self.client.in_flight
+        if k is None or self._grad_slots == 2 or self.client.published(k) >= hi:
+            return
+        c = self.client
+        with self.tracer.span("grad_slot_wait", step=k, upto=hi):
+            t0 = time.monotonic()
+            while c.published(k) < hi:
+                if c.reply_ready(0):
+                    return  # DONE (or the error wait_done will raise) is there: the slot is free
+                if time.monotonic() - t0 > c.request_timeout_s:
+                    raise OptimizerServerTimeoutError(f"update {k} did not pass element {hi} of the gradient "
+                                                      f"slot within {c.request_timeout_s:.0f} s")
+                time.sleep(GRAD_SLOT_POLL_S)
+            self.grad_slot_wait_s += time.monotonic() - t0
 
     def _host_sumsq(self, lo: int, hi: int) -> float:
         """Sum of squares of the host gradient slot [lo, hi) (shard coordinates).
@@ -616,7 +647,8 @@ class OffloadEngine:
         return {"steps": self.iteration, "updates": self.updates, "skipped_steps": self.skipped_steps,
                 "loss_scale": self.scaler.scale, "bytes_to_host": self.bytes_to_host,
                 "bytes_to_device": self.bytes_to_device, "bytes_to_device_early": self._up.early_bytes,
-                "wait_s": self.wait_s, "server_update_s": self.update_s,
+                "wait_s": self.wait_s, "grad_slot_wait_s": self.grad_slot_wait_s,
+                "server_update_s": self.update_s,
                 "grad_norm": self.last_grad_norm, "weights_zero_copy": self._zero_copy, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 

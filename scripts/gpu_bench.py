@@ -185,13 +185,13 @@ def main(argv=None) -> int:
     bb = res[f"baseline_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
     eb = res[f"sync_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
     res["state_bytes_per_param"] = {"baseline": bb, "engine": eb, "ratio": bb / eb if eb == eb and eb else float("nan")}
-    # (d) capacity estimate: free device memory / bytes per param; host RAM / 18 B/param for the
-    # engine with DPU (16 synchronous; its set-up peak is lower: scripts/bench_memory.py)
+    # (d) capacity estimate: free device memory / bytes per param; host RAM / the engine's host
+    # bytes per param (16 by its layout; its set-up peak is lower: scripts/bench_memory.py)
     if dev.type == "cuda":
         free, total = torch.cuda.mem_get_info(dev)
         host = a.host_gib * 2**30 or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # the engine's host bytes/param as measured here (DPU, larger batch), at least the layout's 18
-        hb = max(18.0, res[f"dpu_b{batches[-1]}"]["host_peak_B"])
+        # the engine's host bytes/param as measured here (DPU, larger batch), at least the layout's 16
+        hb = max(16.0, res[f"dpu_b{batches[-1]}"]["host_peak_B"])
         res["capacity_params"] = {"baseline_device_bound": total * 0.9 / bb,
                                   "engine_device_bound": total * 0.9 / eb,
                                   "engine_host_bound": host * 0.9 / hb, "host_bytes_per_param": hb,
