@@ -6,6 +6,7 @@ from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerErr
 
 from .config import OffloadConfig
 from .engine import OffloadEngine
+from .in_turn import in_turn
 
-__all__ = ["OffloadEngine", "OffloadConfig", "OptimizerServerError", "OptimizerServerDeadError",
+__all__ = ["OffloadEngine", "OffloadConfig", "in_turn", "OptimizerServerError", "OptimizerServerDeadError",
            "OptimizerServerTimeoutError"]

@@ -13,8 +13,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
-WORKER_PHASES = ("iteration", "forward", "backward", "step", "grad_bucket", "grad_check", "signal", "wait_server",
-                 "weights_up", "weights_up_tail", "weights_swap", "all_gather", "skip")
+WORKER_PHASES = ("iteration", "forward", "backward", "step", "grad_bucket", "grad_slot_wait", "grad_check", "signal",
+                 "wait_server", "weights_up", "weights_up_tail", "weights_swap", "all_gather", "skip")
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import OffloadConfig, OffloadEngine  # noqa: E402
+from runtime import OffloadConfig, OffloadEngine, in_turn  # noqa: E402
 
 
 def make_model():
@@ -41,10 +41,20 @@ def main():
     out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model()
-    eng = OffloadEngine(model, config(mode))
-    dt = eng.dtype
     extra = {}
+    if mode == "in-turn":  # set-ups one after another: record when each ran
+        def setup():
+            t0 = time.monotonic()
+            built = make_model()
+            e = OffloadEngine(built, config(mode))
+            time.sleep(0.3)  # long enough that overlapping set-ups could not go unseen
+            extra["setup_span"] = (t0, time.monotonic())
+            return built, e
+        model, eng = in_turn(setup)
+    else:
+        model = make_model()
+        eng = OffloadEngine(model, config(mode))
+    dt = eng.dtype
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
         eng.load_checkpoint(os.path.join(out, "ckpt"))
         extra["master_at_load"] = eng.master_state_dict()

@@ -434,3 +434,5 @@ def test_dpu_one_gradient_slot_waits_for_the_update(monkeypatch, zero_copy):
     (m1, wait1), (m2, wait2) = results
     assert torch.equal(m1, m2)
     assert wait1 > 0 and wait2 == 0
+    with OffloadEngine(_Tables(), OffloadConfig(dtype="bf16", dpu=True, server_threads=1)) as eng:
+        assert len(eng.client.grads) == 1  # the default: 16 B/param of host RAM with DPU too
