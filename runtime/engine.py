@@ -399,7 +399,7 @@ class OffloadEngine:
             t0 = time.monotonic()
             while c.published(k) < hi:
                 if c.reply_ready(0):
-                    return  # DONE (or the error wait_done will raise) is there: the slot is free
+                    break  # DONE (or the error wait_done will raise) is there: the slot is free
                 if time.monotonic() - t0 > c.request_timeout_s:
                     raise OptimizerServerTimeoutError(f"update {k} did not pass element {hi} of the gradient "
                                                       f"slot within {c.request_timeout_s:.0f} s")
