@@ -6,7 +6,6 @@ from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerErr
 
 from .config import OffloadConfig
 from .engine import OffloadEngine
-from .in_turn import in_turn
 
-__all__ = ["OffloadEngine", "OffloadConfig", "in_turn", "OptimizerServerError", "OptimizerServerDeadError",
+__all__ = ["OffloadEngine", "OffloadConfig", "OptimizerServerError", "OptimizerServerDeadError",
            "OptimizerServerTimeoutError"]

@@ -58,11 +58,14 @@ def _status_kb(pid: int, key: str) -> int:
 
 
 def _children(pid: int) -> list[int]:
+    """Every descendant, including processes started by threads other than the main one."""
+    kids = []
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(c) for c in f.read().split()]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(c) for c in f.read().split()]
     except OSError:
-        return []
+        return kids
     return kids + [g for k in kids for g in _children(k)]
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import OffloadConfig, OffloadEngine, in_turn  # noqa: E402
+from runtime import OffloadConfig, OffloadEngine  # noqa: E402
 
 
 def make_model():
@@ -42,18 +42,8 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     extra = {}
-    if mode == "in-turn":  # set-ups one after another: record when each ran
-        def setup():
-            t0 = time.monotonic()
-            built = make_model()
-            e = OffloadEngine(built, config(mode))
-            time.sleep(0.3)  # long enough that overlapping set-ups could not go unseen
-            extra["setup_span"] = (t0, time.monotonic())
-            return built, e
-        model, eng = in_turn(setup)
-    else:
-        model = make_model()
-        eng = OffloadEngine(model, config(mode))
+    model = make_model()
+    eng = OffloadEngine(model, config(mode))
     dt = eng.dtype
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
         eng.load_checkpoint(os.path.join(out, "ckpt"))

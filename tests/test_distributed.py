@@ -61,19 +61,6 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
         assert torch.equal(a["master"][k], b["master"][k])
 
 
-def test_in_turn_sets_ranks_up_one_after_another(tmp_path):
-    """runtime.in_turn: a node's ranks build their model and engine one at a time
-    (one fp32 model on the host at once), then train together as usual."""
-    p = launch(tmp_path, "in-turn", 3)
-    out, _ = p.communicate(timeout=240)
-    assert p.returncode == 0, out
-    spans = sorted(torch.load(tmp_path / f"rank{r}.pt")["setup_span"] for r in range(2))
-    assert spans[0][1] <= spans[1][0], spans  # the second began after the first had finished
-    a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    for k in a["master"]:
-        assert torch.equal(a["master"][k], b["master"][k])
-
-
 def test_overflow_on_one_rank_skips_everywhere(tmp_path):
     p = launch(tmp_path, "overflow", 5)
     out, _ = p.communicate(timeout=240)
