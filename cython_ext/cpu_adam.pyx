@@ -449,21 +449,10 @@ def cast_to_16(src, dst, *, out_dtype=None, num_threads=0):
     _check_f32(bs, "src")
     cdef int ok = _kind_of(bd, "param_out", out_dtype, False)
     _check_len(bd, "dst", bs.n)
-    cdef Py_ssize_t n = bs.n
-    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
-    cdef Py_ssize_t c
-    cdef int64_t lo, hi
     cdef int nt = _threads(num_threads)
-    cdef const float *s = <const float *>bs.view.buf
-    cdef unsigned short *d = <unsigned short *>bd.view.buf
-    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
-        with nogil:
-            zo_cast_chunk(s, d, ok, 0, n)
-    else:
-        for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
-            lo = c * CHUNK
-            hi = lo + CHUNK if lo + CHUNK < n else n
-            zo_cast_chunk(s, d, ok, lo, hi)
+    with nogil:
+        # the update's own chunking and threading; src is only read (cast: which 4)
+        _run_range(4, _level, <float *>bs.view.buf, NULL, NULL, NULL, 0, bd.view.buf, ok, 0, bs.n, nt, NULL)
 
 
 def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
@@ -586,6 +575,7 @@ cdef void _run_range(int which, int level, float *p, float *s1, float *s2, const
         _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h)
 
 
+# which: 0 Adam, 1 Adagrad, 2 Lion, 3 the bandwidth probe, 4 the fp32 -> 16-bit cast (p -> o)
 cdef inline void _chunk(int which, int level, float *p, float *s1, float *s2, const void *g, int gk,
                         void *o, int ok, int64_t lo, int64_t hi, const zo_hparams *h) noexcept nogil:
     if which == 0:
@@ -594,5 +584,7 @@ cdef inline void _chunk(int which, int level, float *p, float *s1, float *s2, co
         zo_adagrad_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
     elif which == 2:
         zo_lion_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
-    else:
+    elif which == 3:
         zo_stream_chunk(level, p, s1, s2, <const unsigned short *>g, <unsigned short *>o, lo, hi)
+    else:
+        zo_cast_chunk(p, <unsigned short *>o, ok, lo, hi)
