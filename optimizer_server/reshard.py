@@ -19,6 +19,12 @@ from pathlib import Path
 import numpy as np
 
 
+def rank_file(directory: Path, prefix: str, rank: int, world: int, suffix: str) -> Path:
+    """The file of one rank in a checkpoint: ``{prefix}-r{rank}-of-{world}{suffix}``
+    (the one place that spells the name; saved_world_sizes parses it)."""
+    return directory / f"{prefix}-r{rank}-of-{world}{suffix}"
+
+
 def saved_world_sizes(directory: Path, prefix: str) -> list[int]:
     """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``."""
     pat = re.compile(rf"{re.escape(prefix)}-r0-of-(\d+)\.json$")

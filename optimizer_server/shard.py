@@ -20,7 +20,7 @@ from cython_ext import cpu_adam
 
 from . import protocol as P
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir
-from .reshard import pick_world_size, read_range
+from .reshard import pick_world_size, rank_file, read_range
 from .shm import Segment, ShardLayout
 
 log = logging.getLogger("optimizer_server")
@@ -177,8 +177,8 @@ class Shard:
 
     # -- checkpoints -----------------------------------------------------------
     def _paths(self, d: Path) -> tuple[Path, Path]:
-        stem = f"shard-r{self.rank}-of-{self.world_size}"
-        return d / f"{stem}.bin", d / f"{stem}.json"
+        return (rank_file(d, "shard", self.rank, self.world_size, ".bin"),
+                rank_file(d, "shard", self.rank, self.world_size, ".json"))
 
     def manifest(self) -> dict:
         return {"format": CHECKPOINT_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
@@ -203,9 +203,9 @@ class Shard:
         another (optimizer_server.reshard): every rank's manifest must agree."""
         d = Path(directory)
         src = pick_world_size(d, "shard", self.world_size)
+        man_paths = [rank_file(d, "shard", k, src, ".json") for k in range(src)]
         mans = []
-        for k in range(src):
-            path = d / f"shard-r{k}-of-{src}.json"
+        for path in man_paths:
             if not path.exists():
                 raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing")
             mans.append(json.loads(path.read_text()))
@@ -218,11 +218,10 @@ class Shard:
                                                     (mans[0].get("numel"), mans[0].get("steps")))
             if diff:
                 desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
-                raise ValueError(f"checkpoint {d / f'shard-r{k}-of-{src}.json'} does not match this shard's "
-                                 f"layout ({desc})")
+                raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
         per_file = int(mans[0]["numel"])
         arrays = [self.master, *self.state.values()]
-        bins = [d / f"shard-r{k}-of-{src}.bin" for k in range(src)]
+        bins = [rank_file(d, "shard", k, src, ".bin") for k in range(src)]
         for path in bins:
             size = path.stat().st_size if path.exists() else -1
             if size != len(arrays) * 4 * per_file:

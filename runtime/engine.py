@@ -50,7 +50,7 @@ from cython_ext import cpu_adam
 from optimizer_server.atomic import atomic_write_bytes, fsync_dir
 from optimizer_server.client import ShardClient
 from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
-from optimizer_server.reshard import pick_world_size, read_range
+from optimizer_server.reshard import pick_world_size, rank_file, read_range
 from optimizer_server.tracing import Tracer
 
 from . import distributed
@@ -511,11 +511,11 @@ class OffloadEngine:
         return out
 
     def _pending_file(self, d: Path) -> Path:
-        return d / f"pending16-r{self.rank}-of-{self.world_size}.bin"
+        return rank_file(d, "pending16", self.rank, self.world_size, ".bin")
 
     def _read_saved_shard(self, d: Path, prefix: str, src: int, out: np.ndarray | None = None) -> np.ndarray:
         """This rank's shard of the 16-bit files {prefix}-r*-of-{src}.bin (saved by src ranks)."""
-        files = [d / f"{prefix}-r{k}-of-{src}.bin" for k in range(src)]
+        files = [rank_file(d, prefix, k, src, ".bin") for k in range(src)]
         sizes = {f.stat().st_size if f.exists() else -1 for f in files}
         per_file = sizes.pop() // 2 if len(sizes) == 1 else -1
         if per_file < 0 or per_file * src < self.flat.numel:
@@ -527,7 +527,8 @@ class OffloadEngine:
         return out
 
     def _engine_files(self, d: Path) -> tuple[Path, Path]:
-        return d / f"engine-r{self.rank}-of-{self.world_size}.json", d / f"device16-r{self.rank}-of-{self.world_size}.bin"
+        return (rank_file(d, "engine", self.rank, self.world_size, ".json"),
+                rank_file(d, "device16", self.rank, self.world_size, ".bin"))
 
     def save_checkpoint(self, directory: str, keep: int = 2) -> str:
         """Write a checkpoint under directory/step-NNNNNNNN and point directory/latest at it.
@@ -617,7 +618,7 @@ class OffloadEngine:
         self._land_inflight(copy=False)
         d = self.resolve_checkpoint(directory)
         src = pick_world_size(d, "engine", self.world_size)
-        meta_path = d / f"engine-r{self.rank if src == self.world_size else 0}-of-{src}.json"
+        meta_path = rank_file(d, "engine", self.rank if src == self.world_size else 0, src, ".json")
         if not meta_path.exists():
             raise ValueError(f"checkpoint {d} is incomplete: {meta_path.name} is missing")
         meta = json.loads(meta_path.read_text())
