@@ -69,7 +69,8 @@ class FlatParams:
         """out[:] = the model's current weights [lo, hi) of the flat space, as fp32
         (padding zero), straight from each parameter: no flat copy of the whole model."""
         assert out.numel() == hi - lo and out.dtype == torch.float32
-        out.zero_()
+        # the parameters tile [0, numel) with no gaps: only the padding needs zeros
+        out[max(self.numel, lo) - lo:].zero_()
         for s in self.slots:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if b > a:

@@ -436,3 +436,17 @@ def test_dpu_one_gradient_slot_waits_for_the_update(monkeypatch, zero_copy):
     assert wait1 > 0 and wait2 == 0
     with OffloadEngine(_Tables(), OffloadConfig(dtype="bf16", dpu=True, server_threads=1)) as eng:
         assert len(eng.client.grads) == 1  # the default: 16 B/param of host RAM with DPU too
+
+
+def test_fp32_range_of_the_flat_space_is_zero_in_the_padding():
+    """What INIT sends for a shard: the parameters' values where they lie (reverse
+    order) and exact zeros in the padding (checkpoints of other world sizes rely on it)."""
+    from runtime.flat import FlatParams
+    ps = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2))]
+    f = FlatParams(ps, bucket_numel=1024, world_size=3)
+    assert (f.numel, f.padded_numel) == (7, 9)
+    full = torch.cat([ps[1].detach(), ps[0].detach(), torch.zeros(2)])
+    for lo, hi in [(0, 9), (3, 6), (6, 9), (7, 9)]:
+        out = torch.full((hi - lo,), 7.0)  # leftovers of the shared window
+        f.copy_fp32_range(out, lo, hi)
+        assert torch.equal(out, full[lo:hi]), (lo, hi)
