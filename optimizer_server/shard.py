@@ -98,7 +98,8 @@ class Shard:
         """A user mistake in an INIT/GET_MASTER chunk: ValueError naming the fix."""
         if count > self.layout.staging_numel or offset + count > self.numel:
             raise ValueError(f"{what} chunk [{offset}, {offset + count}) does not fit: the shard has "
-                             f"{self.numel} elements and the staging window {self.layout.staging_numel}")
+                             f"{self.numel} elements and the staging window {self.layout.staging_numel}; send "
+                             f"chunks of at most staging_numel (HELLO_OK) within the shard")
 
     def init_chunk(self, offset: int, count: int) -> None:
         """master[offset:offset+count] = staging[:count]; chunks come in order from 0,
@@ -207,7 +208,8 @@ class Shard:
         mans = []
         for path in man_paths:
             if not path.exists():
-                raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing")
+                raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
+                                 f"checkpoint (an earlier step-N beside it)")
             mans.append(json.loads(path.read_text()))
         mine = self.manifest()
         keys = ("format", "dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())

@@ -39,8 +39,8 @@ class OffloadConfig:
         flight is still reading, each range only once the server has published that it
         is past it (its progress word; backward and the update both run front to back,
         so this rarely waits): host RAM stays 16 B/param.  2: a second gradient slot
-        (+2 B/param) and backward never waits (no step-time difference measured on the
-        CPU device: BENCHMARKS.md).
+        (+2 B/param) and backward never waits (1.00-1.10x faster on the CPU device in two
+        bench_pipeline runs at the balanced 85M case: BENCHMARKS.md).
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
         weights live in the shared segment (two slots): the server writes the next weights

@@ -402,7 +402,9 @@ class OffloadEngine:
                     break  # DONE (or the error wait_done will raise) is there: the slot is free
                 if time.monotonic() - t0 > c.request_timeout_s:
                     raise OptimizerServerTimeoutError(f"update {k} did not pass element {hi} of the gradient "
-                                                      f"slot within {c.request_timeout_s:.0f} s")
+                                                      f"slot within {c.request_timeout_s:.0f} s; if the server is "
+                                                      f"just slow, raise request_timeout_s (or dpu_grad_slots=2 "
+                                                      f"never waits)")
                 time.sleep(GRAD_SLOT_POLL_S)
             self.grad_slot_wait_s += time.monotonic() - t0
 
@@ -520,7 +522,8 @@ class OffloadEngine:
         per_file = sizes.pop() // 2 if len(sizes) == 1 else -1
         if per_file < 0 or per_file * src < self.flat.numel:
             raise ValueError(f"checkpoint {d}: {prefix} files of {src} rank(s) are missing or of unequal or "
-                             f"too small sizes ({sorted(f.name for f in files if f.exists())})")
+                             f"too small sizes ({sorted(f.name for f in files if f.exists())}); load another "
+                             f"checkpoint (an earlier step-N beside it)")
         if out is None:
             out = np.empty(self.flat.shard_numel, np.int16)
         read_range(files, per_file, 0, self.shard_lo, self.shard_hi, out)
@@ -620,7 +623,8 @@ class OffloadEngine:
         src = pick_world_size(d, "engine", self.world_size)
         meta_path = rank_file(d, "engine", self.rank if src == self.world_size else 0, src, ".json")
         if not meta_path.exists():
-            raise ValueError(f"checkpoint {d} is incomplete: {meta_path.name} is missing")
+            raise ValueError(f"checkpoint {d} is incomplete: {meta_path.name} is missing; load another checkpoint "
+                             f"(an earlier step-N beside it)")
         meta = json.loads(meta_path.read_text())
         for k, mine in (("numel", self.flat.numel), ("dtype", self.cfg.dtype), ("optimizer", self.cfg.optimizer)):
             if meta[k] != mine:
