@@ -113,7 +113,7 @@ class HostSampler:
 def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
     import torch
 
-    from runtime.gpt import GPT, GPTConfig
+    from runtime.demo.gpt import GPT, GPTConfig
     torch.set_num_threads(1)
     sampler = HostSampler().start()
     base = sampler.now()
@@ -132,7 +132,7 @@ def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
         sampler.stop()
         return {"variant": variant, "params": n, "model_B": (built - base) / n, "peak_B": (sampler.peak - base) / n,
                 "steady_B": float("nan"), "init_peak_B": float("nan"), "seconds": time.perf_counter() - t0}
-    from runtime.baseline import DeviceMixedPrecision
+    from runtime.demo.baseline import DeviceMixedPrecision
     from runtime.config import OffloadConfig
     from runtime.engine import OffloadEngine
     cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=variant.startswith("offload-dpu"), dpu_warmup_steps=1,

@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from bench_md import machine_line, update_section  # noqa: E402
-from runtime.baseline import DeviceMixedPrecision  # noqa: E402
+from runtime.demo.baseline import DeviceMixedPrecision  # noqa: E402
 from runtime.config import OffloadConfig  # noqa: E402
-from runtime.data import Batches, Corpus  # noqa: E402
+from runtime.demo.data import Batches, Corpus  # noqa: E402
 from runtime.engine import OffloadEngine  # noqa: E402
-from runtime.gpt import GPT, GPTConfig  # noqa: E402
+from runtime.demo.gpt import GPT, GPTConfig  # noqa: E402
 from runtime.trace_analysis import load  # noqa: E402
 
 
@@ -159,7 +159,7 @@ def trace_phases(trace_dir: str, warm: int) -> tuple[float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--settings", default="small-cpu:8x128,small-cpu:1x32,gpt2:1x8",
-                    help="comma-separated MODEL:BATCHxSEQ (runtime.gpt presets). Default: the 10.8M reference GPT "
+                    help="comma-separated MODEL:BATCHxSEQ (runtime.demo.gpt presets). Default: the 10.8M reference GPT "
                          "at a large and a small batch, and an 85M GPT at a batch where T_fb ~ T_cpu")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per variant per pass")
     ap.add_argument("--warm", type=int, default=5, help="untimed steps first (DPU switches on at step 3)")
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         variants.append("deepspeed")
     except Exception:
         print("deepspeed not importable: its column is left out", flush=True)
-    from runtime.gpt import PRESETS
+    from runtime.demo.gpt import PRESETS
     span_us = span_cost_us()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     rows, ab_rows = [], []

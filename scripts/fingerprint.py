@@ -57,7 +57,7 @@ def make_model():
     try:
         from runtime.demo.gpt import GPT, GPTConfig
     except ImportError:  # before the demo moved apart from the library
-        from runtime.gpt import GPT, GPTConfig
+        from runtime.demo.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32))
 

@@ -33,10 +33,10 @@ import torch  # noqa: E402
 
 from bench_memory import HostSampler  # noqa: E402
 from optimizer_server.shm import Segment  # noqa: E402
-from runtime.baseline import DeviceMixedPrecision  # noqa: E402
+from runtime.demo.baseline import DeviceMixedPrecision  # noqa: E402
 from runtime.config import OffloadConfig  # noqa: E402
 from runtime.engine import OffloadEngine  # noqa: E402
-from runtime.gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
+from runtime.demo.gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
 
 
 def sync(dev):

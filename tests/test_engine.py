@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runtime import OffloadConfig, OffloadEngine
-from runtime.gpt import GPT, GPTConfig
+from runtime.demo.gpt import GPT, GPTConfig
 from tests.reference import DT, MixedPrecisionReference, rel_err
 
 pytestmark = pytest.mark.timeout(300)

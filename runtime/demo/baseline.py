@@ -20,8 +20,8 @@ import torch
 
 from optimizer_server.tracing import Tracer
 
-from .config import OffloadConfig
-from .loss_scaler import LossScaler
+from ..config import OffloadConfig
+from ..loss_scaler import LossScaler
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -17,16 +17,16 @@ from pathlib import Path
 import torch
 
 from .baseline import DeviceMixedPrecision
-from .config import OffloadConfig
+from ..config import OffloadConfig
 from .data import Batches, Corpus
-from .engine import OffloadEngine
+from ..engine import OffloadEngine
 from .gpt import GPT, PRESETS, GPTConfig
 from .schedule import WarmupCosine
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """model: a preset of runtime.gpt.PRESETS; n_layer/n_head/d_model override it.
+    """model: a preset of runtime.demo.gpt.PRESETS; n_layer/n_head/d_model override it.
     warmup: lr warm-up updates; lr decays by cosine to min_lr_ratio x lr at `steps`.
     dpu_predict: weight prediction under DPU (1.0: the measured default that keeps DPU's
         loss cost under 2% at lr 3e-4; 0 = the paper's plain DPU).
