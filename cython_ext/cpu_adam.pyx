@@ -268,8 +268,8 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
         raise ValueError(f"eps must be > 0, got {deps}")
     if dlr < 0.0 or wd < 0.0:
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
-    if not 0.0 <= pred <= 4.0:
-        raise ValueError(f"predict must be in [0, 4], got {pred}")
+    if pred < 0.0:
+        raise ValueError(f"predict must be >= 0, got {pred}")
     cdef int nt = _threads(num_threads)
     cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
     cdef zo_hparams h

@@ -8,9 +8,7 @@ import argparse
 import os
 import sys
 
-from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, ServerConfig
-
-RAM_FRACTION_ENV = "ZERO_OFFLOAD_MAX_RAM_FRACTION"
+from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:

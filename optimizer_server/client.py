@@ -2,9 +2,17 @@
 
 Importable without torch: it exposes the shared segment as NumPy arrays, and the
 runtime wraps those in tensors.  Every wait is bounded; while it waits the client
-checks that the server process still lives (same node: its pid; a child: its exit
-status; any node: heartbeat replies), so a dead server surfaces as
-OptimizerServerDeadError within about a second instead of a hang.
+checks that the server process still lives (a child: its exit status, within
+LIVENESS_POLL_S; same node: its pid, likewise; another node: no heartbeat reply
+for HEARTBEAT_DEAD_AFTER_S), so a dead server surfaces as
+OptimizerServerDeadError instead of a hang.
+
+Timeouts: a wait for DONE that times out leaves the step in flight, and
+wait_done() may simply be called again (the reply is not lost; every other
+request is refused until then, naming wait_done).  Any other request that times
+out leaves a reply the client can no longer pair with its request, so the
+client refuses further use with an error naming the fix (reconnect: a new
+client, or restart and load_checkpoint).
 """
 from __future__ import annotations
 
@@ -42,7 +50,7 @@ class ShardClient:
                  dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
-                 weight_slots: int = 1, grad_slots: int = 2, staging_numel: int = 0):
+                 weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -53,7 +61,9 @@ class ShardClient:
         self._poller.register(self._sock, zmq.POLLIN)
         self._closed = False
         self._dead: OptimizerServerDeadError | None = None
+        self._broken: str | None = None  # a request timed out: its late reply would answer the next one
         self.server_pid = 0
+        self._hb_last_ok = time.monotonic()
         self.segment: Segment | None = None
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
@@ -77,7 +87,6 @@ class ShardClient:
         self.staging = self.segment.array(np.float32, ok.staging_offset, ok.staging_numel)
         self.progress = self.segment.array(np.uint64, ok.progress_offset, 1)
         self._hb_stop = threading.Event()
-        self._hb_last_ok = time.monotonic()
         self._hb_interval_s = heartbeat_interval_s
         self._hb = threading.Thread(target=self._heartbeat_loop, name="zo-heartbeat", daemon=True)
         self._hb.start()
@@ -97,7 +106,7 @@ class ShardClient:
                 return describe_exit(rc)
         elif self.server_pid and self.address.startswith("ipc://") and not pid_alive(self.server_pid):
             return "is no longer running"
-        if self.server_pid and time.monotonic() - getattr(self, "_hb_last_ok", time.monotonic()) > HEARTBEAT_DEAD_AFTER_S:
+        if self.server_pid and time.monotonic() - self._hb_last_ok > HEARTBEAT_DEAD_AFTER_S:
             return f"has not answered heartbeats for {HEARTBEAT_DEAD_AFTER_S:.0f} s"
         return None
 
@@ -121,7 +130,8 @@ class ShardClient:
                 if isinstance(msg, P.Error):
                     raise OptimizerServerError(f"optimizer server: {msg.message}", code=msg.code)
                 if not isinstance(msg, expect):
-                    raise OptimizerServerError(f"expected {expect.TYPE}, got {msg.TYPE}", code=P.E_DECODE)
+                    raise OptimizerServerError(f"expected {expect.TYPE}, got {msg.TYPE} (a reply out of turn)",
+                                               code=P.E_ORDER)
                 return msg
             why = self._server_gone()
             if why:
@@ -136,15 +146,21 @@ class ShardClient:
             raise self._dead
         if self._closed:
             raise OptimizerServerError("client is closed")
+        if self._broken is not None:
+            raise OptimizerServerError(f"this client is no longer usable: {self._broken}; close it and connect a new "
+                                       f"one (or restart the server and load_checkpoint)", code="timeout")
 
     def _request(self, msg: P.Message, expect: type, timeout_s: float | None = None):
-        if self._dead is not None:
-            raise self._dead
+        self._check_usable()
         if self._inflight is not None:
             raise OptimizerServerError(f"{msg.TYPE} while step {self._inflight} is in flight: call wait_done() first",
                                        code=P.E_ORDER)
         self._sock.send(msg.encode())
-        return self._recv(expect, self.request_timeout_s if timeout_s is None else timeout_s)
+        try:
+            return self._recv(expect, self.request_timeout_s if timeout_s is None else timeout_s)
+        except OptimizerServerTimeoutError:
+            self._broken = f"{msg.TYPE} timed out and its reply may still come"
+            raise
 
     def _heartbeat_loop(self) -> None:
         sock = self._new_socket()
@@ -161,23 +177,24 @@ class ShardClient:
             sock.close(linger=0)
 
     # ------------------------------------------------------------------ requests
-    def init_weights(self, fp32: np.ndarray | None = None, *, fill=None) -> None:
-        """Send the initial fp32 master: the array fp32 (numel elements), or what
-        fill(out, lo, hi) writes into out for elements [lo, hi), chunk by chunk
-        through the staging window (no full-size copy on either side)."""
-        self._check_usable()
-        if (fp32 is None) == (fill is None):
-            raise TypeError("init_weights takes the fp32 weights or fill=, exactly one of them")
-        if fp32 is not None:
-            src = np.asarray(fp32, np.float32).reshape(-1)
-            if src.size != self.numel:
-                raise ValueError(f"init_weights got {src.size} weights for a shard of {self.numel}")
-            fill = lambda out, lo, hi: np.copyto(out, src[lo:hi])  # noqa: E731
+    def init_chunks(self):
+        """The (lo, hi) shard ranges, in order, in which the initial fp32 master goes
+        through the staging window: write staging[:hi - lo], then init_chunk(lo, hi)."""
         w = max(1, self.staging.size)
-        for lo in range(0, max(self.numel, 1), w):
-            hi = min(lo + w, self.numel)
-            fill(self.staging[:hi - lo], lo, hi)
-            self._request(P.Init(session=self.session, offset=lo, count=hi - lo), P.Ok)
+        return [(lo, min(lo + w, self.numel)) for lo in range(0, max(self.numel, 1), w)]
+
+    def init_chunk(self, lo: int, hi: int) -> None:
+        """INIT: staging[:hi - lo] holds master[lo:hi]; the chunk reaching numel ends it."""
+        self._request(P.Init(session=self.session, offset=lo, count=hi - lo), P.Ok)
+
+    def init_weights(self, fp32: np.ndarray) -> None:
+        """Send the whole initial fp32 master (numel elements), chunk by chunk."""
+        src = np.asarray(fp32, np.float32).reshape(-1)
+        if src.size != self.numel:
+            raise ValueError(f"init_weights got {src.size} weights for a shard of {self.numel}")
+        for lo, hi in self.init_chunks():
+            np.copyto(self.staging[:hi - lo], src[lo:hi])
+            self.init_chunk(lo, hi)
 
     def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
                    predict: float = 0.0, out_slot: int = 0):
@@ -193,9 +210,15 @@ class ShardClient:
         self._check_usable()
         if self._inflight is None:
             raise OptimizerServerError("wait_done() with no step in flight", code=P.E_ORDER)
-        step, self._inflight = self._inflight, None
-        done = self._recv(P.Done, self.request_timeout_s if timeout_s is None else timeout_s)
-        assert done.step == step, (done.step, step)
+        try:
+            done = self._recv(P.Done, self.request_timeout_s if timeout_s is None else timeout_s)
+        except OptimizerServerTimeoutError:
+            raise  # the step stays in flight: wait_done() again reads its DONE
+        except OptimizerServerError:
+            self._inflight = None  # the server answered (an ERROR): nothing is in flight any more
+            raise
+        assert done.step == self._inflight, (done.step, self._inflight)
+        self._inflight = None
         return done
 
     @property

@@ -5,6 +5,11 @@ import logging
 from dataclasses import dataclass
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 5.0
+# The environment variables that carry a server's settings to its workers and children.
+ADDRESS_ENV = "ZERO_OFFLOAD_ADDRESS"            # the launcher sets it for its workers
+TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"                # spawn() and the launcher pass the token so, never in argv
+RAM_FRACTION_ENV = "ZERO_OFFLOAD_MAX_RAM_FRACTION"
+TRACE_DIR_ENV = "ZERO_OFFLOAD_TRACE_DIR"        # the launcher's --trace-dir, for workers and server alike
 
 
 @dataclass(kw_only=True)

@@ -28,18 +28,8 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
       BYE(session)                      --->  OK        (segment unlinked, state freed)
     any request that fails              <---  ERROR(code, message)
 
-Shared segment of one shard (offsets in HELLO_OK's layout):
-
-     0                                   grad_bytes         weights_offset                  progress_offset
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+
-     | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress |
-     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+
-     |<- staging fp32: staging_numel x 4 B ->|
-       (a window over the start of the gradient region, which is made at least
-        that long; used only when no step is in flight, for INIT and GET_MASTER)
-       grad slot 1 exists only when HELLO asks for two (DPU: the next step's
-       gradients arrive while the server still reads this step's)
+The shared segment of one shard (offsets in HELLO_OK) is drawn in
+optimizer_server.shm.ShardLayout.
 
 Writers: the worker writes a gradient slot and the staging area before the
 request that names them; the server writes weights16 (and staging on GET_MASTER)
@@ -54,6 +44,9 @@ second weights16 slot (HELLO.weight_slots, HELLO_OK.weights_offsets, STEP.out_sl
 Version 3 made staging a window (HELLO.staging_numel, HELLO_OK.staging_numel,
 INIT/GET_MASTER offset and count) and the second gradient slot optional
 (HELLO.grad_slots): a synchronous worker's shard costs 16 B/param of host RAM.
+Version 4 made one gradient slot the default of HELLO.grad_slots (as it is
+the engine's, with DPU too) and gave semantic refusals of well-formed requests
+their own code (E_INVALID, not E_DECODE).
 """
 from __future__ import annotations
 
@@ -64,12 +57,13 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
-DTYPES = ("fp16", "bf16")
-OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
+DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (config, wire, server)
+OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
+MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
 DEFAULT_STAGING_NUMEL = 1 << 24        # fp32 elements per INIT/GET_MASTER chunk (64 MiB)
 
@@ -144,7 +138,7 @@ class Hello(Message):
     pid: int = 0
     progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
     weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
-    grad_slots: int = 2      # 1: one gradient slot (synchronous steps: the next gradients wait for DONE)
+    grad_slots: int = 1      # 2: a second gradient slot (DPU whose backward never waits for the update)
     staging_numel: int = 0   # fp32 elements of the staging window (0: DEFAULT_STAGING_NUMEL)
 
     def validate(self) -> None:
@@ -226,8 +220,8 @@ class Step(Message):
     def validate(self) -> None:
         _require(self.step >= 1, f"step must be >= 1, got {self.step}")
         _require(self.out_slot in (0, 1), f"out_slot must be 0 or 1, got {self.out_slot}")
-        _require(math.isfinite(self.predict) and 0.0 <= self.predict <= 4.0,
-                 f"predict must be in [0, 4], got {self.predict}")
+        _require(math.isfinite(self.predict) and 0.0 <= self.predict <= MAX_PREDICT,
+                 f"predict must be in [0, {MAX_PREDICT:g}], got {self.predict}")
         _require(0 <= self.slot < MAX_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
         _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
         _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")
@@ -318,6 +312,7 @@ class Ok(Message):
 
 # Error codes: what kind of failure, so a client can decide without parsing text.
 E_DECODE = "decode"          # not a message: bad bytes, wrong shape, unknown type/field
+E_INVALID = "invalid"        # a well-formed request that does not fit this session (a slot it lacks, ...)
 E_VERSION = "version"        # protocol version mismatch
 E_AUTH = "auth"              # wrong or missing token
 E_SESSION = "session"        # unknown session

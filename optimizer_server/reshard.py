@@ -13,35 +13,9 @@ destination array (no temporaries: loading is when host memory is tightest).
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
-
-
-def rank_file(directory: Path, prefix: str, rank: int, world: int, suffix: str) -> Path:
-    """The file of one rank in a checkpoint: ``{prefix}-r{rank}-of-{world}{suffix}``
-    (the one place that spells the name; saved_world_sizes parses it)."""
-    return directory / f"{prefix}-r{rank}-of-{world}{suffix}"
-
-
-def saved_world_sizes(directory: Path, prefix: str) -> list[int]:
-    """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``."""
-    pat = re.compile(rf"{re.escape(prefix)}-r0-of-(\d+)\.json$")
-    found = (pat.match(p.name) for p in directory.glob(f"{prefix}-r0-of-*.json")) if directory.is_dir() else ()
-    return sorted(int(m.group(1)) for m in found if m)
-
-
-def pick_world_size(directory: Path, prefix: str, mine: int) -> int:
-    """The world size to load from: ours if saved, else the only one there is."""
-    worlds = saved_world_sizes(directory, prefix)
-    if mine in worlds:
-        return mine
-    if len(worlds) == 1:
-        return worlds[0]
-    have = sorted(p.name for p in directory.glob(f"{prefix}-*.json")) if directory.is_dir() else []
-    raise ValueError(f"no checkpoint to load in {directory}: expected {prefix}-r0-of-W.json files of one world "
-                     f"size W; found {have or 'nothing'}")
 
 
 def readinto_exact(f, view: memoryview) -> None:

@@ -13,9 +13,6 @@ socket, lock, token and address files.
 from __future__ import annotations
 
 import errno
-import fcntl
-import hmac
-import json
 import logging
 import os
 import secrets
@@ -25,25 +22,23 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import zmq
 
 from . import ipc
 from . import protocol as P
-from .config import ServerConfig
+from .admission import Refused, admit
+from .config import TOKEN_ENV, ServerConfig
+from .files import ServerFiles
 from .procs import pid_alive
-from .shard import Shard, state_bytes_per_param
-from .shm import Segment, ShardLayout
-from .shm import unlink as shm_unlink
-from .spawn import SPAWN_DIR_PREFIX
+from .shard import Shard
+from .shm import Segment
 from .tracing import Tracer
 
 log = logging.getLogger("optimizer_server")
 
 POLL_INTERVAL_MS = 50            # how often the loop looks at signals and heartbeats
 SHUTDOWN_UPDATE_WAIT_S = 30.0    # bound on finishing the update in flight at exit
-TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"
 
 
 def shm_prefix() -> str:
@@ -52,17 +47,6 @@ def shm_prefix() -> str:
     if not p or len(p) > 40 or not all(ch.isalnum() or ch in "-_." for ch in p):
         raise ValueError(f"ZERO_OFFLOAD_SHM_PREFIX must be 1-40 of [A-Za-z0-9._-], got {p!r}")
     return p
-
-
-def read_mem_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 @dataclass
@@ -87,48 +71,17 @@ class OptimizerServer:
         self.stop_requested = False
         self.had_clients = False
         self.private_dir: str | None = None
-        self.ipc_path: str | None = None
-        self.lock_fd: int | None = None
+        self.files = ServerFiles(cfg.address_file, cfg.parent_pid)
         self.address = ""
         self.ctx = zmq.Context()
         self.sock = None
         self.n_seg = 0
-        self.owns_files = False  # set once bound: a refused server must not remove the live one's files
         self.tracer = Tracer(cfg.trace_dir, "server", 0)
         self.shm_prefix = shm_prefix()
 
     # ------------------------------------------------------------------ set-up
-    def _registry_path(self) -> Path | None:
-        return Path(self.cfg.address_file + ".segments") if self.cfg.address_file else None
-
     def _write_registry(self) -> None:
-        reg = self._registry_path()
-        if reg is None:
-            return
-        names = [s.segment.name for s in self.shards.values()]
-        tmp = reg.with_name(reg.name + ".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "segments": names, "private_dir": self.private_dir or ""}))
-        os.replace(tmp, reg)
-
-    def _sweep_leftovers(self) -> None:
-        """Unlink segments a killed server left behind under the same address file."""
-        reg = self._registry_path()
-        if reg is None or not reg.exists():
-            return
-        try:
-            data = json.loads(reg.read_text())
-        except (OSError, ValueError):
-            reg.unlink(missing_ok=True)
-            return
-        if pid_alive(int(data.get("pid", 0))) and int(data.get("pid", 0)) != os.getpid():
-            return  # its owner still runs; the lock check will refuse us anyway
-        n = sum(shm_unlink(name) for name in data.get("segments", []) if isinstance(name, str))
-        if n:
-            log.warning("swept %d shared segment(s) left by dead server pid %s", n, data.get("pid"))
-        d = data.get("private_dir")
-        if isinstance(d, str) and os.path.basename(d).startswith(ipc.PRIVATE_PREFIX):
-            ipc.remove_socket_files(os.path.join(d, ipc.SOCKET_NAME))
-        reg.unlink(missing_ok=True)
+        self.files.write_registry([sh.segment.name for sh in self.shards.values()], self.private_dir or "")
 
     def _resolve_address(self) -> str:
         addr = self.cfg.address
@@ -144,30 +97,13 @@ class OptimizerServer:
                 addr = "tcp://127.0.0.1:" + hostport
         return addr
 
-    def _take_ipc_lock(self, path: str) -> None:
-        fd = os.open(ipc.lock_path(path), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                other = os.read(fd, 32).decode().strip() or "?"
-            finally:
-                os.close(fd)
-            raise RuntimeError(f"another optimizer server (pid {other}) is already serving at ipc://{path}; "
-                               f"stop it or pass a different --address") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
-        self.lock_fd = fd
-        if os.path.exists(path):  # a stale socket file of a dead server
-            os.unlink(path)
-
     def bind(self) -> str:
-        self._sweep_leftovers()
+        self.files.sweep_leftovers()
         addr = self._resolve_address()
         if addr.startswith("ipc://"):
-            self.ipc_path = addr[len("ipc://"):]
-            os.makedirs(os.path.dirname(self.ipc_path) or ".", exist_ok=True)
-            self._take_ipc_lock(self.ipc_path)
+            path = addr[len("ipc://"):]
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            self.files.take_ipc_lock(path)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -181,22 +117,11 @@ class OptimizerServer:
                 raise RuntimeError(f"address {addr} is already in use (another optimizer server?); "
                                    f"stop it or pass a different --address") from None
             raise RuntimeError(f"cannot bind {addr}: {e}") from None
-        self.owns_files = True
-        if self.ipc_path:
-            os.chmod(self.ipc_path, 0o600)
+        if self.files.ipc_path:
+            os.chmod(self.files.ipc_path, 0o600)
         self.sock = sock
         self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        if self.cfg.address_file:
-            af = Path(self.cfg.address_file)
-            tok = Path(self.cfg.address_file + ".token")
-            fd = os.open(str(tok) + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.token)
-            os.replace(str(tok) + ".tmp", tok)
-            self._write_registry()  # before the address: a kill from here on is swept by the next server
-            tmp = af.with_name(af.name + ".tmp")
-            tmp.write_text(self.address + "\n")
-            os.replace(tmp, af)  # atomic: a reader sees nothing or the whole address
+        self.files.publish(self.address, self.token, [], self.private_dir or "")
         return self.address
 
     # ------------------------------------------------------------------ loop
@@ -281,8 +206,7 @@ class OptimizerServer:
         if isinstance(msg, P.Stats):
             return shard.stats().encode()
         if shard.busy:
-            return P.error(P.E_ORDER, f"{msg.TYPE} while step {shard.steps + 1} is still updating; "
-                                      f"wait for its DONE first")
+            return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
         if isinstance(msg, P.Bye):
             self._drop(session, "said BYE", logging.INFO)
             return P.Ok().encode()
@@ -300,30 +224,19 @@ class OptimizerServer:
                 return P.error(P.E_CHECKPOINT, str(e))
             return P.Ok(info=info).encode()
         if not shard.initialized:
-            return P.error(P.E_ORDER, f"{msg.TYPE} before INIT: write the initial weights to staging "
-                                      f"and send INIT (or LOAD a checkpoint) first")
+            return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
         if isinstance(msg, P.Step):
-            if msg.step != shard.steps + 1:
-                return P.error(P.E_ORDER, f"STEP {msg.step} out of order: the shard has done {shard.steps} "
-                                          f"update(s), so the next is {shard.steps + 1}")
-            if msg.slot >= len(shard.grads):
-                return P.error(P.E_DECODE, f"gradient slot {msg.slot} but HELLO asked for {len(shard.grads)} "
-                                           f"slot(s): send slot 0, or register with grad_slots=2")
-            if msg.out_slot >= len(shard.weights16_slots):
-                return P.error(P.E_DECODE, f"out_slot {msg.out_slot} but HELLO asked for "
-                                           f"{len(shard.weights16_slots)} weight slot(s): send out_slot 0, or "
-                                           f"register with weight_slots=2")
-            if msg.predict and shard.optimizer not in ("adamw", "adam"):
-                return P.error(P.E_DECODE, f"predict is implemented for adam/adamw, not {shard.optimizer}")
-            shard.busy = True
+            refused = shard.accept_step(msg)
+            if refused is not None:
+                return P.error(*refused)
             fut = self.executors[session].submit(self._traced_step, shard, msg)
             self.pending[session] = fut
             fut.add_done_callback(lambda f, i=identity, s=session, st=msg.step: self._on_done(i, s, st, f))
             return None
         if isinstance(msg, P.Skip):
-            if msg.step != shard.steps + 1:
-                return P.error(P.E_ORDER, f"SKIP {msg.step} out of order: next step is {shard.steps + 1}")
-            shard.skipped += 1
+            why = shard.skip(msg.step)
+            if why is not None:
+                return P.error(P.E_ORDER, why)
             return P.Ok(info={"steps": shard.steps}).encode()
         if isinstance(msg, P.GetMaster):
             try:
@@ -344,31 +257,10 @@ class OptimizerServer:
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
 
     def _hello(self, msg: P.Hello) -> bytes:
-        # order matters: version, then token, then resources; nothing is allocated
-        # for a client that fails any check
-        if msg.version != P.PROTOCOL_VERSION:
-            return P.error(P.E_VERSION, f"protocol version mismatch: client {msg.version}, "
-                                        f"server {P.PROTOCOL_VERSION}; install the same zero-offload on both")
-        if not hmac.compare_digest(msg.token.encode(), self.token.encode()):
-            return P.error(P.E_AUTH, "wrong or missing token: pass the token the server wrote next to its "
-                                     "address file (ZERO_OFFLOAD_TOKEN)")
-        layout = ShardLayout(msg.numel, msg.weight_slots, msg.grad_slots, msg.staging_numel)
-        need = msg.numel * state_bytes_per_param(msg.optimizer) + layout.total_bytes
-        avail = read_mem_available()
-        if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:
-            return P.error(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
-                                         f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available; "
-                                         f"use more ranks/nodes or a smaller model (where RAM grows as it is "
-                                         f"used, as in some VMs, ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this "
-                                         f"check off)")
         try:
-            st = os.statvfs("/dev/shm")
-            shm_free = st.f_bavail * st.f_frsize
-            if layout.total_bytes > shm_free:
-                return P.error(P.E_RESOURCE, f"shard segment needs {layout.total_bytes} bytes but /dev/shm has "
-                                             f"{shm_free} free; enlarge /dev/shm (docker: --shm-size)")
-        except OSError:
-            pass
+            layout = admit(msg, token=self.token, max_ram_fraction=self.cfg.max_ram_fraction)
+        except Refused as e:
+            return P.error(e.code, str(e))
         session = secrets.token_hex(8)
         self.n_seg += 1
         name = f"{self.shm_prefix}{self.instance}-r{msg.rank}-{self.n_seg}"
@@ -377,7 +269,7 @@ class OptimizerServer:
         except OSError as e:
             return P.error(P.E_RESOURCE, f"cannot create shared segment {name}: {e}")
         try:
-            shard = Shard(session, msg, seg, self.cfg.threads)
+            shard = Shard(session, msg, seg, layout, self.cfg.threads)
         except MemoryError:
             seg.close()
             seg.unlink()
@@ -426,7 +318,7 @@ class OptimizerServer:
             shard = self.shards.get(r.session)
             self.pending.pop(r.session, None)
             if shard is not None:
-                shard.busy = False
+                shard.finish_update()
                 if shard.drop_reason:
                     self._drop(r.session, shard.drop_reason)
                     continue
@@ -464,12 +356,18 @@ class OptimizerServer:
 
     # ------------------------------------------------------------------ exit
     def shutdown(self) -> None:
+        # The update in flight finishes (its worker may still read the weights) within
+        # SHUTDOWN_UPDATE_WAIT_S; past that the server exits without it: an update
+        # thread that does not return must not keep the process alive.
         deadline = time.monotonic() + SHUTDOWN_UPDATE_WAIT_S
-        for fut in list(self.pending.values()):
+        for session, fut in list(self.pending.items()):
             try:
                 fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
-                pass
+            except Exception:  # its own error, or the bound: either way it is abandoned
+                if not fut.done():
+                    log.warning("update of session %s still running after %.0f s; exiting without it",
+                                session, SHUTDOWN_UPDATE_WAIT_S)
+                    self._abandon(session)
         for session in list(self.shards):
             self._drop(session, "server shutting down", logging.INFO)
         if self.sock is not None:
@@ -485,25 +383,17 @@ class OptimizerServer:
                 os.close(fd)
             except OSError:
                 pass
-        if self.lock_fd is not None:  # held only by a server that got this ipc path
-            ipc.remove_socket_files(self.ipc_path)
-            os.close(self.lock_fd)
-            self.lock_fd = None
-        if not self.owns_files:
-            return
-        if self.cfg.address_file:
-            for suffix in ("", ".token", ".segments"):
-                Path(self.cfg.address_file + suffix).unlink(missing_ok=True)
-            # spawn() made the address file's private directory and removes it at its
-            # exit; when that parent was killed first, the server is the last one who
-            # knows it.  rmdir only ever removes an empty directory.
-            if self.cfg.parent_pid and not pid_alive(self.cfg.parent_pid):
-                d = Path(self.cfg.address_file).parent
-                if d.name.startswith(SPAWN_DIR_PREFIX):
-                    try:
-                        d.rmdir()
-                    except OSError:
-                        pass
+        self.files.remove()
+
+    def _abandon(self, session: str) -> None:
+        """Forget a shard whose update never returned: its executor is not waited
+        for (its thread is a daemon of the interpreter's exit), its segment unlinked."""
+        ex = self.executors.pop(session, None)
+        if ex is not None:
+            ex.shutdown(wait=False, cancel_futures=True)
+        shard = self.shards.pop(session, None)
+        if shard is not None:
+            shard.segment.unlink()  # the name goes now; the mapping with the process
 
 
 def run(cfg: ServerConfig) -> int:

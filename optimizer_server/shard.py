@@ -4,11 +4,25 @@ The master weights and m/v live in the server's private memory; only the
 gradients and the 16-bit weights are shared (optimizer_server.shm).  The update
 runs on a thread of its own (the kernel releases the GIL), so the methods that
 touch state are called either from that thread (step) or from the socket
-thread while the shard is idle (init, get_master, save, load): the server's
-`busy` flag is the lock.
+thread while the shard is READY (init, get_master, save, load): the state is
+the lock.
+
+States (ShardState) and what moves between them:
+
+    from            event                                  to
+    UNINITIALIZED   INIT's last chunk, or a LOAD that reads  READY
+    READY           an INIT chunk that is not the last       UNINITIALIZED (a partial master)
+    READY           a LOAD that fails midway                 UNINITIALIZED (a mixed master)
+    READY           accept_step (STEP in order)              UPDATING
+    UPDATING        finish_update (the thread is done)       READY
+    READY           skip (SKIP in order)                     READY (skipped + 1)
+
+Only READY takes STEP, SKIP, GET_MASTER and SAVE; UPDATING takes nothing but
+HEARTBEAT and STATS (the server answers the rest with E_ORDER).
 """
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import time
@@ -18,14 +32,21 @@ import numpy as np
 
 from cython_ext import cpu_adam
 
+from . import checkpoint as C
 from . import protocol as P
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir
-from .reshard import pick_world_size, rank_file, read_range
+from .reshard import read_range
 from .shm import Segment, ShardLayout
 
 log = logging.getLogger("optimizer_server")
 
-CHECKPOINT_FORMAT = 1
+
+class ShardState(enum.Enum):
+    UNINITIALIZED = "uninitialized"  # no complete master: STEP is refused
+    READY = "ready"                  # idle, state complete
+    UPDATING = "updating"            # a STEP runs on the shard's thread
+
+
 DEFAULT_HPARAMS = {
     "adamw": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
     "adam": dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
@@ -43,7 +64,7 @@ def state_bytes_per_param(optimizer: str) -> int:
 class Shard:
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
 
-    def __init__(self, session: str, hello: P.Hello, segment: Segment, threads: int):
+    def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int):
         self.session = session
         self.rank = hello.rank
         self.world_size = hello.world_size
@@ -55,7 +76,7 @@ class Shard:
         self.hparams.update(hello.hparams)
         self.threads = threads
         self.segment = segment
-        self.layout = ShardLayout(self.numel, hello.weight_slots, hello.grad_slots, hello.staging_numel)
+        self.layout = layout  # admission computed it for the segment's size
         n = self.numel
         self.master = np.zeros(n, np.float32)
         self.state = {name: np.zeros(n, np.float32) for name in STATE_ARRAYS[self.optimizer]}
@@ -67,10 +88,9 @@ class Shard:
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
         self.steps = 0
         self.skipped = 0
-        self.initialized = False
+        self.phase = ShardState.UNINITIALIZED
         self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
         self._init_next = 0        # INIT chunks arrive in order: the offset the next must have
-        self.busy = False
         self.drop_reason: str | None = None  # set when its worker died mid-update
         self.last_seen = time.monotonic()
         self.update_times: list[float] = []
@@ -109,7 +129,7 @@ class Shard:
             raise ValueError(f"INIT chunks must come in order: expected offset {self._init_next} "
                              f"(or 0 to start over), got {offset}")
         # a partial master must never be stepped on: until the last chunk, STEP is refused
-        self.initialized = False
+        self.phase = ShardState.UNINITIALIZED
         np.copyto(self.master[offset:offset + count], self.staging[:count])
         self._init_next = offset + count
         if self._init_next < self.numel:
@@ -124,7 +144,53 @@ class Shard:
         self.steps = 0
         self._write_weights16()
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
-        self.initialized = True
+        self.phase = ShardState.READY
+
+    @property
+    def busy(self) -> bool:
+        return self.phase is ShardState.UPDATING
+
+    @property
+    def initialized(self) -> bool:
+        return self.phase is not ShardState.UNINITIALIZED
+
+    def refusal(self, what: str) -> str | None:
+        """Why the request `what` cannot run now (None: it can), for an E_ORDER reply."""
+        if self.phase is ShardState.UPDATING:
+            return f"{what} while step {self.steps + 1} is still updating; wait for its DONE first"
+        if self.phase is ShardState.UNINITIALIZED:
+            return (f"{what} before INIT: write the initial weights to staging and send INIT (or LOAD a "
+                    f"checkpoint) first")
+        return None
+
+    def accept_step(self, msg: P.Step) -> tuple[str, str] | None:
+        """Check a STEP against this shard; (error code, message) to refuse it, else
+        None and the shard is UPDATING until finish_update."""
+        if msg.step != self.steps + 1:
+            return P.E_ORDER, (f"STEP {msg.step} out of order: the shard has done {self.steps} update(s), so "
+                               f"the next is {self.steps + 1}")
+        if msg.slot >= len(self.grads):
+            return P.E_INVALID, (f"gradient slot {msg.slot} but HELLO asked for {len(self.grads)} slot(s): send "
+                                 f"slot 0, or register with grad_slots=2")
+        if msg.out_slot >= len(self.weights16_slots):
+            return P.E_INVALID, (f"out_slot {msg.out_slot} but HELLO asked for {len(self.weights16_slots)} weight "
+                                 f"slot(s): send out_slot 0, or register with weight_slots=2")
+        if msg.predict and self.optimizer not in ("adamw", "adam"):
+            return P.E_INVALID, f"predict is implemented for adam/adamw, not {self.optimizer}"
+        self.phase = ShardState.UPDATING
+        return None
+
+    def finish_update(self) -> None:
+        assert self.phase is ShardState.UPDATING
+        self.phase = ShardState.READY
+
+    def skip(self, step: int) -> str | None:
+        """SKIP: the step's gradients overflowed on some rank; the state stays as it
+        is and only the count moves.  Returns why it is refused, or None."""
+        if step != self.steps + 1:
+            return f"SKIP {step} out of order: next step is {self.steps + 1}"
+        self.skipped += 1
+        return None
 
     def step(self, msg: P.Step) -> float:
         """Run one update from gradient slot msg.slot; returns seconds spent."""
@@ -178,33 +244,43 @@ class Shard:
 
     # -- checkpoints -----------------------------------------------------------
     def _paths(self, d: Path) -> tuple[Path, Path]:
-        return (rank_file(d, "shard", self.rank, self.world_size, ".bin"),
-                rank_file(d, "shard", self.rank, self.world_size, ".json"))
+        return (C.rank_file(d, C.SHARD, self.rank, self.world_size, ".bin"),
+                C.rank_file(d, C.SHARD, self.rank, self.world_size, ".json"))
 
     def manifest(self) -> dict:
-        return {"format": CHECKPOINT_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
+        return {"format": C.SHARD_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
                 "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
                 "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
                 "steps": self.steps, "skipped": self.skipped,
                 "arrays": ["master", *self.state.keys()]}
 
     def save(self, directory: str) -> dict:
-        """Write master + state atomically: tmp file, fsync, rename; manifest last."""
+        """Write master + state atomically: tmp file, fsync, rename; the manifest,
+        with the file's checksum (taken while writing), last."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         bin_path, man_path = self._paths(d)
         arrays = [self.master, *self.state.values()]
-        atomic_write(bin_path, lambda f: [f.write(memoryview(a)) for a in arrays])
-        atomic_write_bytes(man_path, json.dumps(self.manifest(), indent=1).encode())  # the manifest is last
+        crc = 0
+
+        def write(f):
+            nonlocal crc
+            for a in arrays:
+                f.write(memoryview(a))
+                crc = C.crc32_update(crc, a)
+        atomic_write(bin_path, write)
+        man = dict(self.manifest(), checksum=C.checksum_str(crc))
+        atomic_write_bytes(man_path, json.dumps(man, indent=1).encode())  # the manifest is last
         fsync_dir(d)
         return {"path": str(bin_path), "bytes": sum(a.nbytes for a in arrays), "steps": self.steps}
 
     def load(self, directory: str) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
-        another (optimizer_server.reshard): every rank's manifest must agree."""
+        another (optimizer_server.reshard): every rank's manifest must agree, and
+        every file read must match its checksum, before any state is touched."""
         d = Path(directory)
-        src = pick_world_size(d, "shard", self.world_size)
-        man_paths = [rank_file(d, "shard", k, src, ".json") for k in range(src)]
+        src = C.pick_world_size(d, C.SHARD, self.world_size)
+        man_paths = [C.rank_file(d, C.SHARD, k, src, ".json") for k in range(src)]
         mans = []
         for path in man_paths:
             if not path.exists():
@@ -223,20 +299,22 @@ class Shard:
                 raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
         per_file = int(mans[0]["numel"])
         arrays = [self.master, *self.state.values()]
-        bins = [rank_file(d, "shard", k, src, ".bin") for k in range(src)]
-        for path in bins:
+        bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
+        lo = self.rank * self.numel
+        for k, path in enumerate(bins):
             size = path.stat().st_size if path.exists() else -1
             if size != len(arrays) * 4 * per_file:
                 raise ValueError(f"checkpoint {path} has {size} bytes, expected {len(arrays) * 4 * per_file} "
                                  f"(truncated?)")
+            if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
+                C.verify(path, mans[k].get("checksum"))
         man = mans[0]
         # Straight into the state arrays: temporaries would double the server's
         # memory (12 B/param) exactly when resuming, the moment a job that fits
         # would OOM.  A read that fails midway leaves a mix, so the shard is marked
         # uninitialized and refuses STEP until a LOAD or INIT succeeds.
-        self.initialized = False
+        self.phase = ShardState.UNINITIALIZED
         self._state_dirty = True
-        lo = self.rank * self.numel
         try:
             for i, a in enumerate(arrays):
                 read_range(bins, per_file, i * per_file, lo, lo + self.numel, a)
@@ -246,8 +324,8 @@ class Shard:
         self.steps = int(man["steps"])
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))
-        self.initialized = True
         self._init_next = 0
         self._write_weights16()
         self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
+        self.phase = ShardState.READY
         return {"steps": self.steps}

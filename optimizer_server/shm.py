@@ -1,35 +1,8 @@
-"""POSIX shared-memory segments for one shard's gradients, weights and staging.
+"""POSIX shared-memory segments: one per shard, holding its gradients, weights and staging.
 
 The server creates (and alone unlinks) each segment; workers attach to it by
-name.  Layout of a shard's segment (see also optimizer_server.protocol):
-
-     0                                   grad_bytes         weights_offset                  progress_offset
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
-     | grad slot 0     | grad slot 1     |  padding  | weights16       | padding | progress | to 4 KiB
-     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
-     |<- staging fp32: staging_numel x 4 B ->|
-
-The fp32 staging area is a window (staging_numel = min(numel, HELLO's window))
-over the start of the gradient region, which is made at least as long: it is
-only used when no step is in flight, and INIT and GET_MASTER move the fp32
-weights through it in chunks: it costs at most the window (64 MiB by default)
-beyond the gradient slots, nothing once they are longer.  Grad slot 1
-exists only with grad_slots=2 (DPU without waiting for the update, an
-option).  Host RAM per parameter: 12 private (the server's master, m, v) + 4
-shared (one gradient slot, weights16) = 16; +2 for a second gradient slot, +2
-for a second weights slot (which spares the CPU worker its own copy of the model).
-
-With weight_slots=2 (HELLO asks for it) there are two page-aligned weights16
-slots one after the other, and each STEP names the one it writes (out_slot):
-a worker whose device is this CPU keeps its model's 16-bit weights in the
-other slot, so the new weights need no copy at all, only a swap.
-
-The progress word, on a cache line of its own, is written by the server alone:
-during an update, (step << 40) | weights16 elements already final, after each
-block (cython_ext.cpu_adam, release store); 0 after INIT and LOAD.  The worker
-reads it (acquire) to copy finished weights up while the update still runs.
-Segments are created with mode 0600 under names unique to the server instance.
+name.  ShardLayout's docstring draws the layout.  Segments are created with
+mode 0600 under names unique to the server instance.
 """
 from __future__ import annotations
 
@@ -54,12 +27,51 @@ def _round_up(x: int, a: int = PAGE) -> int:
     return (x + a - 1) // a * a
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardLayout:
+    """Where everything lies in one shard's segment (offsets in bytes):
+
+     0                                   grad_offsets[1]      weights_offsets[0]         progress_offset
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
+     | grad slot 0     | grad slot 1     |  padding  | weights16 slot 0| (slot 1)| progress | to 4 KiB
+     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
+     |<- staging fp32: staging_numel x 4 B ->|
+
+    Gradient slots (grad_slots, 1 or 2): the worker writes a step's 16-bit
+    gradients into one and names it in STEP.  One slot is the default, for DPU
+    too: the worker writes each range of the next step's gradients only once
+    the update in flight has published that it is past it.  A second slot
+    (DPU with dpu_grad_slots=2) spares backward that wait, for +2 B/param.
+
+    The fp32 staging area is a window of staging_numel elements over the start
+    of the gradient region, which is made at least that long: it is used only
+    when no step is in flight, and INIT and GET_MASTER move the fp32 weights
+    through it in chunks, so it costs at most the window (64 MiB by default)
+    beyond the gradient slots, nothing once they are longer.
+
+    Weights slots (weight_slots, 1 or 2), each page-aligned: the server writes
+    the new 16-bit weights into the one STEP.out_slot names.  A worker whose
+    device is this CPU keeps its model's weights in the other slot, so an update
+    needs no copy up at all, only a swap (cpu_zero_copy).
+
+    The progress word, on a cache line of its own, is written by the server alone:
+    during an update, (step << 40) | weights16 elements already final, after each
+    block (cython_ext.cpu_adam, release store); 0 after INIT and LOAD.  The worker
+    reads it (acquire) to copy finished weights up while the update still runs.
+
+    Host RAM per parameter: 12 private (the server's master, m, v) + 4 shared (one
+    gradient slot, one weights slot) = 16; +2 for a second gradient slot, +2 for a
+    second weights slot (which spares the CPU worker its own copy of the model).
+    """
+
     numel: int
-    weight_slots: int = 1  # 2: the worker's CPU model lives in the segment (zero-copy), see above
-    grad_slots: int = 2    # 1: synchronous steps only
-    window: int = 0        # the staging window asked for (0: protocol.DEFAULT_STAGING_NUMEL)
+    weight_slots: int = 1
+    grad_slots: int = 1
+    staging_numel: int = 0  # as asked (0: protocol.DEFAULT_STAGING_NUMEL); then what it is, at most numel
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "staging_numel", min(self.numel, self.staging_numel or DEFAULT_STAGING_NUMEL))
 
     @property
     def grad_offsets(self) -> tuple[int, ...]:
@@ -70,17 +82,9 @@ class ShardLayout:
         return 0
 
     @property
-    def staging_numel(self) -> int:
-        return min(self.numel, self.window or DEFAULT_STAGING_NUMEL)
-
-    @property
     def weights_offsets(self) -> tuple[int, ...]:
         first = _round_up(max(self.grad_slots * 2 * self.numel, 4 * self.staging_numel))
         return tuple(first + i * _round_up(2 * self.numel) for i in range(self.weight_slots))
-
-    @property
-    def weights_offset(self) -> int:
-        return self.weights_offsets[0]
 
     @property
     def progress_offset(self) -> int:
@@ -95,11 +99,10 @@ class ShardLayout:
 class Segment:
     """A mapped shared-memory segment.  ``create`` for the server, ``attach`` for workers."""
 
-    def __init__(self, name: str, size: int, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, size: int, mm: mmap.mmap):
         self.name = name
         self.size = size
         self._mm = mm
-        self.owner = owner
 
     @classmethod
     def create(cls, name: str, size: int) -> "Segment":
@@ -113,7 +116,7 @@ class Segment:
             _posixshmem.shm_unlink("/" + name)
             raise
         os.close(fd)
-        return cls(name, size, mm, owner=True)
+        return cls(name, size, mm)
 
     @classmethod
     def attach(cls, name: str, size: int) -> "Segment":
@@ -125,7 +128,7 @@ class Segment:
             mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        return cls(name, size, mm, owner=False)
+        return cls(name, size, mm)
 
     def array(self, dtype, offset: int, count: int) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)

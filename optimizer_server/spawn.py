@@ -16,6 +16,7 @@ import time
 import weakref
 from pathlib import Path
 
+from .config import TOKEN_ENV
 from .procs import describe_exit
 
 READY_TIMEOUT_S = 60.0
@@ -96,7 +97,7 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
         cmd += ["--trace-dir", trace_dir]
     cmd += extra_args or []
     child_env = dict(os.environ if env is None else env)
-    child_env["ZERO_OFFLOAD_TOKEN"] = token  # via the environment, not argv (visible in ps)
+    child_env[TOKEN_ENV] = token  # via the environment, not argv (visible in ps)
     if threads > 0:
         child_env["OMP_NUM_THREADS"] = str(threads)
     before = _identity(address_file)  # a stale file from an earlier server is not "ready"

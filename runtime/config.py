@@ -6,10 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Union
 
-ADDRESS_ENV = "ZERO_OFFLOAD_ADDRESS"   # set by the launcher for its workers
-TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"
-OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")
-DTYPES = ("fp16", "bf16")
+from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
+from optimizer_server.protocol import DTYPES, MAX_PREDICT, OPTIMIZERS
 
 LrType = Union[float, Callable[[int], float]]
 
@@ -61,7 +59,8 @@ class OffloadConfig:
         environment variables, or a private server started (and stopped) by the engine.
     server_threads: OpenMP threads of a private server's updates (0 = its default).
     request_timeout_s: bound on any single wait for the server.
-    trace_dir: write this process's Chrome trace here ("" = no tracing).
+    trace_dir: write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
+        zero-offload-launch --trace-dir sets for every worker, else no tracing).
     pin_host_memory: CUDA only: page-lock the shared segment (cudaHostRegister) so copies
         are DMA overlapping compute.  "auto": try, and if the system refuses (locked-memory
         limit, a sandbox) warn and go on with pageable copies, which are slower and block;
@@ -138,8 +137,8 @@ class OffloadConfig:
             raise ValueError(f"dpu_warmup_steps must be an int >= 1, got {self.dpu_warmup_steps!r}")
         if self.dpu_grad_slots not in (1, 2):
             raise ValueError(f"dpu_grad_slots must be 1 or 2, got {self.dpu_grad_slots!r}")
-        if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= 4.0):
-            raise ValueError(f"dpu_predict must be in [0, 4], got {self.dpu_predict!r}")
+        if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= MAX_PREDICT):
+            raise ValueError(f"dpu_predict must be in [0, {MAX_PREDICT:g}], got {self.dpu_predict!r}")
         if self.dpu_predict and self.optimizer not in ("adamw", "adam"):
             raise ValueError(f"dpu_predict works with optimizer adamw or adam, not {self.optimizer!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
@@ -167,6 +166,10 @@ class OffloadConfig:
             raise ValueError(f"server_address {addr!r} given without a token: set server_token or ${TOKEN_ENV} "
                              f"(the server writes it to ADDRESS_FILE.token)")
         return addr, token
+
+    def resolved_trace_dir(self) -> str:
+        """trace_dir, or the launcher's $ZERO_OFFLOAD_TRACE_DIR when it is empty."""
+        return self.trace_dir or os.environ.get(TRACE_DIR_ENV, "")
 
     def lr_at(self, update: int) -> float:
         lr = self.lr(update) if callable(self.lr) else self.lr

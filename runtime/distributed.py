@@ -30,69 +30,72 @@ import torch.distributed as dist
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _is_nccl() -> bool:
+def is_nccl() -> bool:
     return dist.get_backend() == "nccl"
 
 
-def reduce_bucket(engine, b) -> None:
-    if _is_nccl():
-        S = engine.flat.shard_numel
-        for r in range(engine.world_size):
-            lo, hi = max(b.lo, r * S), min(b.hi, (r + 1) * S)
-            if hi > lo:
-                part = b.buf[lo - b.lo:hi - b.lo]
+def reduce_bucket(buf: torch.Tensor, lo: int, *, rank: int, world_size: int, shard_numel: int) -> None:
+    """Average the bucket buf (flat elements [lo, lo + len)) so this rank's shard of it is valid."""
+    if is_nccl():
+        S = shard_numel
+        hi_b = lo + buf.numel()
+        for r in range(world_size):
+            a, b = max(lo, r * S), min(hi_b, (r + 1) * S)
+            if b > a:
+                part = buf[a - lo:b - lo]
                 dist.reduce(part, dst=r, op=dist.ReduceOp.SUM)
-                if r == engine.rank:
-                    part.div_(engine.world_size)
+                if r == rank:
+                    part.div_(world_size)
         return
-    acc = b.buf.float()
+    acc = buf.float()
     dist.all_reduce(acc)
-    acc.div_(engine.world_size)
-    b.buf.copy_(acc)
+    acc.div_(world_size)
+    buf.copy_(acc)
 
 
-def start_bucket_reduce(engine, b):
+def start_bucket_reduce(buf: torch.Tensor):
     """gloo: an asynchronous fp32 all-reduce of the bucket, so backward goes on meanwhile.
     Returns (the fp32 buffer, the work handle) for finish_bucket_reduce."""
-    acc = b.buf.float()
+    acc = buf.float()
     return acc, dist.all_reduce(acc, async_op=True)
 
 
-def finish_bucket_reduce(engine, work, acc: torch.Tensor) -> None:
+def finish_bucket_reduce(work, acc: torch.Tensor, world_size: int) -> None:
     work.wait()  # bounded by the process group's timeout (torch.distributed's default: 30 min)
-    acc.div_(engine.world_size)
+    acc.div_(world_size)
 
 
-def all_reduce_sum(engine, x: torch.Tensor) -> torch.Tensor:
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     x = x.clone()
     dist.all_reduce(x)
     return x
 
 
-def all_gather_weights(engine) -> None:
-    shard = engine.flat16[engine.shard_lo:engine.shard_hi]
-    with engine.tracer.span("all_gather", bytes=2 * engine.flat.padded_numel):
-        _all_gather(engine.flat16, shard.clone() if not _is_nccl() else shard)
+def all_gather_weights(flat16: torch.Tensor, lo: int, hi: int, tracer) -> None:
+    """Every rank's shard [lo, hi) of flat16 into every rank's flat16, in place."""
+    shard = flat16[lo:hi]
+    with tracer.span("all_gather", bytes=2 * flat16.numel()):
+        _all_gather(flat16, shard.clone() if not is_nccl() else shard)
 
 
-def all_gather_cpu(engine, shard: torch.Tensor) -> torch.Tensor:
+def all_gather_cpu(shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
     """Every rank's fp32 master shard, concatenated (for master_state_dict)."""
-    if _is_nccl():
-        dev = shard.to(engine.device)
-        out = torch.empty(engine.flat.padded_numel, dtype=shard.dtype, device=engine.device)
+    if is_nccl():
+        dev = shard.to(device)
+        out = torch.empty(padded_numel, dtype=shard.dtype, device=device)
         _all_gather(out, dev)
         return out.cpu()
-    out = torch.empty(engine.flat.padded_numel, dtype=shard.dtype)
+    out = torch.empty(padded_numel, dtype=shard.dtype)
     _all_gather(out, shard)
     return out
 
 
-def all_ranks_ok(engine, ok: bool) -> bool:
-    """True only if every rank's part of a collective operation succeeded."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=engine.device if _is_nccl() else "cpu")
+def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """True only if every rank passed True (a collective)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device if is_nccl() else "cpu")
     dist.all_reduce(flag)
     return int(flag) == 0
 
 
-def barrier(engine) -> None:
+def barrier() -> None:
     dist.barrier()

@@ -17,7 +17,8 @@ import torch
 
 
 @dataclass
-class ParamSlot:
+class ParamSpan:
+    """Where one parameter lies in the flat space."""
     param: torch.nn.Parameter
     offset: int          # into the flat space
     numel: int
@@ -26,12 +27,12 @@ class ParamSlot:
 
 @dataclass
 class Bucket:
+    """A contiguous range [lo, hi) of the flat space whose gradients go down together.
+    (What a step's gradients are doing in it is runtime.grads_down's per-step state.)"""
     index: int
     lo: int
     hi: int
-    slots: list = field(default_factory=list)
-    remaining: int = 0         # parameters still without a gradient this step
-    buf: object = None         # the device buffer of this step's gradients (transient)
+    params: list = field(default_factory=list)
 
     @property
     def numel(self) -> int:
@@ -39,13 +40,18 @@ class Bucket:
 
 
 class FlatParams:
-    """Owns flat16; rebinding model parameters onto it is done by ``bind``."""
+    """The layout of the flat space: the parameters' spans, the buckets, the shards.
+
+    It owns no buffer: the update cycle owns flat16 (the device's, or a weights
+    slot of the shared segment) and makes the parameters views into it with
+    ``cast_and_bind`` once and ``bind`` after each swap.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int):
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.params = params
-        self.slots: list[ParamSlot] = []
+        self.spans: list[ParamSpan] = []
         self.buckets: list[Bucket] = []
         off = 0
         cur: Bucket | None = None
@@ -54,16 +60,16 @@ class FlatParams:
             if cur is None or (cur.numel > 0 and cur.numel + n > bucket_numel):
                 cur = Bucket(index=len(self.buckets), lo=off, hi=off)
                 self.buckets.append(cur)
-            slot = ParamSlot(p, off, n, cur.index)
-            cur.slots.append(slot)
+            span = ParamSpan(p, off, n, cur.index)
+            cur.params.append(span)
             cur.hi = off + n
-            self.slots.append(slot)
+            self.spans.append(span)
             off += n
         self.numel = off
         self.world_size = world_size
         self.padded_numel = (off + world_size - 1) // world_size * world_size
         self.shard_numel = self.padded_numel // world_size
-        self.by_param = {id(s.param): s for s in self.slots}
+        self.by_param = {id(s.param): s for s in self.spans}
 
     def copy_fp32_range(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """out[:] = the model's current weights [lo, hi) of the flat space, as fp32
@@ -71,7 +77,7 @@ class FlatParams:
         assert out.numel() == hi - lo and out.dtype == torch.float32
         # the parameters tile [0, numel) with no gaps: only the padding needs zeros
         out[max(self.numel, lo) - lo:].zero_()
-        for s in self.slots:
+        for s in self.spans:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if b > a:
                 src = s.param.detach().reshape(-1)[a - s.offset:b - s.offset]
@@ -86,7 +92,7 @@ class FlatParams:
         assert flat16.numel() == self.padded_numel
         flat16[self.numel:].zero_()
         with torch.no_grad():
-            for s in self.slots:
+            for s in self.spans:
                 view = flat16[s.offset:s.offset + s.numel]
                 view.copy_(s.param.detach().reshape(-1))
                 s.param.data = view.view(s.param.shape)
@@ -95,6 +101,6 @@ class FlatParams:
         """Make every parameter a view of flat16 (its 16-bit weights live there now)."""
         assert flat16.numel() == self.padded_numel
         with torch.no_grad():
-            for s in self.slots:
+            for s in self.spans:
                 view = flat16[s.offset:s.offset + s.numel].view(s.param.shape)
                 s.param.data = view

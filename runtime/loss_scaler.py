@@ -18,6 +18,15 @@ class LossScaler:
         self.growth_interval = growth_interval
         self.good_steps = 0
 
+    @classmethod
+    def for_config(cls, cfg) -> "LossScaler":
+        """The scaler an OffloadConfig asks for: dynamic for fp16 with loss_scale="dynamic",
+        fixed for a float, 1 for bf16."""
+        dynamic = cfg.dtype == "fp16" and cfg.loss_scale == "dynamic"
+        scale = 1.0 if cfg.dtype == "bf16" else cfg.initial_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale
+        return cls(dynamic=dynamic, scale=scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
+                   growth_interval=cfg.growth_interval)
+
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return

@@ -1,8 +1,10 @@
 """A torch.optim.Optimizer stand-in so torch LR schedulers drive the server's lr.
 
-The real update runs in the optimizer server; this object only carries
-param_groups (lr, weight_decay, betas) that schedulers read and write.  Its
-step() is called by OffloadEngine.step() and does nothing else.
+The real update runs in the optimizer server; this object only carries one
+param group that schedulers read and write.  Of its keys the engine sends lr
+and weight_decay with every STEP; betas and eps stay the config's (a scheduler
+that writes them changes nothing yet).  Its step() is called by
+OffloadEngine.step() and does nothing else.
 """
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ import torch
 
 
 class ServerOptimizer(torch.optim.Optimizer):
-    def __init__(self, engine):
-        cfg = engine.cfg
-        self._engine = engine
+    def __init__(self, cfg):
+        self._cfg = cfg
         self._schedule = cfg.lr if callable(cfg.lr) else None
         lr0 = cfg.lr_at(1)
         # one placeholder tensor: Optimizer insists on a non-empty param list
@@ -22,7 +23,7 @@ class ServerOptimizer(torch.optim.Optimizer):
     def lr_for(self, update: int) -> float:
         """The lr for 1-based update `update`: the config's callable, else the param group."""
         if self._schedule is not None:
-            lr = self._engine.cfg.lr_at(update)
+            lr = self._cfg.lr_at(update)
             self.param_groups[0]["lr"] = lr
             return lr
         lr = float(self.param_groups[0]["lr"])

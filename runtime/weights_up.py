@@ -27,91 +27,64 @@ the copies must have finished reading it (``finish`` synchronizes).
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-# How long one wait for DONE sleeps between looks at the progress word.  A
-# block of DEFAULT_PROGRESS_BLOCK elements takes a few ms to update, so 1 ms
-# polling costs nothing and leaves little idle time.
-PROGRESS_POLL_S = 0.001
+from .stats import Counters
 
 
 class WeightReturn:
-    """The copy up of one update's weights: which update, how much is on the device."""
+    """The copy up of one update's 16-bit weights, range by range, front to back.
 
-    def __init__(self, engine):
-        self.e = engine
-        self.step: int | None = None   # the update whose weights are (partly) not on the device
-        self.landed = False            # its DONE came: all of weights16 is final
-        self.copied = 0                # shard elements [0, copied) are on the device
-        self.early_bytes = 0           # copied before DONE or inside backward (the point of all this)
-        self.stream = torch.cuda.Stream(engine.device) if engine.is_cuda else None
+    dst: this rank's shard of the device weights; src: the shared weights slot the
+    server writes (the same length).  Which ranges may go when is the update
+    cycle's decision (runtime.update_cycle); this object only copies them, counts
+    the bytes, and on CUDA keeps the copies on a stream of their own.
+    """
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, *, tracer, counters: Counters):
+        assert dst.numel() == src.numel()
+        self.dst, self.src = dst, src
+        self.tracer = tracer
+        self.counters = counters
+        self.copied = 0  # shard elements [0, copied) of the pending update are on the device
+        self.stream = torch.cuda.Stream(dst.device) if dst.device.type == "cuda" else None
 
     @property
-    def pending(self) -> bool:
-        return self.step is not None
+    def numel(self) -> int:
+        return self.dst.numel()
 
-    def begin(self, step: int) -> None:
-        assert self.step is None, "the previous update's weights were never copied up"
-        self.step, self.landed, self.copied = step, False, 0
+    def start(self) -> None:
+        """A new update's weights are coming: nothing of them is on the device yet."""
+        self.copied = 0
 
-    def land(self) -> None:
-        """DONE came by another way (or the pending weights were restored from a checkpoint)."""
-        self.landed = True
-
-    def reset(self) -> None:
-        """Nothing to copy (the device weights were replaced, e.g. by load_checkpoint)."""
-        self.step, self.landed, self.copied = None, False, 0
-
-    def pump(self, free: int, early: bool = True) -> int:
-        """Copy what is both published and below `free` (shard elements); returns
-        how far the device is now.  early: overlapping backward or the update."""
-        if self.step is None or (early and not self.e.cfg.overlap_weights_up):
-            return self.copied
-        S = self.e.flat.shard_numel
-        done = S if self.landed else self.e.client.published(self.step)
-        hi = min(done, free, S)
+    def copy_upto(self, hi: int, early: bool) -> int:
+        """Copy [copied, hi) up; early: while the update still runs or inside backward."""
+        hi = min(hi, self.numel)
         if hi > self.copied:
             self._copy(self.copied, hi, early)
             self.copied = hi
         return self.copied
 
-    def wait_landed(self):
-        """Wait for DONE of the update in flight, copying its weights as they are published."""
-        c, S = self.e.client, self.e.flat.shard_numel
-        deadline = time.monotonic() + c.request_timeout_s
-        while self.pump(S) < S and time.monotonic() < deadline:
-            if c.reply_ready(PROGRESS_POLL_S):
-                break  # DONE (or an error) is there: wait_done reads it
-        done = c.wait_done(timeout_s=max(1.0, deadline - time.monotonic()))
-        self.landed = True
-        return done
-
     def finish(self) -> None:
-        """Copy the rest (DONE has come), make it visible to the device's next work."""
-        assert self.landed and self.step is not None
-        self.pump(self.e.flat.shard_numel, early=False)
+        """Copy the rest (DONE has come) and make it visible to the device's next work."""
+        self.copy_upto(self.numel, early=False)
         if self.stream is not None:
             # the next forward runs on the compute stream; the host buffer is
             # rewritten by the server once the next STEP goes out
-            torch.cuda.current_stream(self.e.device).wait_stream(self.stream)
+            torch.cuda.current_stream(self.dst.device).wait_stream(self.stream)
             self.stream.synchronize()
-        self.step, self.landed = None, False
 
     def _copy(self, lo: int, hi: int, early: bool) -> None:
-        e = self.e
-        with e.tracer.span("weights_up", bytes=2 * (hi - lo), early=int(early)):
-            dst = e.flat16[e.shard_lo + lo:e.shard_lo + hi]
-            src = e._host_w16[lo:hi]
+        with self.tracer.span("weights_up", bytes=2 * (hi - lo), early=int(early)):
+            dst, src = self.dst[lo:hi], self.src[lo:hi]
             if self.stream is not None:
                 # after the compute stream's queued work: the bucket's backward
                 # kernels may still read these weights
-                self.stream.wait_stream(torch.cuda.current_stream(e.device))
+                self.stream.wait_stream(torch.cuda.current_stream(self.dst.device))
                 with torch.cuda.stream(self.stream):
                     dst.copy_(src, non_blocking=True)
             else:
                 dst.copy_(src)
-        e.bytes_to_device += 2 * (hi - lo)
+        self.counters.bytes_to_device += 2 * (hi - lo)
         if early:
-            self.early_bytes += 2 * (hi - lo)
+            self.counters.bytes_to_device_early += 2 * (hi - lo)

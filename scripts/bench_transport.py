@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     with spawn(threads=1) as srv:
         if len(cores) >= 2:
             os.sched_setaffinity(srv.pid, {cores[0]})
-        c = ShardClient(srv.address, srv.token, numel=16, server_proc=srv.proc)
+        c = ShardClient(srv.address, srv.token, numel=16, server_proc=srv.proc, grad_slots=2)
         c.init_weights(np.zeros(16, np.float32))
         for name, fn in (("STATS", lambda k: c.stats()), ("STEP (16 params)", lambda k: c.step(k, k % 2, 0.0))):
             lat = []

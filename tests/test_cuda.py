@@ -23,11 +23,11 @@ def test_segment_is_page_locked_then_released():
     model = mlp().cuda()
     eng = OffloadEngine(model, OffloadConfig(dtype="bf16", server_threads=1))
     seg = eng.client.segment_name
-    assert eng._registered_ptr is not None
-    assert eng._host_grads[0].is_pinned() and eng._host_w16.is_pinned()  # cudaHostRegister'ed
+    assert eng._pinned is not None
+    assert eng.grads.host[0].is_pinned() and eng.cycle._host[0].is_pinned()  # cudaHostRegister'ed
     train_engine(eng, mlp_batch, 3, "bf16")
     eng.close()
-    assert eng._registered_ptr is None  # unregistered before the segment goes
+    assert eng._pinned is None  # unregistered before the segment goes
     assert seg not in our_segments()
 
 

@@ -356,7 +356,7 @@ def test_segment_bytes_per_param():
     from optimizer_server.shm import ShardLayout
     n = 100_000_000
     for weight_slots, grad_slots, per_param in [(1, 1, 4), (1, 2, 6), (2, 2, 8), (2, 1, 6)]:
-        assert ShardLayout(n, weight_slots, grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
-    small = ShardLayout(1000, 1, 1)  # the staging window (all 1000 fp32) is longer than the one slot
-    assert small.weights_offset >= 4 * 1000 and small.staging_numel == 1000
-    assert ShardLayout(n, 1, 1, window=4096).staging_numel == 4096
+        assert ShardLayout(numel=n, weight_slots=weight_slots, grad_slots=grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
+    small = ShardLayout(numel=1000)  # the staging window (all 1000 fp32) is longer than the one slot
+    assert small.weights_offsets[0] >= 4 * 1000 and small.staging_numel == 1000
+    assert ShardLayout(numel=n, staging_numel=4096).staging_numel == 4096

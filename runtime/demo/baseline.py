@@ -21,9 +21,8 @@ import torch
 from optimizer_server.tracing import Tracer
 
 from ..config import OffloadConfig
+from ..dtypes import TORCH_DTYPES
 from ..loss_scaler import LossScaler
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class DeviceMixedPrecision:
@@ -32,7 +31,7 @@ class DeviceMixedPrecision:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        model.to(DTYPES[cfg.dtype])
+        model.to(TORCH_DTYPES[cfg.dtype])
         cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}.get(cfg.optimizer)
         if cls is None:
             raise ValueError(f"the baseline supports adamw and adam, not {cfg.optimizer!r}")
@@ -41,9 +40,7 @@ class DeviceMixedPrecision:
             self.optimizer = cls(self.master, fused=True, **kw)
         except (RuntimeError, TypeError):
             self.optimizer = cls(self.master, **kw)
-        self.scaler = LossScaler(dynamic=cfg.dtype == "fp16" and cfg.loss_scale == "dynamic",
-                                 scale=1.0 if cfg.dtype == "bf16" else
-                                 (cfg.initial_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale))
+        self.scaler = LossScaler.for_config(cfg)
         self.iteration = self.updates = self.skipped_steps = 0
         self._micro = 0
         self.update_s = 0.0

@@ -1,0 +1,211 @@
+"""The checkpoint format: file names for both sides, checksums, versions, and the
+directory protocol (temporary directory, agreement across ranks, rename, `latest`,
+retention).  Importable without torch; docs/checkpoint.md describes the format.
+
+    ROOT/
+      latest                       the name of the newest complete step directory
+      step-00000100/               one complete checkpoint
+        shard-r{k}-of-{W}.bin      server: master, then each state array (fp32, shard k)
+        shard-r{k}-of-{W}.json     server: its manifest (format, layout, hparams, checksum)
+        engine-r{k}-of-{W}.json    engine: counters, loss scale, lr state, checksums
+        device16-r{k}-of-{W}.bin   engine: the device's 16-bit weights of shard k
+        pending16-r{k}-of-{W}.bin  engine, DPU only: a landed update not yet on the device
+      tmp-step-00000200/           a save in progress (or one a crash left: swept by the next)
+
+Who writes what: the engine of rank k makes nothing but its own files; the server
+writes the shard files into the directory the engine names (so every rank, and
+the server, must see one filesystem: commit checks it); rank 0 alone sweeps,
+renames, points `latest` and prunes.  Each .bin file's CRC-32 is in the JSON
+beside it and is verified before anything is read into memory that matters.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from .atomic import atomic_write_bytes, fsync_dir
+
+LATEST = "latest"
+STEP_PREFIX = "step-"
+TMP_PREFIX = "tmp-"
+SHARD_FORMAT = 1     # shard-*.json "format": the server's files
+ENGINE_VERSION = 1   # engine-*.json "version": the engine's files
+# Roles of the per-rank files (the prefix of their names).
+SHARD, ENGINE, DEVICE16, PENDING16 = "shard", "engine", "device16", "pending16"
+# bytes per read when verifying: one reused buffer, small against any shard (a
+# checkpoint is verified while the server's state is resident, when RAM is tightest)
+_CRC_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded as asked; the message names the fix."""
+
+
+def rank_file(directory: Path, prefix: str, rank: int, world: int, suffix: str) -> Path:
+    """The file of one rank in a checkpoint: ``{prefix}-r{rank}-of-{world}{suffix}``
+    (the one place that spells the name; saved_world_sizes parses it)."""
+    return Path(directory) / f"{prefix}-r{rank}-of-{world}{suffix}"
+
+
+def step_name(iteration: int) -> str:
+    return f"{STEP_PREFIX}{iteration:08d}"
+
+
+def saved_world_sizes(directory: Path, prefix: str) -> list[int]:
+    """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``."""
+    directory = Path(directory)
+    pat = re.compile(rf"{re.escape(prefix)}-r0-of-(\d+)\.json$")
+    found = (pat.match(p.name) for p in directory.glob(f"{prefix}-r0-of-*.json")) if directory.is_dir() else ()
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def pick_world_size(directory: Path, prefix: str, mine: int) -> int:
+    """The world size to load from: ours if saved, else the only one there is."""
+    directory = Path(directory)
+    worlds = saved_world_sizes(directory, prefix)
+    if mine in worlds:
+        return mine
+    if len(worlds) == 1:
+        return worlds[0]
+    have = sorted(p.name for p in directory.glob(f"{prefix}-*.json")) if directory.is_dir() else []
+    raise CheckpointError(f"no checkpoint to load in {directory}: expected {prefix}-r0-of-W.json files of one "
+                          f"world size W; found {have or 'nothing'}")
+
+
+# ----------------------------------------------------------------------------- checksums
+
+def crc32_update(crc: int, data) -> int:
+    """Fold bytes (anything with the buffer protocol) into a running CRC-32."""
+    return zlib.crc32(memoryview(data).cast("B"), crc)
+
+
+def checksum_str(crc: int) -> str:
+    return f"crc32:{crc & 0xFFFFFFFF:08x}"
+
+
+def file_checksum(path: Path) -> str:
+    crc = 0
+    buf = bytearray(_CRC_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while k := f.readinto(buf):
+            crc = zlib.crc32(view[:k], crc)
+    return checksum_str(crc)
+
+
+def verify(path: Path, expected: str | None) -> None:
+    """Raise CheckpointError naming the file unless its checksum is `expected`."""
+    if not expected:
+        raise CheckpointError(f"checkpoint file {path} has no checksum in its manifest (written by an older "
+                              f"version?); load a checkpoint this version wrote")
+    got = file_checksum(path)
+    if got != expected:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its checksum is {got}, the manifest says "
+                              f"{expected}; load another checkpoint (an earlier step-N beside it)")
+
+
+def check_version(path: Path, key: str, found, expected) -> None:
+    if found != expected:
+        raise CheckpointError(f"checkpoint file {path} has {key}={found!r} but this version reads {key}={expected!r}; "
+                              f"load it with the zero-offload that wrote it")
+
+
+# ----------------------------------------------------------------------------- directory protocol
+
+def has_checkpoint(root: str | Path) -> bool:
+    """True once a save into root has completed (its `latest` pointer exists)."""
+    return (Path(root) / LATEST).exists()
+
+
+def resolve(root: str | Path) -> Path:
+    """root/latest's target, or root itself if it holds the files (a step directory)."""
+    d = Path(root)
+    latest = d / LATEST
+    if latest.exists():
+        return d / latest.read_text().strip()
+    return d
+
+
+class CheckpointDir:
+    """One save's way through ROOT: ``begin`` -> every rank writes -> ``commit``.
+
+    agree(ok) must return True only if every rank passed True (a collective), and
+    barrier() must return once every rank called it; one rank passes trivial ones.
+
+    begin:  rank 0 removes tmp-* directories that crashed saves left; all ranks
+            meet; each makes ROOT/tmp-step-N.
+    commit: the ranks agree that each one's writes succeeded; rank 0 checks that
+            it sees every rank's files (ROOT is one filesystem for all, and for
+            the server); it renames tmp-step-N to step-N, replaces `latest`
+            atomically and keeps the newest `keep`; all ranks meet again.
+    A failure anywhere removes tmp-step-N and leaves the previous checkpoint current.
+    """
+
+    def __init__(self, root: str | Path, *, rank: int, world_size: int, agree: Callable[[bool], bool],
+                 barrier: Callable[[], None], keep: int = 2):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an int >= 1 (how many checkpoints stay), got {keep!r}")
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self._agree = agree
+        self._barrier = barrier
+        self.keep = keep
+
+    def begin(self, iteration: int) -> Path:
+        name = step_name(iteration)
+        tmp = self.root / (TMP_PREFIX + name)
+        if self.rank == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                for stale in self.root.glob(TMP_PREFIX + "*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+            except OSError:
+                pass  # the write that follows fails and says why
+        self._barrier()
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # the write into it fails and says why
+        return tmp
+
+    def missing(self, tmp: Path, expected: list[Path]) -> list[str]:
+        return sorted(p.name for p in expected if not (tmp / p.name).exists())
+
+    def commit(self, tmp: Path, ok: bool, expected: Callable[[int], list[Path]]) -> tuple[bool, str]:
+        """Agree and publish.  expected(k): the files rank k must have written into tmp.
+        Returns (True, step path) or (False, why) on every rank alike."""
+        if not self._agree(ok):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return False, "a write failed"
+        why = ""
+        if self.rank == 0:
+            lost = {k: self.missing(tmp, expected(k)) for k in range(self.world_size)}
+            lost = {k: v for k, v in lost.items() if v}
+            if lost:
+                why = (f"checkpoint directory {self.root} is not one filesystem for every rank: rank 0 does not see "
+                       + "; ".join(f"rank {k}'s {', '.join(v)}" for k, v in lost.items())
+                       + ". Pass a directory every rank and the optimizer server can see (a shared mount), "
+                         "not a node-local path")
+        if not self._agree(not why):
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return False, why or ("checkpoint directory is not one filesystem for every rank (rank 0 does not "
+                                  "see every rank's files); pass a directory every rank can see")
+        final = tmp.with_name(tmp.name[len(TMP_PREFIX):])
+        if self.rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            atomic_write_bytes(self.root / LATEST, final.name.encode())
+            old = sorted(p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir() and p.name != final.name)
+            for p in old[:max(0, len(old) - (self.keep - 1))]:
+                shutil.rmtree(p, ignore_errors=True)
+        self._barrier()
+        return True, str(final)

@@ -1,0 +1,125 @@
+"""The engine's side of a checkpoint: its files, and the save and load sequences
+around the server's (the format and the directory protocol are
+optimizer_server.checkpoint's; docs/checkpoint.md describes both).
+
+The engine writes, per rank: engine-r{k}-of-{W}.json (counters, loss scale,
+lr state, and the checksums of the two files below), device16-r{k}-of-{W}.bin
+(the device's 16-bit weights of its shard as they are: under DPU one update
+behind) and, when an update has landed that the device does not have yet,
+pending16-r{k}-of-{W}.bin (with dpu_predict it is not simply RNE(master), so it
+is saved as it is).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from optimizer_server import checkpoint as C
+from optimizer_server.atomic import atomic_write_bytes
+from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
+from optimizer_server.reshard import read_range
+
+
+class EngineCheckpoint:
+    """Save and load of one rank's engine files, with the server's shard beside them.
+
+    agree(ok) and barrier() are the collectives of CheckpointDir (trivial on one rank).
+    """
+
+    def __init__(self, *, rank: int, world_size: int, numel: int, shard_numel: int, agree, barrier, tracer):
+        self.rank, self.world_size = rank, world_size
+        self.numel, self.shard_numel = numel, shard_numel
+        self.shard_lo, self.shard_hi = rank * shard_numel, (rank + 1) * shard_numel
+        self._agree, self._barrier = agree, barrier
+        self.tracer = tracer
+
+    def _expected(self, k: int, pending: bool) -> list[Path]:
+        W = self.world_size
+        names = [C.rank_file(Path("."), p, k, W, s) for p, s in
+                 ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
+        if pending:
+            names.append(C.rank_file(Path("."), C.PENDING16, k, W, ".bin"))
+        return names
+
+    def save(self, root: str, iteration: int, keep: int, *, client, device16: np.ndarray,
+             pending16: np.ndarray | None, meta: dict) -> str:
+        """Write everything under root/step-N and point root/latest at it.
+
+        Everything goes to root/tmp-step-N first and is renamed into place only
+        when every rank has finished and rank 0 sees every rank's files; then
+        `latest` is replaced atomically: a failed save (full or read-only disk,
+        a directory not every rank sees) raises and leaves the previous checkpoint
+        intact and current.  The newest `keep` are kept."""
+        d = C.CheckpointDir(root, rank=self.rank, world_size=self.world_size, agree=self._agree,
+                            barrier=self._barrier, keep=keep)
+        name = C.step_name(iteration)
+        err: BaseException | None = None
+        with self.tracer.span("save_checkpoint"):
+            tmp = d.begin(iteration)
+            try:
+                client.save(str(tmp))
+                W, k = self.world_size, self.rank
+                dev = device16.tobytes()
+                atomic_write_bytes(C.rank_file(tmp, C.DEVICE16, k, W, ".bin"), dev)
+                sums = {C.DEVICE16: C.checksum_str(C.crc32_update(0, dev))}
+                if pending16 is not None:
+                    pend = pending16.tobytes()
+                    atomic_write_bytes(C.rank_file(tmp, C.PENDING16, k, W, ".bin"), pend)
+                    sums[C.PENDING16] = C.checksum_str(C.crc32_update(0, pend))
+                meta = dict(meta, version=C.ENGINE_VERSION, world_size=W, rank=k, numel=self.numel,
+                            stale=pending16 is not None, checksums=sums)
+                atomic_write_bytes(C.rank_file(tmp, C.ENGINE, k, W, ".json"), json.dumps(meta, indent=1).encode())
+                ok = True
+            except (OSError, OptimizerServerError) as e:
+                ok, err = False, e
+            done, where = d.commit(tmp, ok, lambda r: self._expected(r, pending16 is not None))
+        if done:
+            return where
+        if isinstance(err, OptimizerServerDeadError):
+            raise err  # a dead server is the one named error, whatever it interrupted
+        if err is not None:
+            raise OptimizerServerError(f"saving checkpoint {name} in {root} failed ({err}); the previous "
+                                       f"checkpoint is intact", code="checkpoint") from err
+        if where != "a write failed":
+            raise OptimizerServerError(f"saving checkpoint {name} failed: {where}; the previous checkpoint is "
+                                       f"intact", code="checkpoint")
+        raise OptimizerServerError(f"saving checkpoint {name} failed on another rank; the previous "
+                                   f"checkpoint is intact", code="checkpoint")
+
+    def read_meta(self, directory: str, expect: dict) -> tuple[Path, int, dict, list[dict]]:
+        """(step directory, world size saved, this rank's meta, every saved rank's meta)."""
+        d = C.resolve(directory)
+        src = C.pick_world_size(d, C.ENGINE, self.world_size)
+        metas = []
+        for k in range(src):
+            path = C.rank_file(d, C.ENGINE, k, src, ".json")
+            if not path.exists():
+                raise C.CheckpointError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
+                                        f"checkpoint (an earlier step-N beside it)")
+            m = json.loads(path.read_text())
+            C.check_version(path, "version", m.get("version"), C.ENGINE_VERSION)
+            metas.append(m)
+        meta = metas[self.rank if src == self.world_size else 0]
+        for key, mine in expect.items():
+            if meta.get(key) != mine:
+                raise C.CheckpointError(f"checkpoint {d} has {key}={meta.get(key)!r} but this engine has {mine!r}")
+        return d, src, meta, metas
+
+    def read_shard(self, d: Path, prefix: str, src: int, metas: list[dict], out: np.ndarray | None = None):
+        """This rank's shard of the 16-bit files {prefix}-r*-of-{src}.bin, each verified first."""
+        files = [C.rank_file(d, prefix, k, src, ".bin") for k in range(src)]
+        sizes = {f.stat().st_size if f.exists() else -1 for f in files}
+        per_file = sizes.pop() // 2 if len(sizes) == 1 else -1
+        if per_file < 0 or per_file * src < self.numel:
+            raise C.CheckpointError(f"checkpoint {d}: {prefix} files of {src} rank(s) are missing or of unequal or "
+                                    f"too small sizes ({sorted(f.name for f in files if f.exists())}); load "
+                                    f"another checkpoint (an earlier step-N beside it)")
+        for k, f in enumerate(files):
+            if k * per_file < self.shard_hi and self.shard_lo < (k + 1) * per_file:  # a file this rank reads
+                C.verify(f, metas[k].get("checksums", {}).get(prefix))
+        if out is None:
+            out = np.empty(self.shard_numel, np.int16)
+        read_range(files, per_file, 0, self.shard_lo, self.shard_hi, out)
+        return out

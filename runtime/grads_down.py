@@ -1,0 +1,288 @@
+"""Gradients down: from backward's hooks into this rank's shard of the shared gradient slot.
+
+One GradientsDown per engine picks, at construction, the step class for the
+topology; backward() asks it for a GradStep (``begin``), whose ``on_grad`` the
+parameters' post-accumulate-grad hooks call, ``finish`` ends backward (unused
+parameters count as zero gradients, gloo reduces are waited for) and ``sumsq``
+gives the global sum of squares behind the norm and the overflow decision; step()
+drops it.  Topologies:
+
+  HostDirectStep    one rank, the device is this CPU: each hook copies its gradient
+                    straight into the shared slot and sums its squares in the same
+                    pass (no bucket buffer in between).
+  DeviceBucketStep  a device bucket buffer per bucket, copied down (this rank's part)
+                    once complete; on CUDA on a side stream with the norm taken on
+                    the device; across ranks reduced first (runtime.distributed).
+  GlooStep          several CPU ranks: each complete bucket's fp32 all-reduce starts
+                    asynchronously and is waited for at the end of backward.
+
+The one-slot gate (SlotGate): with one gradient slot under DPU, step t+1's
+gradients go into the slot the update of step t still reads, so each range is
+written only once the update has published that it is past it.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cython_ext import cpu_adam
+from optimizer_server.errors import OptimizerServerTimeoutError
+
+from . import distributed
+from .flat import Bucket, FlatParams, ParamSpan
+from .stats import Counters
+
+# How long a gradient hook sleeps between looks at the progress word while the
+# update in flight still reads the range it must write (one DPU gradient slot).
+# An update block (DEFAULT_PROGRESS_BLOCK) takes milliseconds: 0.1 ms loses little.
+GRAD_SLOT_POLL_S = 0.0001
+
+
+class SlotGate:
+    """Waits, for one gradient slot, until the update in flight has read [0, hi).
+
+    cycle: the update cycle (in_flight, published, reply_ready, request_timeout_s).
+    Backward and the update both run front to back and the update starts a forward
+    earlier, so this rarely waits.  Its blocks' reads end at the block's barrier,
+    before the release store of the progress word."""
+
+    def __init__(self, cycle, *, enabled: bool, tracer, counters: Counters):
+        self.cycle, self.enabled, self.tracer, self.counters = cycle, enabled, tracer, counters
+
+    def wait_free(self, hi: int) -> None:
+        c = self.cycle
+        k = c.in_flight
+        if not self.enabled or k is None or c.published(k) >= hi:
+            return
+        with self.tracer.span("grad_slot_wait", step=k, upto=hi):
+            t0 = time.monotonic()
+            while c.published(k) < hi:
+                if c.reply_ready(0):
+                    break  # DONE (or the error wait_done will raise) is there: the slot is free
+                if time.monotonic() - t0 > c.request_timeout_s:
+                    raise OptimizerServerTimeoutError(f"update {k} did not pass element {hi} of the gradient "
+                                                      f"slot within {c.request_timeout_s:.0f} s; if the server is "
+                                                      f"just slow, raise request_timeout_s (or dpu_grad_slots=2 "
+                                                      f"never waits)")
+                time.sleep(GRAD_SLOT_POLL_S)
+            self.counters.grad_slot_wait_s += time.monotonic() - t0
+
+
+class GradientsDown:
+    """The topology's gradient path, chosen once.
+
+    host_words: the shared gradient slots as raw 16-bit NumPy words (the client's);
+    on_free(n): backward no longer reads the weights of shard elements [0, n) (the
+    update cycle's pump)."""
+
+    def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
+                 device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
+                 counters: Counters):
+        self.flat = flat
+        self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
+        self.rank, self.world_size = rank, world_size
+        self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
+        self.cuda = device.type == "cuda"
+        S = flat.shard_numel
+        self.shard_lo, self.shard_hi = rank * S, (rank + 1) * S
+        self.host_words = host_words
+        self.host = [torch.from_numpy(w.view("int16")).view(dtype) for w in host_words]
+        self.cpu_threads = torch.get_num_threads()
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        if world_size == 1 and not self.cuda:
+            self.kind = HostDirectStep
+        elif world_size > 1 and not self.cuda:
+            self.kind = GlooStep
+        else:
+            self.kind = DeviceBucketStep
+
+    def begin(self, slot: int) -> "GradStep":
+        return self.kind(self, slot)
+
+    def host_sumsq(self, slot: int, lo: int, hi: int) -> float:
+        """Sum of squares of the host gradient slot [lo, hi) (shard coordinates).
+
+        The one-pass SIMD kernel, right after the copy while the bytes are hot;
+        torch's vector_norm on 16-bit CPU tensors is several times slower and,
+        for tens of millions of elements, off by about 1% (fp32 accumulation)."""
+        return cpu_adam.grad_sumsq(self.host_words[slot][lo:hi], grad_dtype=self.dtype_name,
+                                   num_threads=self.cpu_threads)
+
+    def quiesce(self) -> None:
+        """The copies down have finished (before anything else touches the slots)."""
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+
+    def release(self) -> None:
+        self.host, self.host_words = [], []
+
+
+class GradStep:
+    """One step's gradients on their way down (created in backward, dropped in step)."""
+
+    def __init__(self, down: GradientsDown, slot: int):
+        self.d = down
+        self.slot = slot
+        buckets = down.flat.buckets
+        self.remaining = [len(b.params) for b in buckets]  # parameters still without a gradient
+        self.bufs: list = [None] * len(buckets)           # device buffers of this step (transient)
+        self.front = 0   # buckets [0, front) are done: their weights are free on the device
+        self.sq = torch.zeros((), dtype=torch.float32, device=down.device)
+        self.sq_host = 0.0
+        self.seen: set[int] = set()
+        self.finished = False
+
+    def on_grad(self, p: torch.Tensor) -> None:
+        s = self.d.flat.by_param[id(p)]
+        b = self.d.flat.buckets[s.bucket]
+        self._take(s, b, p.grad.reshape(-1))
+        p.grad = None  # the device gradient is released as soon as it is copied
+        self.seen.add(id(p))
+        self.remaining[b.index] -= 1
+        if self.remaining[b.index] == 0:
+            self._done(b)
+
+    def finish(self) -> None:
+        """End of backward: parameters that got no gradient (unused in forward) count as zeros."""
+        for b in self.d.flat.buckets:
+            if self.remaining[b.index] == 0:
+                continue
+            self._fill_unused(b)
+            self.remaining[b.index] = 0
+            self._done(b)
+        self._finish_reduces()
+        self.finished = True
+
+    def sumsq(self) -> float:
+        """The global sum of squares of the (scaled) gradients; a sync point: one scalar per step."""
+        self.d.quiesce()  # all gradient bytes are on the host
+        sq = self.sq + self.sq_host if self.sq_host else self.sq
+        if self.d.world_size > 1:
+            sq = distributed.all_reduce_sum(sq)
+        return float(sq)
+
+    def _done(self, b: Bucket) -> None:
+        # backward is done with a prefix of buckets: the pending update's weights may go there
+        bs, d = self.d.flat.buckets, self.d
+        while self.front < len(bs) and self.remaining[self.front] == 0:
+            self.front += 1
+        free = bs[self.front].lo if self.front < len(bs) else d.flat.padded_numel
+        d.on_free(min(max(free - d.shard_lo, 0), d.flat.shard_numel))
+        self._bucket_done(b)
+
+    def _unseen(self, b: Bucket):
+        return (s for s in b.params if id(s.param) not in self.seen)
+
+    # topology-specific
+    def _take(self, s: ParamSpan, b: Bucket, g: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _fill_unused(self, b: Bucket) -> None:
+        raise NotImplementedError
+
+    def _bucket_done(self, b: Bucket) -> None:
+        raise NotImplementedError
+
+    def _finish_reduces(self) -> None:
+        pass
+
+
+class HostDirectStep(GradStep):
+    def _take(self, s: ParamSpan, b: Bucket, g: torch.Tensor) -> None:
+        d = self.d
+        # copy into the shared slot and take the norm's share in one pass over
+        # memory (the sum is read from cache, right behind the copy)
+        d.gate.wait_free(s.offset + s.numel)
+        dst = d.host_words[self.slot][s.offset:s.offset + s.numel]
+        if g.dtype == d.dtype and g.is_contiguous():
+            self.sq_host += cpu_adam.copy_grad_sumsq(g.view(torch.int16).numpy(), dst, grad_dtype=d.dtype_name,
+                                                     num_threads=d.cpu_threads)
+        else:  # a hook or a custom autograd.Function handed back another layout
+            d.host[self.slot][s.offset:s.offset + s.numel].copy_(g)
+            self.sq_host += cpu_adam.grad_sumsq(dst, grad_dtype=d.dtype_name, num_threads=d.cpu_threads)
+
+    def _fill_unused(self, b: Bucket) -> None:
+        for s in self._unseen(b):
+            self.d.gate.wait_free(s.offset + s.numel)
+            self.d.host[self.slot][s.offset:s.offset + s.numel].zero_()
+
+    def _bucket_done(self, b: Bucket) -> None:
+        # the hooks copied the bytes and summed their squares already; the
+        # (empty) span marks the bucket's completion and bytes in the trace
+        with self.d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * b.numel):
+            pass
+        self.d.counters.bytes_to_host += 2 * b.numel
+
+
+class DeviceBucketStep(GradStep):
+    def _buf(self, b: Bucket) -> torch.Tensor:
+        if self.bufs[b.index] is None:
+            self.bufs[b.index] = torch.empty(b.numel, dtype=self.d.dtype, device=self.d.device)
+        return self.bufs[b.index]
+
+    def _take(self, s: ParamSpan, b: Bucket, g: torch.Tensor) -> None:
+        self._buf(b)[s.offset - b.lo:s.offset - b.lo + s.numel].copy_(g)
+
+    def _fill_unused(self, b: Bucket) -> None:
+        buf = self._buf(b)
+        for s in self._unseen(b):
+            buf[s.offset - b.lo:s.offset - b.lo + s.numel].zero_()
+
+    def _shard_part(self, b: Bucket) -> tuple[int, int]:
+        return max(b.lo, self.d.shard_lo), min(b.hi, self.d.shard_hi)
+
+    def _bucket_done(self, b: Bucket) -> None:
+        """The bucket is complete: reduce across ranks, copy our shard's part down."""
+        d = self.d
+        lo, hi = self._shard_part(b)
+        buf = self.bufs[b.index]
+        with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
+            if d.world_size > 1:
+                distributed.reduce_bucket(buf, b.lo, rank=d.rank, world_size=d.world_size,
+                                          shard_numel=d.flat.shard_numel)
+            if hi > lo:
+                part = buf[lo - b.lo:hi - b.lo]
+                d.gate.wait_free(hi - d.shard_lo)
+                host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
+                if d.cuda:
+                    # on the device, where the bucket is: no extra host pass
+                    self.sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+                    # side stream: the copy overlaps the rest of backward
+                    cur = torch.cuda.current_stream(d.device)
+                    d.copy_stream.wait_stream(cur)
+                    with torch.cuda.stream(d.copy_stream):
+                        host.copy_(part, non_blocking=True)
+                    buf.record_stream(d.copy_stream)
+                else:
+                    host.copy_(part)
+                    self.sq_host += d.host_sumsq(self.slot, lo - d.shard_lo, hi - d.shard_lo)
+                d.counters.bytes_to_host += 2 * (hi - lo)
+        self.bufs[b.index] = None
+
+
+class GlooStep(DeviceBucketStep):
+    def __init__(self, down: GradientsDown, slot: int):
+        super().__init__(down, slot)
+        self.pending: list = []  # (bucket, lo, hi, fp32 buffer, work) of reduces started in backward
+
+    def _bucket_done(self, b: Bucket) -> None:
+        # gloo: start the all-reduce and let backward go on; finished in _finish_reduces
+        lo, hi = self._shard_part(b)
+        with self.d.tracer.span("grad_reduce_start", bucket=b.index):
+            self.pending.append((b, lo, hi, *distributed.start_bucket_reduce(self.bufs[b.index])))
+        self.bufs[b.index] = None
+
+    def _finish_reduces(self) -> None:
+        """Wait for the all-reduces started during backward; copy our shard's parts down."""
+        d = self.d
+        for b, lo, hi, acc, work in self.pending:
+            with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
+                distributed.finish_bucket_reduce(work, acc, d.world_size)
+                if hi > lo:
+                    d.gate.wait_free(hi - d.shard_lo)
+                    host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
+                    host.copy_(acc[lo - b.lo:hi - b.lo])  # fp32 average -> 16 bits, one rounding
+                    self.sq_host += d.host_sumsq(self.slot, lo - d.shard_lo, hi - d.shard_lo)
+                    d.counters.bytes_to_host += 2 * (hi - lo)
+        self.pending = []

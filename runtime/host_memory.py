@@ -1,0 +1,91 @@
+"""Host memory the engine manages outside torch's allocator.
+
+- Page-locking the shared segment for CUDA (cudaHostRegister), so the gradient
+  and weight copies are DMA that overlaps compute, and unregistering it.
+- Giving the heap freed by the cast of the user's fp32 model back to the OS.
+"""
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import numpy as np
+import torch
+
+PIN_MODES = ("auto", "require", "off")
+
+
+class PinnedRegion:
+    """A host range registered with CUDA for one device; ``release`` unregisters it."""
+
+    def __init__(self, ptr: int, size: int, device: torch.device):
+        self.ptr, self.size, self.device = ptr, size, device
+
+    def release(self) -> None:
+        if self.ptr is None:
+            return
+        # the copies that read or write the range must be done before it is unregistered
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):
+            err = torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        self.ptr = None
+        if int(err) != 0:
+            clear_cuda_last_error()
+            warnings.warn(f"cudaHostUnregister of the shared segment failed with {err}", RuntimeWarning,
+                          stacklevel=2)
+
+
+def pin(buffer, size: int, device: torch.device, mode: str) -> PinnedRegion | None:
+    """Page-lock `buffer` (the shared segment's mmap) for `device`.
+
+    mode "auto": a refusal (the locked-memory limit, a sandbox) warns and returns
+    None (pageable copies: slower, and they block); "require": it raises; "off":
+    nothing is tried."""
+    if mode not in PIN_MODES:
+        raise ValueError(f"pin_host_memory must be one of {PIN_MODES}, got {mode!r}")
+    if mode == "off":
+        return None
+    ptr = np.frombuffer(buffer, np.uint8).ctypes.data
+    # in the context of the engine's device: registration is per context
+    with torch.cuda.device(device):
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        clear_cuda_last_error()
+        msg = (f"cudaHostRegister of the shared segment ({size} bytes) failed with {err}; raise the "
+               f"locked-memory limit (ulimit -l) or use more ranks (smaller shards)")
+        if mode == "require":
+            raise RuntimeError(msg)
+        warnings.warn(msg + "; going on with pageable copies, which are slower and do not overlap compute "
+                      "(pin_host_memory='require' makes this an error)", RuntimeWarning, stacklevel=3)
+        return None
+    return PinnedRegion(ptr, size, device)
+
+
+def clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's per-thread last error after a failed call we handled.
+
+    torch checks cudaGetLastError() after its kernel launches, so a refused
+    cudaHostRegister would otherwise surface as an unrelated error at the next
+    launch.  torch.cuda.cudart() has no cudaGetLastError, so call it in the
+    libcudart this process already loaded (the same instance, hence the same
+    error state); best effort: a statically linked runtime is not reachable."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in libs:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
+
+
+def return_freed_heap() -> None:
+    """Give the heap pages freed by the cast (the user's fp32 parameters) back to the OS.
+
+    glibc keeps freed chunks below its mmap threshold in the heap, so a model of
+    many few-MB tensors would otherwise keep its 4 B/param of fp32 resident after
+    the engine let go of it: host RAM the optimizer server needs.  Best effort
+    (other C libraries have no malloc_trim)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

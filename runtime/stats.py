@@ -1,0 +1,14 @@
+"""The engine's running counters, one object its parts write into and stats() reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    bytes_to_host: int = 0          # gradient bytes copied into the shared slot (this rank's shard)
+    bytes_to_device: int = 0        # weight bytes copied up from the shared slot (0 with cpu_zero_copy)
+    bytes_to_device_early: int = 0  # ... of which copied while the update still ran or inside backward
+    wait_s: float = 0.0             # waiting for the server's DONE
+    grad_slot_wait_s: float = 0.0   # backward's hooks waiting for the update to pass (one DPU slot)
+    update_s: float = 0.0           # the server's own time in updates (DONE.update_s)

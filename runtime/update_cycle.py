@@ -1,0 +1,199 @@
+"""The update cycle: one update's way from STEP to the weights the device computes with.
+
+Phases (Phase) and the events that move between them:
+
+    from                event                              to
+    IDLE, ON_DEVICE     send(k): STEP k goes out           IN_FLIGHT
+    IN_FLIGHT           land(): DONE k is read             LANDED     (copy=True goes on below)
+    LANDED              land(copy=True): weights on device ON_DEVICE  (tail copied, or slot swapped)
+    IDLE, ON_DEVICE,    reset(): the device weights were   IDLE
+      LANDED              replaced (load_checkpoint)
+    IDLE, ON_DEVICE,    restore(k): a checkpoint held      LANDED
+      LANDED              update k, not yet on the device
+    IN_FLIGHT           a wait that times out              IN_FLIGHT  (retry land(); nothing was lost)
+
+Anything else is an internal error (AssertionError naming the phase).  While
+IN_FLIGHT or LANDED, ``pump(free)`` copies the published weights that lie below
+`free` up to the device (runtime.weights_up): during the wait when synchronous,
+inside the next backward with DPU.
+
+The weights slots: with cpu_zero_copy the model's parameters view one of the two
+weights16 slots of the shared segment (``flat16``) and the server writes the next
+update into the other one (``incoming_slot``); landing swaps them.  Otherwise
+flat16 is the device's own tensor and the server always writes slot 0.
+"""
+from __future__ import annotations
+
+import enum
+import time
+
+import numpy as np
+import torch
+
+from .flat import FlatParams
+from .profiling import marker
+from .stats import Counters
+from .weights_up import WeightReturn
+
+# How long one wait for DONE sleeps between looks at the progress word.  A
+# block of DEFAULT_PROGRESS_BLOCK elements takes a few ms to update, so 1 ms
+# polling costs nothing and leaves little idle time.
+PROGRESS_POLL_S = 0.001
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"            # nothing sent since set-up or a load; the device has the newest weights
+    IN_FLIGHT = "in_flight"  # STEP k sent, DONE not read yet; published weights may be going up
+    LANDED = "landed"        # DONE k read: the weights slot holds k's weights, the device not (all) yet
+    ON_DEVICE = "on_device"  # k's weights are what the device computes with
+
+
+class UpdateCycle:
+    """Owns the weights slots, the copy up (WeightReturn) and the update in flight.
+
+    client: the shard's ShardClient (step_async, wait_done, reply_ready, published,
+    weights16_slots, request_timeout_s); gather(flat16): after the copy up, make every
+    rank's flat16 whole (an all-gather), or None on one rank.
+    """
+
+    def __init__(self, client, flat: FlatParams, *, dtype: torch.dtype, device: torch.device, shard_lo: int,
+                 zero_copy: bool, overlap_weights_up: bool, tracer, counters: Counters, gather=None):
+        self.client = client
+        self.flat = flat
+        self.zero_copy = zero_copy
+        self.overlap = overlap_weights_up
+        self.tracer = tracer
+        self.counters = counters
+        self.gather = gather
+        self._cuda = device.type == "cuda"
+        self._host = [torch.from_numpy(w.view(np.int16)).view(dtype) for w in client.weights16_slots]
+        self._cur = 0  # zero-copy: the slot the model's parameters view
+        self.phase = Phase.IDLE
+        self.step: int | None = None  # the update IN_FLIGHT or LANDED
+        if zero_copy:
+            assert len(self._host) == 2, "cpu_zero_copy needs two weights slots"
+            self.flat16 = self._host[self._cur]
+            self._up = None
+        else:
+            self.flat16 = torch.empty(flat.padded_numel, dtype=dtype, device=device)
+            S = flat.shard_numel
+            self._up = WeightReturn(self.flat16[shard_lo:shard_lo + S], self._host[0], tracer=tracer,
+                                    counters=counters)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def in_flight(self) -> int | None:
+        return self.step if self.phase is Phase.IN_FLIGHT else None
+
+    @property
+    def landed(self) -> bool:
+        """An update has landed whose weights are not (all) on the device yet."""
+        return self.phase is Phase.LANDED
+
+    @property
+    def model_slot(self) -> int:
+        """Zero-copy: the weights16 slot the model's parameters view (0, never swapped, otherwise)."""
+        return self._cur
+
+    @property
+    def incoming_slot(self) -> int:
+        """The weights16 slot the next update writes (zero-copy: the one the model is not on)."""
+        return 1 - self._cur if self.zero_copy else 0
+
+    def incoming_words(self) -> np.ndarray:
+        """The raw 16-bit words of that slot (a checkpoint saves and restores a landed update there)."""
+        return self.client.weights16_slots[self.incoming_slot]
+
+    def published(self, k: int) -> int:
+        return self.client.published(k)
+
+    def reply_ready(self, timeout_s: float) -> bool:
+        return self.client.reply_ready(timeout_s)
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self.client.request_timeout_s
+
+    def _expect(self, event: str, *phases: Phase) -> None:
+        assert self.phase in phases, f"{event} in phase {self.phase.value}"
+
+    # ------------------------------------------------------------------ events
+    def send(self, k: int, *, grad_slot: int, lr: float, grad_scale: float, hparams: dict, predict: float) -> None:
+        self._expect("send", Phase.IDLE, Phase.ON_DEVICE)
+        self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot)
+        self.step, self.phase = k, Phase.IN_FLIGHT
+        if self._up is not None:
+            self._up.start()
+
+    def pump(self, free: int, early: bool = True) -> int:
+        """Copy what is both published and below `free` (shard elements) up; returns
+        how far the device is.  early: overlapping backward or the update."""
+        if self._up is None or self.phase not in (Phase.IN_FLIGHT, Phase.LANDED) or (early and not self.overlap):
+            return self._up.copied if self._up is not None else 0
+        S = self._up.numel
+        done = S if self.phase is Phase.LANDED else self.client.published(self.step)
+        return self._up.copy_upto(min(done, free, S), early)
+
+    def land(self, copy: bool) -> None:
+        """Wait for the update in flight; with copy, its weights reach the device (as they
+        are published, while it runs) and every rank gets the whole model."""
+        if self.phase is Phase.IN_FLIGHT:
+            t0 = time.perf_counter()
+            with self.tracer.span("wait_server"), marker("zo.wait_server", self._cuda):
+                done = self._wait_copying() if copy and self._up is not None else self.client.wait_done()
+            self.phase = Phase.LANDED
+            self.counters.wait_s += time.perf_counter() - t0
+            self.counters.update_s += done.update_s
+        if copy and self.phase is Phase.LANDED:
+            if self.zero_copy:
+                with self.tracer.span("weights_swap"):
+                    self._swap()
+            else:
+                with self.tracer.span("weights_up_tail"), marker("zo.weights_up", self._cuda):
+                    self._up.finish()
+                    if self.gather is not None:
+                        self.gather(self.flat16)
+            self.step, self.phase = None, Phase.ON_DEVICE
+
+    def _wait_copying(self):
+        """Wait for DONE, copying the weights up as they are published."""
+        c, S = self.client, self._up.numel
+        deadline = time.monotonic() + c.request_timeout_s
+        while self.pump(S) < S and time.monotonic() < deadline:
+            if c.reply_ready(PROGRESS_POLL_S):
+                break  # DONE (or an error) is there: wait_done reads it
+        return c.wait_done(timeout_s=max(1.0, deadline - time.monotonic()))
+
+    def _swap(self) -> None:
+        """Zero-copy landing: the model's parameters move onto the slot the server
+        just wrote (a view change per parameter, microseconds; no bytes move)."""
+        self._cur = 1 - self._cur
+        self.flat16 = self._host[self._cur]
+        self.flat.bind(self.flat16)
+
+    def reset(self) -> None:
+        """The device weights were replaced (a checkpoint was loaded into flat16)."""
+        self._expect("reset", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
+        self.step, self.phase = None, Phase.IDLE
+
+    def restore(self, k: int) -> None:
+        """The incoming slot holds update k's weights (read from a checkpoint); they
+        go to the device at the next land(copy=True), as if k had just landed."""
+        self._expect("restore", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
+        self.step, self.phase = k, Phase.LANDED
+        if self._up is not None:
+            self._up.start()
+
+    def quiesce(self) -> None:
+        """The copies up have finished reading the weights slot (before anything
+        rewrites it outside a STEP: a LOAD)."""
+        if self._up is not None and self._up.stream is not None:
+            self._up.stream.synchronize()
+
+    def release(self) -> None:
+        """At close: the parameters view the shared segment, which goes away now, so
+        the model gets its weights in private memory (the user may keep using it)."""
+        if self.zero_copy:
+            self.flat16 = self.flat16.clone()
+            self.flat.bind(self.flat16)
+        self._host = []
