@@ -7,7 +7,7 @@
  * one thing that matters for speed is to touch each byte exactly once; the
  * casts that torch's fused AdamW needs as separate passes are done in registers.
  *
- * SIMD is chosen at run time (cpu_select_level): AVX-512F, AVX2+F16C, or the
+ * SIMD is chosen at run time (zo_cpu_best_level): AVX-512F, AVX2+F16C, or the
  * portable scalar path.  The vector functions carry GCC/Clang target attributes
  * so the binary is built for baseline x86-64 and still runs everywhere.
  *
@@ -45,15 +45,10 @@ static int zo_max_threads(void) { return 1; }
 static inline void zo_progress_store(uint64_t *w, uint64_t v) { __atomic_store_n(w, v, __ATOMIC_RELEASE); }
 static inline uint64_t zo_progress_load(const uint64_t *w) { return __atomic_load_n(w, __ATOMIC_ACQUIRE); }
 
-/* dtype codes shared with the Cython wrapper */
-#define ZO_F32 0
-#define ZO_F16 1
-#define ZO_BF16 2
-#define ZO_NONE 3
-
-#define ZO_SCALAR 0
-#define ZO_AVX2 1
-#define ZO_AVX512 2
+/* Element kinds of the gradient and output buffers, and the SIMD levels: named
+ * enums shared with the Cython wrapper (cdef extern), never bare integers. */
+enum zo_kind { ZO_F32 = 0, ZO_F16 = 1, ZO_BF16 = 2, ZO_NONE = 3 };
+enum zo_level { ZO_SCALAR = 0, ZO_AVX2 = 1, ZO_AVX512 = 2 };
 
 /* Hyper-parameters, already folded into the constants the loop needs.
  * Bias corrections and 1-beta are computed in double by the caller and only

@@ -47,8 +47,10 @@ cdef extern from "_kernels.h" nogil:
         float l2
         int decoupled
         float predict
-    int ZO_F32, ZO_F16, ZO_BF16, ZO_NONE
-    int ZO_SCALAR, ZO_AVX2, ZO_AVX512
+    cdef enum zo_kind:
+        ZO_F32, ZO_F16, ZO_BF16, ZO_NONE
+    cdef enum zo_level:
+        ZO_SCALAR, ZO_AVX2, ZO_AVX512
     int zo_openmp_enabled()
     int zo_max_threads()
     int zo_cpu_best_level()
@@ -65,6 +67,14 @@ cdef extern from "_kernels.h" nogil:
     int ZO_PROGRESS_SHIFT
     void zo_progress_store(uint64_t *w, uint64_t v)
     uint64_t zo_progress_load(const uint64_t *w)
+
+# Which loop _run_range runs.
+cdef enum Kernel:
+    K_ADAM
+    K_ADAGRAD
+    K_LION
+    K_PROBE   # the bandwidth probe (stream_probe)
+    K_CAST    # fp32 -> 16 bits, p -> o (cast_to_16)
 
 cdef enum:
     # Elements per parallel work item.  A multiple of 16 so only the last chunk
@@ -162,23 +172,23 @@ cdef _Buf _get(obj, str name, bint writable):
     return b
 
 
-cdef int _kind_of(_Buf b, str name, dtype_kw, bint allow_f32) except -1:
-    """Map a buffer's format (plus the dtype keyword) to a ZO_* code."""
+cdef int _kind_of(_Buf b, str name, dtype_kw, str kw_name, bint allow_f32) except -1:
+    """Map a buffer's format (plus its dtype keyword, called kw_name) to a zo_kind."""
     if dtype_kw is not None and dtype_kw not in ("fp16", "bf16", "fp32"):
-        raise ValueError(f"{name} dtype keyword must be 'fp16', 'bf16' or 'fp32', got {dtype_kw!r}")
+        raise ValueError(f"{kw_name} must be 'fp16', 'bf16' or 'fp32', got {dtype_kw!r}")
     if b.fmt == "e":
         if dtype_kw not in (None, "fp16"):
-            raise TypeError(f"{name} is float16 but its dtype keyword says {dtype_kw!r}")
+            raise TypeError(f"{name} is float16 but {kw_name} says {dtype_kw!r}")
         return ZO_F16
     if b.fmt in ("H", "h"):
         # raw 16-bit words (e.g. a shared buffer): the keyword says how to read them
         if dtype_kw not in ("fp16", "bf16"):
             raise TypeError(f"{name} is a 16-bit integer array; say what its words hold with "
-                            f"{'grad_dtype' if name == 'grad' else 'out_dtype'}='bf16' (or 'fp16')")
+                            f"{kw_name}='bf16' (or 'fp16')")
         return ZO_BF16 if dtype_kw == "bf16" else ZO_F16
     if b.fmt == "f" and allow_f32:
         if dtype_kw not in (None, "fp32"):
-            raise TypeError(f"{name} is float32 but its dtype keyword says {dtype_kw!r}")
+            raise TypeError(f"{name} is float32 but {kw_name} says {dtype_kw!r}")
         return ZO_F32
     allowed = ("float16, float32, or uint16 words with a dtype keyword" if allow_f32
                else "float16, or uint16 words with a dtype keyword")
@@ -190,9 +200,9 @@ cdef _check_f32(_Buf b, str name):
         raise TypeError(f"{name} must be float32, got buffer format {b.fmt!r}")
 
 
-cdef _check_len(_Buf b, str name, Py_ssize_t n):
+cdef _check_len(_Buf b, str name, Py_ssize_t n, str ref="param"):
     if b.n != n:
-        raise ValueError(f"{name} has {b.n} elements but param has {n}; all buffers must have the same length")
+        raise ValueError(f"{name} has {b.n} elements but {ref} has {n}; all buffers must have the same length")
 
 
 cdef double _finite(x, str name) except? -1.0:
@@ -221,10 +231,47 @@ cdef int _threads(num_threads) except -1:
     return num_threads
 
 
-cdef int _out_kind(_Buf out, out_dtype) except -1:
-    if out is None:
-        return ZO_NONE
-    return _kind_of(out, "param_out", out_dtype, False)
+cdef class _Call:
+    """One optimizer call's validated buffers: what every *_step checks first."""
+    cdef _Buf p, s1, s2, g, o
+    cdef int gk, ok, nt
+    cdef Py_ssize_t n
+    cdef _Progress pg
+
+
+cdef _Call _prepare(param, states, grad, param_out, grad_dtype, out_dtype, num_threads,
+                    progress, progress_tag, progress_block):
+    """The shared preamble of adam_step, adagrad_step and lion_step: param and each
+    (array, name) of states are float32, writable, C-contiguous and of one length;
+    grad and param_out (optional) of that length and of a 16-bit or fp32 kind."""
+    cdef _Call c = _Call()
+    c.p = _get(param, "param", True)
+    _check_f32(c.p, "param")
+    c.n = c.p.n
+    bufs = []
+    for arr, name in states:
+        b = _get(arr, name, True)
+        _check_f32(b, name)
+        _check_len(b, name, c.n)
+        bufs.append(b)
+    c.s1 = bufs[0]
+    c.s2 = bufs[1] if len(bufs) > 1 else None
+    c.g = _get(grad, "grad", False)
+    _check_len(c.g, "grad", c.n)
+    c.gk = _kind_of(c.g, "grad", grad_dtype, "grad_dtype", True)
+    c.o = _get(param_out, "param_out", True) if param_out is not None else None
+    c.ok = ZO_NONE
+    if c.o is not None:
+        c.ok = _kind_of(c.o, "param_out", out_dtype, "out_dtype", False)
+        _check_len(c.o, "param_out", c.n)
+    c.nt = _threads(num_threads)
+    c.pg = _progress(progress, progress_tag, progress_block, c.n)
+    return c
+
+
+cdef _check_lr_wd_scale(double lr, double wd):
+    if lr < 0.0 or wd < 0.0:
+        raise ValueError(f"lr and weight_decay must be >= 0, got lr={lr}, weight_decay={wd}")
 
 
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
@@ -243,18 +290,8 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     prediction for delayed updates; the fp32 param itself is the exact update).
     progress, progress_tag, progress_block: publish progress per block (module docstring).
     """
-    cdef _Buf bp = _get(param, "param", True)
-    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
-    cdef _Buf bv = _get(exp_avg_sq, "exp_avg_sq", True)
-    cdef _Buf bg = _get(grad, "grad", False)
-    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
-    cdef Py_ssize_t n = bp.n
-    _check_f32(bp, "param"); _check_f32(bm, "exp_avg"); _check_f32(bv, "exp_avg_sq")
-    _check_len(bm, "exp_avg", n); _check_len(bv, "exp_avg_sq", n); _check_len(bg, "grad", n)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
-    cdef int ok = _out_kind(bo, out_dtype)
-    if bo is not None:
-        _check_len(bo, "param_out", n)
+    cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")), grad, param_out,
+                            grad_dtype, out_dtype, num_threads, progress, progress_tag, progress_block)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, for bias correction), got {step!r}")
     cdef double dlr = _finite(lr, "lr")
@@ -266,15 +303,12 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     cdef double pred = _finite(predict, "predict")
     if deps <= 0.0:
         raise ValueError(f"eps must be > 0, got {deps}")
-    if dlr < 0.0 or wd < 0.0:
-        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
+    _check_lr_wd_scale(dlr, wd)
     if pred < 0.0:
         raise ValueError(f"predict must be >= 0, got {pred}")
-    cdef int nt = _threads(num_threads)
-    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
     cdef zo_hparams h
     h.predict = <float>pred
-    # Bias corrections and 1-beta in double, rounded once (see REFERENCE.md §1).
+    # Bias corrections and 1-beta in double, rounded once (torch's formula; DeepSpeed rounds 1-beta to fp32 first).
     h.grad_scale = <float>gs
     h.beta1 = <float>b1
     h.one_minus_beta1 = <float>(1.0 - b1)
@@ -286,7 +320,7 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     h.decoupled = 1 if adamw else 0
     h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
     h.l2 = 0.0 if adamw else <float>wd
-    _run(0, &h, bp, bm, bv, bg, gk, bo, ok, n, nt, pg)
+    _run(K_ADAM, &h, c)
 
 
 def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weight_decay=0.0,
@@ -296,27 +330,15 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
 
     state_sum += g*g;  param -= lr * g / (sqrt(state_sum) + eps).
     """
-    cdef _Buf bp = _get(param, "param", True)
-    cdef _Buf bs = _get(state_sum, "state_sum", True)
-    cdef _Buf bg = _get(grad, "grad", False)
-    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
-    cdef Py_ssize_t n = bp.n
-    _check_f32(bp, "param"); _check_f32(bs, "state_sum")
-    _check_len(bs, "state_sum", n); _check_len(bg, "grad", n)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
-    cdef int ok = _out_kind(bo, out_dtype)
-    if bo is not None:
-        _check_len(bo, "param_out", n)
+    cdef _Call c = _prepare(param, ((state_sum, "state_sum"),), grad, param_out, grad_dtype, out_dtype,
+                            num_threads, progress, progress_tag, progress_block)
     cdef double dlr = _finite(lr, "lr")
     cdef double deps = _finite(eps, "eps")
     cdef double wd = _finite(weight_decay, "weight_decay")
     cdef double gs = _finite(grad_scale, "grad_scale")
     if deps <= 0.0:
         raise ValueError(f"eps must be > 0, got {deps}")
-    if dlr < 0.0 or wd < 0.0:
-        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
-    cdef int nt = _threads(num_threads)
-    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
+    _check_lr_wd_scale(dlr, wd)
     cdef zo_hparams h
     h.grad_scale = <float>gs
     h.beta1 = 0.0; h.one_minus_beta1 = 0.0; h.beta2 = 0.0; h.one_minus_beta2 = 0.0
@@ -327,7 +349,7 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     h.decay = 1.0
     h.l2 = <float>wd
     h.predict = 0.0
-    _run(1, &h, bp, bs, None, bg, gk, bo, ok, n, nt, pg)
+    _run(K_ADAGRAD, &h, c)
 
 
 def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
@@ -337,26 +359,14 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
 
     c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
     """
-    cdef _Buf bp = _get(param, "param", True)
-    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
-    cdef _Buf bg = _get(grad, "grad", False)
-    cdef _Buf bo = _get(param_out, "param_out", True) if param_out is not None else None
-    cdef Py_ssize_t n = bp.n
-    _check_f32(bp, "param"); _check_f32(bm, "exp_avg")
-    _check_len(bm, "exp_avg", n); _check_len(bg, "grad", n)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
-    cdef int ok = _out_kind(bo, out_dtype)
-    if bo is not None:
-        _check_len(bo, "param_out", n)
+    cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"),), grad, param_out, grad_dtype, out_dtype,
+                            num_threads, progress, progress_tag, progress_block)
     cdef double dlr = _finite(lr, "lr")
     cdef double b1 = _beta(beta1, "beta1")
     cdef double b2 = _beta(beta2, "beta2")
     cdef double wd = _finite(weight_decay, "weight_decay")
     cdef double gs = _finite(grad_scale, "grad_scale")
-    if dlr < 0.0 or wd < 0.0:
-        raise ValueError(f"lr and weight_decay must be >= 0, got lr={dlr}, weight_decay={wd}")
-    cdef int nt = _threads(num_threads)
-    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n)
+    _check_lr_wd_scale(dlr, wd)
     cdef zo_hparams h
     h.grad_scale = <float>gs
     h.beta1 = <float>b1
@@ -370,7 +380,7 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     h.decay = <float>(1.0 - dlr * wd)
     h.l2 = 0.0
     h.predict = 0.0
-    _run(2, &h, bp, bm, None, bg, gk, bo, ok, n, nt, pg)
+    _run(K_LION, &h, c)
 
 
 def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
@@ -380,7 +390,7 @@ def grad_sumsq(grad, *, grad_dtype=None, num_threads=0):
     global gradient norm and the overflow check on the CPU path.
     """
     cdef _Buf bg = _get(grad, "grad", False)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, True)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
     return _sumsq(bg.view.buf, gk, NULL, bg.n, _threads(num_threads))
 
 
@@ -427,12 +437,12 @@ def copy_grad_sumsq(src, dst, *, grad_dtype=None, num_threads=0):
     The engine calls it from its gradient hooks on the CPU device (copy into the
     shared slot plus the global-norm contribution).
     """
-    cdef _Buf bs = _get(src, "grad", False)
+    cdef _Buf bs = _get(src, "src", False)
     cdef _Buf bd = _get(dst, "dst", True)
-    cdef int gk = _kind_of(bs, "grad", grad_dtype, False)
+    cdef int gk = _kind_of(bs, "src", grad_dtype, "grad_dtype", False)
     if bd.itemsize != 2 or bd.fmt not in ("e", "H", "h"):
         raise TypeError(f"dst must hold 16-bit values (float16 or 16-bit words), got buffer format {bd.fmt!r}")
-    _check_len(bd, "dst", bs.n)
+    _check_len(bd, "dst", bs.n, "src")
     return _sumsq(bs.view.buf, gk, <unsigned short *>bd.view.buf, bs.n, _threads(num_threads))
 
 
@@ -445,33 +455,28 @@ def cast_to_16(src, dst, *, out_dtype=None, num_threads=0):
     src: float32; dst: float16, or 16-bit words with out_dtype="fp16"/"bf16".
     """
     cdef _Buf bs = _get(src, "src", False)
-    cdef _Buf bd = _get(dst, "param_out", True)
+    cdef _Buf bd = _get(dst, "dst", True)
     _check_f32(bs, "src")
-    cdef int ok = _kind_of(bd, "param_out", out_dtype, False)
-    _check_len(bd, "dst", bs.n)
+    cdef int ok = _kind_of(bd, "dst", out_dtype, "out_dtype", False)
+    _check_len(bd, "dst", bs.n, "src")
     cdef int nt = _threads(num_threads)
     with nogil:
-        # the update's own chunking and threading; src is only read (cast: which 4)
-        _run_range(4, _level, <float *>bs.view.buf, NULL, NULL, NULL, 0, bd.view.buf, ok, 0, bs.n, nt, NULL)
+        # the update's own chunking and threading; src is only read
+        _run_range(K_CAST, _level, <float *>bs.view.buf, NULL, NULL, NULL, 0, bd.view.buf, ok, 0, bs.n, nt, NULL)
 
 
 def stream_probe(param, exp_avg, exp_avg_sq, grad, param_out, *, num_threads=0):
     """Bandwidth probe for benchmarks: Adam's access pattern (fp16 grad in, three
     fp32 read+write, fp16 out) with trivial arithmetic.  Modifies its buffers."""
-    cdef _Buf bp = _get(param, "param", True)
-    cdef _Buf bm = _get(exp_avg, "exp_avg", True)
-    cdef _Buf bv = _get(exp_avg_sq, "exp_avg_sq", True)
-    cdef _Buf bg = _get(grad, "grad", False)
-    cdef _Buf bo = _get(param_out, "param_out", True)
-    cdef Py_ssize_t n = bp.n
-    _check_f32(bp, "param"); _check_f32(bm, "exp_avg"); _check_f32(bv, "exp_avg_sq")
-    _check_len(bm, "exp_avg", n); _check_len(bv, "exp_avg_sq", n); _check_len(bg, "grad", n)
-    _check_len(bo, "param_out", n)
-    if _kind_of(bg, "grad", None, False) != ZO_F16 or _kind_of(bo, "param_out", None, False) != ZO_F16:
+    if param_out is None:
+        raise TypeError("param_out must be a 1-D array, got None")
+    cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")), grad, param_out,
+                            None, None, num_threads, None, 0, 0)
+    if c.gk != ZO_F16 or c.ok != ZO_F16:
         raise TypeError("stream_probe takes float16 grad and param_out")
     cdef zo_hparams h
     h.predict = 0.0
-    _run(3, &h, bp, bm, bv, bg, ZO_F16, bo, ZO_F16, n, _threads(num_threads), _Progress())
+    _run(K_PROBE, &h, c)
 
 
 cdef class _Progress:
@@ -527,13 +532,17 @@ def load_progress(progress, *, tag=None):
     return done if int(v >> ZO_PROGRESS_SHIFT) == (tag & PROGRESS_TAG_MASK) else 0
 
 
-cdef void _run(int which, zo_hparams *h, _Buf bp, _Buf bs1, _Buf bs2, _Buf bg, int gk,
-               _Buf bo, int ok, Py_ssize_t n, int nt, _Progress pg):
-    cdef float *p = <float *>bp.view.buf
-    cdef float *s1 = <float *>bs1.view.buf
-    cdef float *s2 = <float *>bs2.view.buf if bs2 is not None else NULL
-    cdef const void *g = bg.view.buf
-    cdef void *o = bo.view.buf if bo is not None else NULL
+cdef void _run(Kernel which, zo_hparams *h, _Call c):
+    cdef float *p = <float *>c.p.view.buf
+    cdef float *s1 = <float *>c.s1.view.buf
+    cdef float *s2 = <float *>c.s2.view.buf if c.s2 is not None else NULL
+    cdef const void *g = c.g.view.buf
+    cdef void *o = c.o.view.buf if c.o is not None else NULL
+    cdef int gk = c.gk
+    cdef int ok = c.ok
+    cdef Py_ssize_t n = c.n
+    cdef int nt = c.nt
+    cdef _Progress pg = c.pg
     cdef int level = _level
     cdef uint64_t *word = pg.word
     cdef uint64_t tagbits = pg.tagbits
@@ -555,7 +564,7 @@ cdef void _run(int which, zo_hparams *h, _Buf bp, _Buf bs1, _Buf bs2, _Buf bg, i
             b0 = b1
 
 
-cdef void _run_range(int which, int level, float *p, float *s1, float *s2, const void *g, int gk,
+cdef void _run_range(Kernel which, int level, float *p, float *s1, float *s2, const void *g, int gk,
                      void *o, int ok, int64_t b0, int64_t b1, int nt, const zo_hparams *h) noexcept nogil:
     cdef Py_ssize_t nchunks = (b1 - b0 + CHUNK - 1) // CHUNK
     cdef Py_ssize_t c
@@ -575,16 +584,15 @@ cdef void _run_range(int which, int level, float *p, float *s1, float *s2, const
         _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h)
 
 
-# which: 0 Adam, 1 Adagrad, 2 Lion, 3 the bandwidth probe, 4 the fp32 -> 16-bit cast (p -> o)
-cdef inline void _chunk(int which, int level, float *p, float *s1, float *s2, const void *g, int gk,
+cdef inline void _chunk(Kernel which, int level, float *p, float *s1, float *s2, const void *g, int gk,
                         void *o, int ok, int64_t lo, int64_t hi, const zo_hparams *h) noexcept nogil:
-    if which == 0:
+    if which == K_ADAM:
         zo_adam_chunk(level, p, s1, s2, g, gk, o, ok, lo, hi, h)
-    elif which == 1:
+    elif which == K_ADAGRAD:
         zo_adagrad_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
-    elif which == 2:
+    elif which == K_LION:
         zo_lion_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
-    elif which == 3:
+    elif which == K_PROBE:
         zo_stream_chunk(level, p, s1, s2, <const unsigned short *>g, <unsigned short *>o, lo, hi)
     else:
         zo_cast_chunk(p, <unsigned short *>o, ok, lo, hi)

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import seeded_rng
+
 from cython_ext import cpu_adam as ca
 
 DT16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -46,7 +48,7 @@ def test_adam_matches_torch_float64(level, n, offset, adamw):
     """20 steps on fresh random data.  Short lengths are run as many independent
     calls (each a kernel call of exactly n elements at an odd offset) pooled into
     one error norm: one element's update can be as small as its own fp32 ulp."""
-    rng = np.random.default_rng()  # fresh data every run
+    rng = seeded_rng()
     reps = max(1, 2048 // max(n, 1))
     total = n * reps
     p, m, v, p0 = _buffers(rng, total, offset)
@@ -76,7 +78,7 @@ def test_adam_matches_torch_float64(level, n, offset, adamw):
 
 
 def test_grad_scale_equals_prescaled_gradient(level):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 4099
     a = [x.copy() for x in _buffers(rng, n, 0)[:3]]
     b = [x.copy() for x in a]
@@ -96,8 +98,9 @@ def _ulp_diff(a, b):
 
 @pytest.mark.parametrize("which", ["adam", "adagrad", "lion"])
 @pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
+@pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
 def test_simd_paths_agree_with_scalar(which, gdt):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 70_001
     g32 = rng.standard_normal(n).astype(np.float32)
     if gdt == "fp16":
@@ -131,7 +134,7 @@ def test_simd_paths_agree_with_scalar(which, gdt):
 
 
 def test_fp16_words_with_keyword_equal_float16_arrays():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 4099
     g = rng.standard_normal(n).astype(np.float16)
     a = [rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
@@ -148,7 +151,7 @@ def test_fp16_words_with_keyword_equal_float16_arrays():
 def test_threads_bitwise_identical():
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 3_000_017
     base = [x.copy() for x in _buffers(rng, n, 0)[:3]]
     g = rng.standard_normal(n).astype(np.float16)
@@ -172,7 +175,7 @@ def test_fp16_conversions_exhaustive(level):
     ca.adam_step(p, m, v, h, step=1, lr=0.0, beta1=0.0)
     np.testing.assert_array_equal(m, h.astype(np.float32))
     # fp32 -> fp16 over all exponents, subnormals, ties and overflow
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     bits = rng.integers(0, 2**32, 2_000_000, dtype=np.uint64).astype(np.uint32)
     f = bits.view(np.float32)
     f = f[np.isfinite(f)]
@@ -190,7 +193,7 @@ def test_fp16_conversions_exhaustive(level):
 
 
 def test_bf16_grad_and_out_match_reference(level):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 5003
     p0 = rng.standard_normal(n).astype(np.float32)
     p, m, v = p0.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
@@ -208,7 +211,7 @@ def test_bf16_grad_and_out_match_reference(level):
 
 
 def test_adagrad_matches_torch(level):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 10_007
     p0 = rng.standard_normal(n).astype(np.float32)
     p, s = p0.copy(), np.zeros(n, np.float32)
@@ -226,26 +229,35 @@ def test_adagrad_matches_torch(level):
 
 
 def test_lion_matches_float64_reference(level):
-    rng = np.random.default_rng()
+    """Lion's update is lr * sign(c): where the float64 c lies within fp32 rounding of
+    zero its sign is a coin toss between the two (and a flip moves p by 2 lr), so p is
+    compared where every step's sign was well conditioned; m, which sign does not
+    touch, everywhere."""
+    rng = seeded_rng()
     n = 10_007
     p0 = rng.standard_normal(n).astype(np.float32)
     p, m = p0.copy(), np.zeros(n, np.float32)
     rp, rm = p0.astype(np.float64), np.zeros(n)
     lr, b1, b2, wd = 1e-3, 0.9, 0.99, 0.1
+    ill = np.zeros(n, bool)
     for _ in range(20):
         g = rng.standard_normal(n).astype(np.float16)
         ca.lion_step(p, m, g, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
         g64 = g.astype(np.float64)
         c = b1 * rm + (1 - b1) * g64
+        # fp32 rounds each term and the sum: 1e-6 relative to the terms is well above that
+        ill |= np.abs(c) <= 1e-6 * (np.abs(b1 * rm) + np.abs((1 - b1) * g64)) + 1e-30
         rp = rp * (1 - lr * wd) - lr * np.sign(c)
         rm = b2 * rm + (1 - b2) * g64
-    assert rel(p, rp) < 1e-6
+    ok = ~ill
+    assert ok.mean() > 0.99  # the comparison covers nearly every element
+    assert rel(p[ok], rp[ok]) < 1e-6
     assert rel(m, rm) < 1e-6
-    assert rel(p - p0, rp - p0) < 1e-4
+    assert rel((p - p0)[ok], (rp - p0)[ok]) < 1e-4
 
 
 def test_predict_writes_extrapolated_weights_only(level):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 4101
     p0 = rng.standard_normal(n).astype(np.float32)
     g = rng.standard_normal(n).astype(np.float16)
@@ -319,7 +331,7 @@ def test_set_simd_level_validates():
 
 @pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
 def test_grad_sumsq_matches_float64(level, gdt):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n = 1_000_003
     x = (rng.standard_normal(n) * 3).astype(np.float32)
     if gdt == "fp16":
@@ -361,7 +373,7 @@ def _step_all(which, bufs, g, out, **kw):
 def test_blocked_update_is_bitwise_the_whole_update(which, n, block):
     """Publishing progress splits the update into blocks; the result must not change,
     and the word ends at (tag << 40) | n."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     base = [p0, (0.1 * rng.standard_normal(n)).astype(np.float32), np.abs(rng.standard_normal(n)).astype(np.float32)]
     g = rng.standard_normal(n).astype(np.float16)
@@ -385,7 +397,7 @@ def test_progress_never_runs_ahead_of_the_weights():
     """A reader polling the word while the update runs on another thread must find
     weights16[:done] already final every time it looks (release/acquire order)."""
     import threading
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     n, block = 4_000_000, 65_536
     base = [rng.standard_normal(n).astype(np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)]
     g = rng.standard_normal(n).astype(np.float16)
@@ -432,7 +444,7 @@ def test_progress_arguments_are_validated():
 def test_copy_grad_sumsq_copies_and_sums_like_grad_sumsq(level, gdt, n):
     """The fused copy + norm the engine's CPU hooks use: an exact copy, and bitwise the
     sum grad_sumsq gives for the copy, for any thread count; both close to float64."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = torch.from_numpy(rng.standard_normal(n).astype(np.float32) * 3).to(DT16[gdt])
     words = x.view(torch.int16).numpy()
     ref = float((x.double() ** 2).sum())

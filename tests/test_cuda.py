@@ -12,8 +12,8 @@ import torch
 
 from runtime import OffloadConfig, OffloadEngine
 from tests.conftest import our_segments
-from tests.reference import rel_err
-from tests.test_engine import gpt, gpt_batch, mlp, mlp_batch, run_pair, train_engine
+from tests.helpers.reference import rel_err
+from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, run_pair, train_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

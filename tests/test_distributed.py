@@ -12,8 +12,8 @@ import torch
 
 from runtime import OffloadEngine
 from tests.conftest import our_segments
-from tests.dist_worker import config, global_batch, make_model
-from tests.reference import rel_err
+from tests.helpers.dist_worker import config, global_batch, make_model
+from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch(out, mode, steps, nproc=2, extra=(), **kw):
     cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", str(nproc), *extra,
-           os.path.join(ROOT, "tests", "dist_worker.py"), str(out), mode, str(steps)]
+           os.path.join(ROOT, "tests", "helpers", "dist_worker.py"), str(out), mode, str(steps)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT), **kw)
 

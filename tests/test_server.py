@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from tests.helpers import seeded_rng
 import zmq
 
 from optimizer_server import protocol as P
@@ -100,7 +102,7 @@ def hello_error(address, **over):
 
 def test_steps_match_float64_adamw_and_skip_get_master(server):
     n = 10_001
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
     c = MiniClient(server.address, server.token, n, staging_numel=3000, **hp)  # 4 chunks, the last short
@@ -208,7 +210,7 @@ def test_two_clients_one_killed(server):
 
 def test_save_load_bitwise_equals_uninterrupted(tmp_path):
     n = 4099
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float16) for _ in range(15)]
 
@@ -248,7 +250,7 @@ def test_progress_word_tags_each_step_and_resets_on_init_and_load(server, tmp_pa
     """After STEP t's DONE the word reads (t << 40) | n; INIT and LOAD reset it, so a
     step number that repeats after a rollback cannot match a stale word."""
     n = 5000
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     c = MiniClient(server.address, server.token, n, progress_block=512)
     try:
         c.progress[0] = 12345  # whatever was there: INIT clears it
@@ -324,7 +326,7 @@ def test_staging_window_chunks_and_one_gradient_slot(server):
     order, too long or past the end is refused naming the fix, and a partial INIT
     never lets a STEP through.  grad_slots=1 gives one gradient slot."""
     n = 2500
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     c = MiniClient(server.address, server.token, n, staging_numel=1000, grad_slots=1)
     try:

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import test_seed
 import torch
 
 from optimizer_server import spawn
@@ -33,7 +35,7 @@ def record(key: str, value) -> None:
 
 
 def worker(mode, ckpt, steps, env=None, private=False):
-    cmd = [sys.executable, str(ROOT / "tests" / "fault_worker.py"), mode, str(ckpt), str(steps)]
+    cmd = [sys.executable, str(ROOT / "tests" / "helpers" / "fault_worker.py"), mode, str(ckpt), str(steps)]
     if private:
         cmd.append("--private")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -56,7 +58,7 @@ def read_until_step(p, step: int, timeout_s: float = 60.0) -> list[str]:
 @pytest.mark.parametrize("private", [False, True], ids=["launcher-server", "private-server"])
 def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
     before = our_segments()
-    rng = random.Random()
+    rng = random.Random(test_seed())
     detections = []
     for trial in range(3):
         kill_at = rng.randint(2, 12)
@@ -148,7 +150,7 @@ def test_server_killed_before_a_checkpoint_is_the_named_error(tmp_path, dpu):
     no partial checkpoint."""
     from optimizer_server import OptimizerServerDeadError
     from runtime import OffloadConfig, OffloadEngine
-    from tests.dist_worker import global_batch, make_model
+    from tests.helpers.dist_worker import global_batch, make_model
     model = make_model()
     eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=1))
     try:

@@ -13,7 +13,7 @@ import torch
 from optimizer_server import OptimizerServerError, ShardClient, spawn
 from optimizer_server import protocol as P
 from runtime import OffloadConfig, OffloadEngine
-from tests.dist_worker import global_batch, make_model
+from tests.helpers.dist_worker import global_batch, make_model
 from tests.conftest import our_segments
 from tests.faults.test_crashes import record
 

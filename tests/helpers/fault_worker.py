@@ -1,6 +1,6 @@
 """A training worker for the fault tests (tests/faults/).
 
-    python tests/fault_worker.py MODE CKPT_DIR STEPS [--private]
+    python tests/helpers/fault_worker.py MODE CKPT_DIR STEPS [--private]
 
 Trains the test MLP (bf16) through OffloadEngine: on the server named by
 ZERO_OFFLOAD_ADDRESS / ZERO_OFFLOAD_TOKEN, or a private one with --private
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from runtime import OffloadConfig, OffloadEngine, OptimizerServerDeadError  # noqa: E402
-from tests.dist_worker import global_batch, make_model  # noqa: E402
+from tests.helpers.dist_worker import global_batch, make_model  # noqa: E402
 
 
 def main():

@@ -3,7 +3,7 @@
 MixedPrecisionReference: 16-bit weights for forward/backward, an fp32 master
 updated by torch.optim.AdamW/Adam, GradScaler-style loss scaling,
 torch.nn.utils.clip_grad_norm_, and optionally the One-Step Delayed Parameter
-Update schedule of ../shared/REFERENCE.md §4 written out literally: keep every
+Update schedule of the ZeRO-Offload paper's DPU schedule written out literally: keep every
 M_k and put W_(i+1) = M_i for i+1 <= N, else M_(i-1), on the model (with
 weight prediction: M_(i-1) + predict * (M_(i-1) - M_(i-2)) once M_(i-1) itself
 came from a delayed update).
@@ -11,7 +11,6 @@ came from a delayed update).
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
@@ -93,7 +92,3 @@ class MixedPrecisionReference:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm()) if float(b.norm()) > 0 else float((a - b).norm())
-
-
-def grad_norm_fp32(grads) -> float:
-    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
