@@ -69,6 +69,7 @@ class OptimizerServer:
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.stop_requested = False
+        self.abandoned = False  # an update thread never returned: the process must exit without joining it
         self.had_clients = False
         self.private_dir: str | None = None
         self.files = ServerFiles(cfg.address_file, cfg.parent_pid)
@@ -368,6 +369,7 @@ class OptimizerServer:
                     log.warning("update of session %s still running after %.0f s; exiting without it",
                                 session, SHUTDOWN_UPDATE_WAIT_S)
                     self._abandon(session)
+                    self.abandoned = True
         for session in list(self.shards):
             self._drop(session, "server shutting down", logging.INFO)
         if self.sock is not None:
@@ -408,4 +410,11 @@ def run(cfg: ServerConfig) -> int:
         print(f"zero-offload-server: {e}", file=sys.stderr, flush=True)
         server.shutdown()
         return 2
-    return server.serve()
+    rc = server.serve()
+    if server.abandoned:
+        # concurrent.futures joins its threads at interpreter exit; the abandoned
+        # update would keep the process alive without bound
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(rc)
+    return rc

@@ -80,6 +80,8 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
           heartbeat_timeout_s: float | None = None, exit_when_idle: bool = False, log_level: str = "WARNING",
           ready_timeout_s: float = READY_TIMEOUT_S, env: dict | None = None, stdout=None, stderr=None,
           extra_args: list[str] | None = None, trace_dir: str = "") -> ServerHandle:
+    """Start `python -m optimizer_server` as a child and return once its address is
+    written (within ready_timeout_s), or raise saying why it did not come up."""
     tmpdir = None
     if not address_file:
         tmpdir = tempfile.mkdtemp(prefix=SPAWN_DIR_PREFIX)
@@ -101,8 +103,12 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
     if threads > 0:
         child_env["OMP_NUM_THREADS"] = str(threads)
     before = _identity(address_file)  # a stale file from an earlier server is not "ready"
+    # A session of its own: Ctrl-C at the terminal reaches the parent alone, which
+    # stops the server itself (close, or the finalizer at exit); a parent killed
+    # outright is noticed through --parent-pid.  In the parent's process group the
+    # server would get the SIGINT too and race the parent's own clean-up.
     proc = subprocess.Popen(cmd, env=child_env, stdout=stdout if stdout is not None else subprocess.DEVNULL,
-                            stderr=stderr, stdin=subprocess.DEVNULL)
+                            stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + ready_timeout_s
     while True:
         rc = proc.poll()

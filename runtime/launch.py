@@ -10,7 +10,11 @@
     zero-offload-launch --max-restarts 3 scripts/train_gpt.py --ckpt-dir ck --ckpt-every 50 --auto-resume
 
 The server's address and token reach the workers through ZERO_OFFLOAD_ADDRESS
-and ZERO_OFFLOAD_TOKEN, which OffloadEngine reads.  The CPU cores are split
+and ZERO_OFFLOAD_TOKEN, which OffloadEngine reads; --trace-dir DIR makes the
+server and every worker trace into DIR (ZERO_OFFLOAD_TRACE_DIR, which
+OffloadConfig.trace_dir defaults to).  Each worker must make its process group
+(torch.distributed.init_process_group) before its engine: scripts/train_gpt.py
+does.  The CPU cores are split
 between the server's update threads and the workers (affinity and
 OMP_NUM_THREADS), and the split is printed.  When a worker fails, or on
 Ctrl-C / SIGTERM, everything is stopped within STOP_TIMEOUT_S: torchrun's
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 
+from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
 from optimizer_server.procs import describe_exit
 from optimizer_server.spawn import spawn
 
@@ -32,15 +37,23 @@ STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1
 # torchrun options that take no value; every other option before SCRIPT takes one
 TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "--module", "-m", "--run-path", "--run_path"}
-OURS = {"--nproc-per-node", "--nproc_per_node", "--server-threads", "--worker-threads", "--server-log-level",
-        "--max-restarts"}
+OPTIONS = {"--nproc-per-node": "nproc", "--nproc_per_node": "nproc", "--server-threads": "server_threads",
+           "--worker-threads": "worker_threads", "--server-log-level": "log_level", "--max-restarts": "max_restarts",
+           "--trace-dir": "trace_dir"}
+TEXT_OPTIONS = ("log_level", "trace_dir")
+# torchrun's elastic restarts re-run the workers against the same (possibly dead)
+# server: one spelling, one meaning, so torchrun's is refused with the launcher's named
+REFUSED = {"--max_restarts": "--max_restarts is torchrun's elastic restart, which re-runs the workers without a "
+                             "fresh optimizer server; use --max-restarts N (server and workers restart together, "
+                             "resuming from the last checkpoint)"}
 
 USAGE = ("usage: zero-offload-launch [--nproc-per-node N] [--server-threads T] [--worker-threads W] "
-         "[--server-log-level L] [--max-restarts R] [torchrun options] SCRIPT [ARGS...]")
+         "[--server-log-level L] [--max-restarts R] [--trace-dir DIR] [torchrun options] SCRIPT [ARGS...]")
 
 
 def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
-    opts = {"nproc": 1, "server_threads": 0, "worker_threads": 0, "log_level": "WARNING", "max_restarts": 0}
+    opts = {"nproc": 1, "server_threads": 0, "worker_threads": 0, "log_level": "WARNING", "max_restarts": 0,
+            "trace_dir": ""}
     torch_opts: list[str] = []
     i = 0
     while i < len(argv):
@@ -52,16 +65,16 @@ def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
         if not a.startswith("-"):
             return opts, torch_opts, argv[i:]
         name, eq, val = a.partition("=")
-        if name in OURS:
+        if name in REFUSED:
+            raise SystemExit(f"zero-offload-launch: {REFUSED[name]}")
+        if name in OPTIONS:
             if not eq:
                 if i + 1 >= len(argv):
                     raise SystemExit(f"zero-offload-launch: {name} needs a value\n{USAGE}")
                 val = argv[i + 1]
                 i += 1
-            key = {"--nproc-per-node": "nproc", "--nproc_per_node": "nproc", "--server-threads": "server_threads",
-                   "--worker-threads": "worker_threads", "--server-log-level": "log_level",
-                   "--max-restarts": "max_restarts"}[name]
-            if key == "log_level":
+            key = OPTIONS[name]
+            if key in TEXT_OPTIONS:
                 opts[key] = val
             else:
                 try:
@@ -129,14 +142,15 @@ def main(argv: list[str] | None = None) -> int:
 def _attempt(opts, torch_opts, script, server_cores, worker_cores, st, wt, stop, attempt) -> tuple[int, str]:
     """One run of server + workers; (exit code, what ended it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(st))
-    server = spawn(threads=st, log_level=opts["log_level"], env=env, stderr=None,
-                   extra_args=[])
+    server = spawn(threads=st, log_level=opts["log_level"], env=env, stderr=None, trace_dir=opts["trace_dir"])
     try:
         os.sched_setaffinity(server.pid, server_cores)
     except (AttributeError, OSError):
         pass
-    wenv = dict(os.environ, ZERO_OFFLOAD_ADDRESS=server.address, ZERO_OFFLOAD_TOKEN=server.token,
-                OMP_NUM_THREADS=str(wt), ZERO_OFFLOAD_RESTART_COUNT=str(attempt))
+    wenv = dict(os.environ, OMP_NUM_THREADS=str(wt), ZERO_OFFLOAD_RESTART_COUNT=str(attempt))
+    wenv.update({ADDRESS_ENV: server.address, TOKEN_ENV: server.token})
+    if opts["trace_dir"]:
+        wenv[TRACE_DIR_ENV] = opts["trace_dir"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts["nproc"]), *torch_opts, *script]
 
     def pin():

@@ -87,13 +87,34 @@ def phase_table(spans: list[Span], skip_first: int = 3) -> tuple[list[dict], flo
     return rows, step_us / 1e3
 
 
-def hidden_fraction(spans: list[Span]) -> float:
-    """Share of the server's update time that overlaps a worker's forward or backward."""
+STEADY_ITERATIONS = 8  # the steady state: this many last iterations (what timeline_png shows, and more)
+
+
+def has_server(spans: list[Span]) -> bool:
+    return any(s.role == "server" for s in spans)
+
+
+def steady_start(spans: list[Span], n: int = STEADY_ITERATIONS) -> float:
+    """Start of the last n rank-0 iterations (at most the later half of them), in trace time."""
+    its = sorted((s.ts for s in spans if s.role == "worker" and s.rank == 0 and s.name == "iteration"))
+    if not its:
+        return float("-inf")
+    return its[max(len(its) - n, len(its) // 2)]
+
+
+def hidden_fraction(spans: list[Span], since: float | None = None) -> float | None:
+    """Share of the server's update time that overlaps a worker's forward or backward,
+    over the updates that start at or after `since` (default: the steady state, the
+    last STEADY_ITERATIONS iterations: DPU's synchronous warm-up and the first,
+    page-faulting update hide nothing by design).  None when there is no server trace
+    or no update in that window (the report says which)."""
+    if since is None:
+        since = steady_start(spans)
     busy = sorted(((s.ts, s.end) for s in spans if s.role == "worker" and s.name in ("forward", "backward")))
-    upd = [s for s in spans if s.role == "server" and s.name == "update"]
+    upd = [s for s in spans if s.role == "server" and s.name == "update" and s.ts >= since]
     total = sum(s.dur for s in upd)
     if not total:
-        return float("nan")
+        return None
     hidden = 0.0
     for u in upd:
         for a, b in busy:
@@ -115,10 +136,11 @@ def bytes_per_step(spans: list[Span]) -> dict:
            # copied while the update still ran, or inside backward (runtime.weights_up)
            "to_device_early_B": sum(s.args.get("bytes", 0) for s in up if s.args.get("early")) / n}
     t_up = sum(s.dur for s in up)
-    res["to_device_GBps"] = sum(s.args.get("bytes", 0) for s in up) / (t_up * 1e3) if t_up else float("nan")
+    # host-side time: on CUDA the span covers issuing asynchronous copies, not the copy itself
+    res["to_device_GBps"] = sum(s.args.get("bytes", 0) for s in up) / (t_up * 1e3) if t_up else None
     upd = [s for s in spans if s.role == "server" and s.name == "update"]
     t_upd = sum(s.dur for s in upd)
-    res["update_GBps"] = sum(s.args.get("bytes", 0) for s in upd) / (t_upd * 1e3) if t_upd else float("nan")
+    res["update_GBps"] = sum(s.args.get("bytes", 0) for s in upd) / (t_upd * 1e3) if t_upd else None
     return res
 
 

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.trace_analysis import bytes_per_step, hidden_fraction, load, phase_table, timeline_png  # noqa: E402
+from runtime.trace_analysis import (STEADY_ITERATIONS, bytes_per_step, has_server, hidden_fraction, load,  # noqa: E402
+                                    phase_table, timeline_png)
 
 
 def main(argv=None) -> int:
@@ -24,14 +25,24 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['phase']:16s} {r['count']:6d} {r['mean_ms']:9.3f} {r['p50_ms']:9.3f} {r['p99_ms']:9.3f} "
               f"{100 * r['share']:6.1f}%")
-    print(f"CPU update hidden behind forward/backward: {100 * hidden_fraction(spans):.1f}%")
+    server = has_server(spans)
+    if not server:
+        print(f"no optimizer server trace in {a.trace_dir}: the share of the update hidden and the update's GB/s "
+              f"need it (zero-offload-launch --trace-dir DIR traces the launched server too; a standalone server "
+              f"takes --trace-dir DIR)")
+    else:
+        h = hidden_fraction(spans)
+        print("CPU update hidden behind forward/backward (steady state, the last "
+              f"{STEADY_ITERATIONS} iterations): " + (f"{100 * h:.1f}%" if h is not None else
+                                                     "no update in those iterations"))
     b = bytes_per_step(spans)
     if b["to_device_B"]:
         up = (f"{b['to_device_B'] / 1e6:.2f} MB to device ({100 * b['to_device_early_B'] / b['to_device_B']:.0f}% "
-              f"of it before the update ended or inside backward), at {b['to_device_GBps']:.1f} GB/s")
+              f"of it before the update ended or inside backward), at {b['to_device_GBps']:.1f} GB/s host-side")
     else:
         up = "no weight copies (the CPU device's zero-copy slots)"
-    print(f"per step: {b['to_host_B'] / 1e6:.2f} MB to host, {up}; server update at {b['update_GBps']:.1f} GB/s")
+    upd = f"; server update at {b['update_GBps']:.1f} GB/s" if b["update_GBps"] is not None else ""
+    print(f"per step: {b['to_host_B'] / 1e6:.2f} MB to host, {up}{upd}")
     if a.png:
         timeline_png(spans, a.png)
         print(f"timeline: {a.png}")

@@ -53,7 +53,9 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--resume", action="store_true", help="resume from --ckpt-dir")
     ap.add_argument("--auto-resume", action="store_true",
                     help="resume from --ckpt-dir if it holds a checkpoint, else start fresh (for --max-restarts)")
-    ap.add_argument("--trace-dir", default="", help="write per-process Chrome traces here")
+    ap.add_argument("--trace-dir", default=os.environ.get("ZERO_OFFLOAD_TRACE_DIR", ""),
+                    help="write per-process Chrome traces here (under zero-offload-launch, give the launcher "
+                         "--trace-dir so its optimizer server traces too)")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--log-json", default="", help="append one JSON line per step here")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
@@ -80,13 +82,19 @@ def main(argv=None) -> int:
     tc = parse(argv)
     try:
         out = train(tc)
+    except KeyboardInterrupt:
+        # engine.close() has stopped the private server (on its way out of train)
+        print("train_gpt.py: interrupted", file=sys.stderr)
+        return 130
     except RuntimeError as e:
         if "CUDA" in str(e):
             print(f"train_gpt.py: {e}", file=sys.stderr)
             return 2
         raise
     s = out["summary"]
-    print(f"done: {s['params'] / 1e6:.2f}M params, {s['steps']} steps, final loss {s['final_loss']:.4f}, "
+    if s["rank"] != 0:
+        return 0  # rank 0 reports for the job
+    print(f"done: {s['params'] / 1e6:.2f}M params, {s['steps']} steps on {s['world_size']} rank(s), final loss {s['final_loss']:.4f}, "
           f"val loss {s['final_val_loss']:.4f}, {s['tokens_per_s']:.0f} tokens/s, "
           f"median step {s['median_step_s'] * 1e3:.0f} ms, waited on optimizer {s['stats']['wait_s']:.2f} s, "
           f"skipped {s['stats']['skipped_steps']}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .baseline import DeviceMixedPrecision
 from ..config import OffloadConfig
@@ -115,6 +117,20 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int, dev
     return DeviceMixedPrecision(model.to(device), oc, simulate_dpu=tc.simulate_dpu)
 
 
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size).  Under a launcher (WORLD_SIZE > 1) this makes the process
+    group, as deepspeed.init_distributed does: gloo on the CPU, NCCL on GPUs (each
+    rank on its node-local GPU), so the N workers train one model together."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list) -> float:
     was = model.training
@@ -128,18 +144,24 @@ def train(tc: TrainConfig) -> dict:
     if tc.threads:
         torch.set_num_threads(tc.threads)
     device = resolve_device(tc.device)
+    rank, world = init_distributed(device)
+    if world > 1 and device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1 and not tc.offload:
+        raise ValueError("the no-offload baseline runs on one rank; drop --no-offload or the launcher")
     corpus = Corpus.load(seed=tc.seed)
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(tc.seed)  # the same initial model on every rank
     mc = model_config(tc)
     model = GPT(mc)
     n_params = model.num_params()
-    train_b = Batches(corpus.train, tc.batch_size, tc.seq_len, seed=tc.seed + 1, device=device)
+    # each rank draws its own batches: the step's batch is world x batch_size sequences
+    train_b = Batches(corpus.train, tc.batch_size, tc.seq_len, seed=tc.seed + 1 + 1000 * rank, device=device)
     val_src = Batches(corpus.val, tc.batch_size, tc.seq_len, seed=tc.seed + 2, device=device)
     val_batches = [val_src.next() for _ in range(tc.eval_batches)]
     engine = make_engine(tc, model, tc.steps, device)
     if tc.log_json:
         Path(tc.log_json).parent.mkdir(parents=True, exist_ok=True)
-    log = open(tc.log_json, "a") if tc.log_json else None
+    log = open(tc.log_json, "a") if tc.log_json and rank == 0 else None
     history = {"step": [], "loss": [], "val_step": [], "val_loss": [], "step_s": [], "wait_s": []}
     start = 1
     try:
@@ -152,7 +174,7 @@ def train(tc: TrainConfig) -> dict:
                 train_b.next()
         tokens_per_step = tc.batch_size * tc.seq_len * tc.grad_accum
         bar = None
-        if tc.progress:
+        if tc.progress and rank == 0:
             from tqdm import tqdm
             bar = tqdm(total=tc.steps, initial=start - 1, desc=f"{'offload' if tc.offload else 'baseline'}"
                        f"{'+dpu' if tc.offload and tc.dpu else ''} {n_params / 1e6:.1f}M", file=sys.stderr,
@@ -205,11 +227,13 @@ def train(tc: TrainConfig) -> dict:
         engine.close()
         if log:
             log.close()
+        if world > 1:
+            dist.destroy_process_group()
     n = len(history["step_s"])
     steady = sorted(history["step_s"][n // 4:]) or [float("nan")]
     summary = {"params": n_params, "steps": tc.steps, "final_loss": history["loss"][-1] if n else float("nan"),
                "final_val_loss": history["val_loss"][-1] if history["val_loss"] else float("nan"),
                "median_step_s": steady[len(steady) // 2], "run_s": run_s,
                "tokens_per_s": tokens_per_step / steady[len(steady) // 2], "stats": stats,
-               "config": {k: v for k, v in asdict(tc).items()}}
+               "rank": rank, "world_size": world, "config": {k: v for k, v in asdict(tc).items()}}
     return {"history": history, "summary": summary}

@@ -1,0 +1,181 @@
+"""Unit tests of the small parts: the launcher's argument parsing and core split, the
+loss scaler, the LR schedule, checkpoint range reading, the optimizer proxy's lr, and
+the trace analysis."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from optimizer_server import checkpoint as C
+from optimizer_server.reshard import read_range
+from runtime import OffloadConfig
+from runtime.demo.schedule import WarmupCosine
+from runtime.launch import parse, split_cores
+from runtime.loss_scaler import LossScaler
+from runtime.optimizer_proxy import ServerOptimizer
+from runtime.trace_analysis import Span, bytes_per_step, has_server, hidden_fraction
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ----------------------------------------------------------------------------- launcher
+def test_parse_splits_our_options_torchruns_and_the_script():
+    opts, torch_opts, script = parse(["--nproc-per-node", "4", "--server-threads=3", "--nnodes", "2",
+                                      "--standalone", "--rdzv-id=x", "--trace-dir", "/tmp/t", "train.py", "--lr",
+                                      "1", "--nproc-per-node", "9"])
+    assert opts["nproc"] == 4 and opts["server_threads"] == 3 and opts["trace_dir"] == "/tmp/t"
+    assert torch_opts == ["--nnodes", "2", "--standalone", "--rdzv-id=x"]
+    assert script == ["train.py", "--lr", "1", "--nproc-per-node", "9"]  # the script's own arguments stay its own
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--nproc-per-node", "0", "t.py"], "must be >= 1"),
+    (["--max-restarts", "x", "t.py"], "must be an integer"),
+    (["--nproc-per-node"], "needs a value"),
+    (["--nnodes", "2"], "no training script"),
+    (["--max_restarts", "3", "t.py"], "use --max-restarts N"),  # torchrun's spelling, refused and named
+])
+def test_parse_refuses_with_the_fix(argv, msg):
+    with pytest.raises(SystemExit, match=msg):
+        parse(argv)
+
+
+def test_split_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(8)))
+    server, workers, st, wt = split_cores(2, 0, 0, cuda=False)  # CPU workers: one share each, the server one
+    assert st == 2 and server == [0, 1] and workers == [2, 3, 4, 5, 6, 7] and wt == 3
+    server, workers, st, wt = split_cores(2, 0, 0, cuda=True)   # GPU workers need little CPU
+    assert st == 6 and workers == [6, 7] and wt == 1
+    server, workers, st, wt = split_cores(1, 20, 5, cuda=False)  # asked for more than there is
+    assert st == 8 and workers == list(range(8)) and wt == 5
+
+
+# ----------------------------------------------------------------------------- loss scaler
+def test_loss_scaler_follows_gradscaler_rules():
+    s = LossScaler(dynamic=True, scale=1024.0, growth_factor=4.0, backoff_factor=0.25, growth_interval=3)
+    s.update(True)
+    assert s.scale == 256.0
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 256.0
+    s.update(False)
+    assert s.scale == 1024.0 and s.good_steps == 0
+    s.update(False)
+    s.update(True)  # an overflow resets the clean-step count
+    s.update(False)
+    s.update(False)
+    assert s.scale == 256.0
+    t = LossScaler(dynamic=True, scale=1.0)
+    t.load_state_dict(s.state_dict())
+    assert (t.scale, t.good_steps) == (s.scale, s.good_steps)
+    fixed = LossScaler(dynamic=False, scale=8.0)
+    fixed.update(True)
+    assert fixed.scale == 8.0
+
+
+def test_loss_scaler_for_config():
+    s = LossScaler.for_config(OffloadConfig(dtype="fp16", initial_scale=512.0, growth_interval=7))
+    assert s.dynamic and s.scale == 512.0 and s.growth_interval == 7
+    assert LossScaler.for_config(OffloadConfig(dtype="bf16")).scale == 1.0
+    f = LossScaler.for_config(OffloadConfig(dtype="fp16", loss_scale=64.0))
+    assert not f.dynamic and f.scale == 64.0
+
+
+# ----------------------------------------------------------------------------- schedule, proxy
+def test_warmup_cosine():
+    s = WarmupCosine(peak=1.0, warmup=4, total=14, min_ratio=0.1)
+    assert [s(k) for k in (1, 2, 4)] == [0.25, 0.5, 1.0]
+    assert s(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert s(14) == pytest.approx(0.1) and s(100) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="peak lr"):
+        WarmupCosine(peak=-1.0, warmup=0, total=1)
+
+
+def test_optimizer_proxy_lr_for():
+    opt = ServerOptimizer(OffloadConfig(lr=lambda k: 0.1 * k))
+    assert opt.lr_for(3) == pytest.approx(0.3) and opt.param_groups[0]["lr"] == pytest.approx(0.3)
+    opt = ServerOptimizer(OffloadConfig(lr=0.01))
+    opt.param_groups[0]["lr"] = 0.5  # what a torch scheduler does
+    assert opt.lr_for(7) == 0.5
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="finite float"):
+        opt.lr_for(8)
+
+
+# ----------------------------------------------------------------------------- checkpoint ranges
+def _files(tmp_path, world, per_file, total):
+    data = np.arange(total, dtype=np.float32)
+    padded = np.zeros(world * per_file, np.float32)
+    padded[:total] = data
+    files = []
+    for k in range(world):
+        f = tmp_path / f"x-r{k}-of-{world}.bin"
+        # two arrays per file, as the server writes master then state: [a_k | b_k]
+        np.concatenate([padded[k * per_file:(k + 1) * per_file], -padded[k * per_file:(k + 1) * per_file]]).tofile(f)
+        files.append(f)
+    return files, padded
+
+
+@pytest.mark.parametrize("lo, hi", [(0, 10), (3, 17), (9, 12), (20, 26), (0, 26)])
+def test_read_range_across_files_and_into_the_padding(tmp_path, lo, hi):
+    files, padded = _files(tmp_path, world=4, per_file=6, total=22)  # 22 real elements, padded to 24
+    out = np.full(hi - lo, 7.0, np.float32)
+    read_range(files, 6, 0, lo, hi, out)
+    expect = np.zeros(hi - lo, np.float32)
+    n = max(0, min(hi, 24) - lo)
+    expect[:n] = padded[lo:lo + n]  # past the last file: zeros (a larger world's padding)
+    np.testing.assert_array_equal(out, expect)
+    read_range(files, 6, 6, lo, hi, out)  # the second array of every file
+    np.testing.assert_array_equal(out, -expect)
+
+
+def test_read_range_refuses_a_short_file(tmp_path):
+    files, _ = _files(tmp_path, world=2, per_file=6, total=12)
+    files[1].write_bytes(files[1].read_bytes()[:8])
+    with pytest.raises(OSError, match="unexpected end of file"):
+        read_range(files, 6, 0, 0, 12, np.empty(12, np.float32))
+
+
+def test_pick_world_size(tmp_path):
+    with pytest.raises(C.CheckpointError, match="found nothing"):
+        C.pick_world_size(tmp_path, "shard", 2)
+    (tmp_path / "shard-r0-of-4.json").write_text("{}")
+    assert C.pick_world_size(tmp_path, "shard", 2) == 4  # the only one there
+    (tmp_path / "shard-r0-of-2.json").write_text("{}")
+    assert C.pick_world_size(tmp_path, "shard", 2) == 2  # ours
+    with pytest.raises(C.CheckpointError, match="one world size"):
+        C.pick_world_size(tmp_path, "shard", 8)
+
+
+# ----------------------------------------------------------------------------- trace analysis
+def _span(name, role, ts, dur, rank=0, **args):
+    return Span(name, role, rank, 1 if role == "worker" else 2, float(ts), float(dur), args)
+
+
+def test_hidden_fraction_is_the_steady_state_overlap():
+    spans = []
+    for i in range(12):  # iterations of 100 us: forward [0, 30), backward [30, 80)
+        t = 100 * i
+        spans += [_span("iteration", "worker", t, 100), _span("forward", "worker", t, 30),
+                  _span("backward", "worker", t + 30, 50)]
+        # early updates (a synchronous warm-up) run after backward: nothing hidden;
+        # the last ones start at 60 and end at 100: half hidden
+        spans.append(_span("update", "server", t + 80, 20) if i < 6 else _span("update", "server", t + 60, 40))
+    assert hidden_fraction(spans) == pytest.approx(0.5)  # the last 8 iterations (at least half the run)
+    assert hidden_fraction(spans, since=float("-inf")) == pytest.approx(6 * 20 / (6 * 20 + 6 * 40))
+    assert has_server(spans)
+    workers_only = [s for s in spans if s.role == "worker"]
+    assert not has_server(workers_only) and hidden_fraction(workers_only) is None  # said, not nan
+
+
+def test_bytes_per_step():
+    spans = [_span("iteration", "worker", 0, 10), _span("iteration", "worker", 10, 10),
+             _span("grad_bucket", "worker", 1, 1, bytes=100), _span("grad_bucket", "worker", 11, 1, bytes=100),
+             _span("weights_up", "worker", 2, 2, bytes=400, early=1), _span("weights_up", "worker", 12, 2, bytes=400),
+             _span("update", "server", 3, 4, bytes=2800)]
+    b = bytes_per_step(spans)
+    assert b["to_host_B"] == 100 and b["to_device_B"] == 400 and b["to_device_early_B"] == 200
+    assert b["to_device_GBps"] == pytest.approx(800 / 4e3) and b["update_GBps"] == pytest.approx(2800 / 4e3)
+    assert bytes_per_step(spans[:4])["update_GBps"] is None
