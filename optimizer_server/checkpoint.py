@@ -180,23 +180,21 @@ class CheckpointDir:
         """Agree and publish.  expected(k): the files rank k must have written into tmp.
         Returns (True, step path) or (False, why) on every rank alike."""
         if not self._agree(ok):
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)
             return False, "a write failed"
         why = ""
+        fix = ("Pass a directory every rank and the optimizer server can see (a shared mount), not a "
+               "node-local path")
         if self.rank == 0:
             lost = {k: self.missing(tmp, expected(k)) for k in range(self.world_size)}
             lost = {k: v for k, v in lost.items() if v}
             if lost:
                 why = (f"checkpoint directory {self.root} is not one filesystem for every rank: rank 0 does not see "
-                       + "; ".join(f"rank {k}'s {', '.join(v)}" for k, v in lost.items())
-                       + ". Pass a directory every rank and the optimizer server can see (a shared mount), "
-                         "not a node-local path")
+                       + "; ".join(f"rank {k}'s {', '.join(v)}" for k, v in lost.items()) + ". " + fix)
         if not self._agree(not why):
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            return False, why or ("checkpoint directory is not one filesystem for every rank (rank 0 does not "
-                                  "see every rank's files); pass a directory every rank can see")
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank its own (one and the same if shared)
+            return False, why or (f"checkpoint directory {self.root} is not one filesystem for every rank: rank 0 "
+                                  f"does not see every rank's files. " + fix)
         final = tmp.with_name(tmp.name[len(TMP_PREFIX):])
         if self.rank == 0:
             if final.exists():

@@ -16,13 +16,12 @@ import time
 import numpy as np
 import pytest
 import torch
-
-from tests.helpers import seeded_rng
 import zmq
 
 from optimizer_server import protocol as P
 from optimizer_server import spawn
 from tests.conftest import our_segments
+from tests.helpers import seeded_rng
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -362,3 +361,102 @@ def test_segment_bytes_per_param():
     small = ShardLayout(numel=1000)  # the staging window (all 1000 fp32) is longer than the one slot
     assert small.weights_offsets[0] >= 4 * 1000 and small.staging_numel == 1000
     assert ShardLayout(numel=n, staging_numel=4096).staging_numel == 4096
+
+
+# ----------------------------------------------------------------------------- parts of the server on their own
+def _shard(numel=100, **hello):
+    from optimizer_server import protocol as P
+    from optimizer_server.shard import Shard
+    from optimizer_server.shm import Segment, ShardLayout
+    from tests.conftest import PREFIX
+    msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype="fp16",
+                  optimizer="adamw", **hello)
+    layout = ShardLayout(numel=numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=40)
+    seg = Segment.create(f"{PREFIX}unit-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
+    return Shard("s", msg, seg, layout, 1)
+
+
+def test_shard_state_table():
+    from optimizer_server import protocol as P
+    from optimizer_server.shard import ShardState
+    sh = _shard()
+    try:
+        step = lambda k, **kw: P.Step(session="s", step=k, slot=kw.get("slot", 0), lr=1e-3,  # noqa: E731
+                                      out_slot=kw.get("out_slot", 0), predict=kw.get("predict", 0.0))
+        assert sh.phase is ShardState.UNINITIALIZED and "before INIT" in sh.refusal("STEP")
+        sh.staging[:40] = 1.0
+        sh.init_chunk(0, 40)
+        assert sh.phase is ShardState.UNINITIALIZED  # a partial master is never stepped on
+        with pytest.raises(ValueError, match="in order"):
+            sh.init_chunk(80, 20)
+        sh.init_chunk(40, 40)
+        sh.init_chunk(80, 20)
+        assert sh.phase is ShardState.READY and sh.refusal("STEP") is None
+        assert sh.accept_step(step(2))[0] == P.E_ORDER
+        assert sh.accept_step(step(1, slot=1))[0] == P.E_INVALID   # one gradient slot registered
+        assert sh.accept_step(step(1, out_slot=1))[0] == P.E_INVALID
+        assert sh.phase is ShardState.READY  # refusals change nothing
+        assert sh.accept_step(step(1)) is None and sh.phase is ShardState.UPDATING
+        assert "still updating" in sh.refusal("GET_MASTER")
+        sh.grads[0].view(np.float16)[:] = 0.5
+        sh.step(step(1))
+        sh.finish_update()
+        assert sh.phase is ShardState.READY and sh.steps == 1
+        assert "out of order" in sh.skip(3)
+        assert sh.skip(2) is None and sh.skipped == 1 and sh.steps == 1  # SKIP moves only the count
+        sh.staging[:40] = 2.0
+        sh.init_chunk(0, 40)  # INIT again: partial again until its last chunk
+        assert sh.phase is ShardState.UNINITIALIZED
+    finally:
+        sh.close()
+
+
+def test_shutdown_does_not_wait_for_a_stuck_update_without_bound(tmp_path, monkeypatch):
+    """SHUTDOWN_UPDATE_WAIT_S bounds the wait for the update in flight: an update
+    thread that never returns is abandoned (its segment unlinked), not joined."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import optimizer_server.server as S
+    from optimizer_server.config import ServerConfig
+    monkeypatch.setattr(S, "SHUTDOWN_UPDATE_WAIT_S", 0.3)
+    srv = S.OptimizerServer(ServerConfig(address_file=str(tmp_path / "srv.addr"), log_level="ERROR"))
+    srv.bind()
+    sh = _shard()
+    release = threading.Event()
+    ex = ThreadPoolExecutor(1)
+    srv.shards["s"], srv.executors["s"] = sh, ex
+    sh.phase = sh.phase.__class__.UPDATING
+    srv.pending["s"] = ex.submit(release.wait, 60)  # an update that does not come back
+    t0 = time.monotonic()
+    try:
+        srv.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        ex.shutdown(wait=True)
+    assert took < 5.0 and srv.abandoned, took
+    assert not (tmp_path / "srv.addr").exists()  # the rest of the clean-up still ran
+
+
+def test_server_files_survive_a_removed_directory(tmp_path):
+    """The spawning parent removes the address file's directory at its exit; a
+    server writing its registry then is at a normal end, not an error."""
+    from optimizer_server.files import ServerFiles
+    d = tmp_path / "spawn"
+    d.mkdir()
+    f = ServerFiles(str(d / "server.addr"))
+    f.publish("ipc:///x", "tok", [], "")
+    assert (d / "server.addr.segments").exists() and oct((d / "server.addr.token").stat().st_mode)[-3:] == "600"
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+    f.write_registry(["zo-x"], "")  # no FileNotFoundError
+    f.remove()
+
+
+def test_a_spawned_server_has_a_session_of_its_own():
+    """Ctrl-C at the terminal reaches the training process, which stops its server;
+    the server does not get the SIGINT itself and race that clean-up."""
+    with spawn(threads=1) as srv:
+        assert os.getsid(srv.pid) != os.getsid(0) and os.getsid(srv.pid) == srv.pid

@@ -1,10 +1,13 @@
-"""scripts/train_gpt.py end to end: a few steps, a checkpoint, a resume, and its errors."""
+"""scripts/train_gpt.py end to end: a few steps, a checkpoint, a resume, its errors, Ctrl-C, and
+two ranks under the launcher."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +50,60 @@ def test_bad_flags_are_explained():
     if not torch.cuda.is_available():
         r = run("--device", "cuda", "--steps", "1")
         assert r.returncode == 2 and "CUDA" in r.stderr
+
+
+TINY = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--no-progress"]
+
+
+def test_ctrl_c_ends_quietly_and_cleanly(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) during training: exit 130 with
+    one line, no traceback from the private server, nothing left behind."""
+    from tests.conftest import our_segments
+    before = our_segments()
+    log = tmp_path / "steps.jsonl"
+    p = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train_gpt.py"), "--steps", "100000",
+                          "--log-json", str(log), *TINY], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and log.read_text().count("\n") >= 3):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        os.killpg(p.pid, signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err, err
+    assert our_segments() == before
+
+
+def test_under_the_launcher_it_trains_one_job_of_two_ranks(tmp_path):
+    """`zero-offload-launch --nproc-per-node 2 scripts/train_gpt.py`: one job (world
+    size 2, each rank half the shard), every process traced into the launcher's
+    --trace-dir, and the report has the server's figures."""
+    tr = tmp_path / "trace"
+    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--trace-dir", str(tr),
+           str(ROOT / "scripts" / "train_gpt.py"), "--steps", "12", *TINY]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["stats"]["world_size"] == 2
+    assert summary["stats"]["shard_numel"] * 2 >= summary["params"] > summary["stats"]["shard_numel"]
+    roles = sorted(f.name.rsplit("-", 1)[0] for f in tr.glob("*.json"))
+    assert roles == ["server-0", "worker-0", "worker-1"], roles
+    rep = subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_report.py"), str(tr)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert rep.returncode == 0 and "nan" not in rep.stdout and "server update at" in rep.stdout, rep.stdout
+
+
+def test_an_engine_where_the_launcher_started_ranks_but_no_group_exists(tmp_path):
+    code = ("import torch; from runtime import OffloadEngine\n"
+            "try:\n    OffloadEngine(torch.nn.Linear(4, 4))\n"
+            "except RuntimeError as e:\n    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), WORLD_SIZE="2", RANK="0"))
+    assert "refused: WORLD_SIZE is 2 but torch.distributed is not initialised" in r.stdout, r.stdout + r.stderr
+    assert "init_process_group" in r.stdout

@@ -5,7 +5,8 @@
 Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
 MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
-raises at step 2) | hang (sleeps, for signal tests).
+raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
+unshared (each rank saves into a directory of its own, which must be refused).
 """
 import os
 import sys
@@ -66,6 +67,14 @@ def main():
         eng.step()
         if h is not None:
             h.remove()
+    if mode == "unshared":  # each rank sees its own directory only (node-local disks)
+        try:
+            eng.save_checkpoint(os.path.join(out, f"ckpt-rank{rank}"))
+            said = "saved"
+        except Exception as e:  # noqa: BLE001 - the test reads what it said
+            said = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"unshared-rank{rank}.txt"), "w") as f:
+            f.write(said)
     if mode.startswith("save"):
         eng.save_checkpoint(os.path.join(out, "ckpt"))
         extra["w16_at_save"] = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,111 @@
+"""Checkpoints: the directory protocol (tmp, rename, latest, retention, stale tmp-*),
+checksums verified on load, the version check, and refusals in the middle of a step."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from optimizer_server import checkpoint as C
+from optimizer_server.errors import OptimizerServerError
+from runtime import OffloadConfig, OffloadEngine
+from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cfg(**kw):
+    return OffloadConfig(lr=3e-3, dtype="bf16", dpu=True, dpu_warmup_steps=3, server_threads=1, **kw)
+
+
+def test_directory_protocol_latest_retention_and_stale_tmp(tmp_path):
+    stale = tmp_path / "tmp-step-00000003"  # what a crashed save leaves
+    stale.mkdir()
+    (stale / "shard-r0-of-1.bin").write_bytes(b"half")
+    with OffloadEngine(gpt(), cfg()) as eng:
+        paths = []
+        for k in range(3):
+            train_engine(eng, gpt_batch, 2, "bf16", start=2 * k + 1)
+            paths.append(eng.save_checkpoint(str(tmp_path), keep=2))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000004", "step-00000006"]  # the oldest pruned, no tmp-* left
+    assert (tmp_path / "latest").read_text() == "step-00000006" and paths[-1].endswith("step-00000006")
+    d = tmp_path / "step-00000006"
+    man = json.loads((d / "shard-r0-of-1.json").read_text())
+    assert man["checksum"] == C.file_checksum(d / "shard-r0-of-1.bin")
+    meta = json.loads((d / "engine-r0-of-1.json").read_text())
+    assert meta["version"] == C.ENGINE_VERSION and meta["stale"]  # DPU: a landed update is pending
+    assert set(meta["checksums"]) == {"device16", "pending16"}
+
+
+@pytest.mark.parametrize("victim", ["shard-r0-of-1.bin", "device16-r0-of-1.bin", "pending16-r0-of-1.bin"])
+def test_a_flipped_bit_is_refused_naming_the_file(tmp_path, victim):
+    model = gpt()
+    with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
+        train_engine(eng, gpt_batch, 5, "bf16")
+        d = eng.save_checkpoint(str(tmp_path))
+    path = os.path.join(d, victim)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 3] ^= 0x10  # one bit, in m or v for the shard file
+    open(path, "wb").write(bytes(data))
+    with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
+        before = flat_master(eng)
+        with pytest.raises((OptimizerServerError, C.CheckpointError), match=f"{victim} is corrupt"):
+            eng.load_checkpoint(str(tmp_path))
+        assert torch.equal(flat_master(eng), before)  # refused before anything was read into the state
+        train_engine(eng, gpt_batch, 1, "bf16")       # and the engine trains on
+
+
+def test_another_version_is_refused(tmp_path):
+    with OffloadEngine(gpt(), cfg()) as eng:
+        train_engine(eng, gpt_batch, 2, "bf16")
+        d = eng.save_checkpoint(str(tmp_path))
+        meta_path = os.path.join(d, "engine-r0-of-1.json")
+        meta = json.loads(open(meta_path).read())
+        meta["version"] = C.ENGINE_VERSION + 1
+        open(meta_path, "w").write(json.dumps(meta))
+        with pytest.raises(C.CheckpointError, match="version=2 but this version reads version=1"):
+            eng.load_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("what", ["master_state_dict", "load_checkpoint", "save_checkpoint"])
+def test_state_calls_between_backward_and_step_are_refused(tmp_path, what):
+    """The staging window lies over gradient slot 0: GET_MASTER or LOAD there would
+    overwrite the step's gradients (the master became NaN).  Refused, and the step
+    then is bitwise the one a twin engine takes."""
+    model = gpt()
+    with OffloadEngine(copy.deepcopy(model), cfg()) as eng, OffloadEngine(copy.deepcopy(model), cfg()) as twin:
+        train_engine(eng, gpt_batch, 2, "bf16")
+        train_engine(twin, gpt_batch, 2, "bf16")
+        eng.save_checkpoint(str(tmp_path))
+        eng.backward(gpt_batch(3, "bf16")(eng.model))
+        call = {"master_state_dict": lambda: eng.master_state_dict(),
+                "load_checkpoint": lambda: eng.load_checkpoint(str(tmp_path)),
+                "save_checkpoint": lambda: eng.save_checkpoint(str(tmp_path / "b"))}[what]
+        with pytest.raises(RuntimeError, match="in the middle of a step .* call it after engine.step"):
+            call()
+        eng.step()
+        train_engine(twin, gpt_batch, 1, "bf16", start=3)
+        assert torch.equal(flat_master(eng), flat_master(twin))
+
+
+def test_a_directory_not_every_rank_sees_is_refused(tmp_path):
+    """Two ranks save to what are, for them, different directories (as node-local
+    disks would be): rank 0 does not see rank 1's files, so nothing is published
+    and both ranks raise the error naming the fix."""
+    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "helpers", "dist_worker.py"), str(tmp_path), "unshared", "3"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for r in range(2):
+        said = (tmp_path / f"unshared-rank{r}.txt").read_text()
+        assert "not one filesystem for every rank" in said and "shared mount" in said, said
+        assert not (tmp_path / f"ckpt-rank{r}" / "latest").exists()
+    assert not list((tmp_path / "ckpt-rank0").glob("*step-*"))  # rank 0 removed its tmp-step-N
