@@ -28,7 +28,7 @@ class OffloadConfig:
     grad_accumulation_steps: micro-batches per optimizer step; each backward's loss
         is divided by it, so k micro-batches equal one k times larger batch.
     dpu: One-Step Delayed Parameter Update after dpu_warmup_steps synchronous steps.
-    dpu_warmup_steps: N of REFERENCE §4 (the paper's 40).
+    dpu_warmup_steps: synchronous steps before DPU starts (the ZeRO-Offload paper's N = 40).
     dpu_predict: weight prediction under DPU (adam/adamw): the device gets
         M_k + dpu_predict * (M_k - M_(k-1)) instead of the stale M_k, an estimate of the
         weights a synchronous run would have; computed in the update's own pass, no

@@ -7,7 +7,7 @@ Trains the same GPT on the same data and seed four ways:
   baseline   plain PyTorch mixed precision, AdamW on the device (no offload)
   sync       offload, synchronous
   dpu        offload with One-Step Delayed Parameter Update
-  dpu-sim    plain-PyTorch simulation of the DPU schedule (REFERENCE.md §4)
+  dpu-sim    plain-PyTorch simulation of the DPU schedule (the ZeRO-Offload paper's schedule)
 prints the validation losses at each evaluation, writes the curves as
 docs/convergence-TAG.png and the numbers as docs/convergence-TAG.json, and
 rewrites the "convergence" section of BENCHMARKS.md from all docs/convergence-*.json.

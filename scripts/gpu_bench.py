@@ -106,7 +106,7 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     x, y = idx[:, :-1], idx[:, 1:]
     times, state_bytes = [], 0
     # False: page-locking was refused (a warning said why); None: not applicable
-    pinned = getattr(eng, "_registered_ptr", None) is not None if dev.type == "cuda" else None
+    pinned = getattr(eng, "_pinned", None) is not None if dev.type == "cuda" else None
     try:
         for i in range(steps + warm):
             sync(dev)

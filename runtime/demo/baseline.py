@@ -1,7 +1,7 @@
 """The no-offload baseline: plain PyTorch mixed precision with AdamW on the device.
 
 With simulate_dpu it also serves as the plain-PyTorch simulation of the DPU
-schedule (../shared/REFERENCE.md §4): after update i >= dpu_warmup_steps the
+schedule of the ZeRO-Offload paper: after update i >= dpu_warmup_steps the
 model gets M_(i-1) (kept from before the update) instead of M_i, or with
 dpu_predict the prediction M_(i-1) + dpu_predict * (M_(i-1) - M_(i-2)).
 
@@ -42,14 +42,12 @@ class DeviceMixedPrecision:
             self.optimizer = cls(self.master, **kw)
         self.scaler = LossScaler.for_config(cfg)
         self.iteration = self.updates = self.skipped_steps = 0
-        self._micro = 0
         self.update_s = 0.0
         self.tracer = Tracer(cfg.trace_dir, "baseline", 0)
         self.simulate_dpu = simulate_dpu
         self._prev2 = None  # M_(i-2) while simulating DPU with prediction
 
     def backward(self, loss: torch.Tensor) -> None:
-        self._micro += 1
         (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
 
     def step(self) -> None:

@@ -69,9 +69,3 @@ class Batches:
         idx = starts[:, None] + torch.arange(self.seq_len + 1)[None, :]
         w = self.data[idx]
         return w[:, :-1].to(self.device), w[:, 1:].to(self.device)
-
-    def state(self) -> torch.Tensor:
-        return self.gen.get_state()
-
-    def set_state(self, s: torch.Tensor) -> None:
-        self.gen.set_state(s)

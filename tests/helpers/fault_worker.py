@@ -27,7 +27,9 @@ def main():
     if private:  # no address in the environment: the engine starts its own server
         os.environ.pop("ZERO_OFFLOAD_ADDRESS", None)
     model = make_model()
-    cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=mode == "dpu", dpu_warmup_steps=3, server_threads=1)
+    # resume continues a DPU run; full is that run without the interruption
+    cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=mode in ("dpu", "resume", "full"), dpu_warmup_steps=3,
+                        server_threads=1)
     try:
         eng = OffloadEngine(model, cfg)
         if private:
@@ -41,11 +43,12 @@ def main():
             loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y)
             eng.backward(loss)
             eng.step()
-            if mode != "resume" and t % 5 == 0:
+            if mode in ("sync", "dpu") and t % 5 == 0:
                 eng.save_checkpoint(ckpt)
             print(f"STEP {t} {time.monotonic()}", flush=True)
-        if mode == "resume":
-            torch.save(eng.master_state_dict(), os.path.join(ckpt, f"master-{os.getpid()}.pt"))
+        if mode in ("resume", "full"):
+            torch.save({"master": eng.master_state_dict(), "w16": {k: v.clone() for k, v in model.state_dict().items()}},
+                       os.path.join(ckpt, f"{mode}-{os.getpid()}.pt"))
         eng.close()
     except OptimizerServerDeadError as e:
         print(f"DEAD {time.monotonic()} {e}", flush=True)
