@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import test_seed
+from tests.helpers import seed_for_test
 import torch
 
 from optimizer_server import spawn
@@ -58,7 +58,7 @@ def read_until_step(p, step: int, timeout_s: float = 60.0) -> list[str]:
 @pytest.mark.parametrize("private", [False, True], ids=["launcher-server", "private-server"])
 def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
     before = our_segments()
-    rng = random.Random(test_seed())
+    rng = random.Random(seed_for_test())
     detections = []
     for trial in range(3):
         kill_at = rng.randint(2, 12)

@@ -16,7 +16,7 @@ import numpy as np
 SEED_ENV = "ZO_TEST_SEED"  # set it to draw other numbers (CI leaves it unset: the same ones every run)
 
 
-def test_seed() -> int:
+def seed_for_test() -> int:
     """A seed fixed per test (its pytest id), mixed with $ZO_TEST_SEED; printed, so a
     failing test's output names the numbers it drew."""
     node = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
@@ -26,4 +26,4 @@ def test_seed() -> int:
 
 
 def seeded_rng() -> np.random.Generator:
-    return np.random.default_rng(test_seed())
+    return np.random.default_rng(seed_for_test())
