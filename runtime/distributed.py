@@ -5,97 +5,136 @@ owns [r*S, (r+1)*S).  Per step:
 
   gradients   each complete bucket is averaged across ranks so that this
               rank's shard of it is valid here, then only that part is copied
-              to the host (2 B/param/step / world_size per rank):
-                NCCL: one dist.reduce(SUM) per rank whose shard intersects the
-                      bucket, in 16 bits (a reduce-scatter over uneven pieces),
-                      and the owner divides its part by world_size;
+              to the host (2 B/param/step / world_size per rank).  Buckets are
+              reduced in bucket-index order on every rank, whatever order
+              backward completes them in (as DDP does): ranks whose unused
+              parameters differ would otherwise issue collectives in different
+              orders and hang.  The sums are taken in fp32 (one rounding to 16
+              bits at the end; fp16 gradients summed in 16 bits would overflow at
+              1/world_size of one rank's threshold, and bf16 would round at every
+              hop):
+                NCCL: one asynchronous dist.reduce per rank whose shard intersects
+                      the bucket (a reduce-scatter over uneven pieces); the owner
+                      waits for it on the copy stream, not the compute stream, so
+                      communication overlaps backward.
                 gloo: gloo has no reduce-scatter for these uneven pieces, so an
-                      all-reduce in fp32 (one rounding to 16 bits, closest to a
-                      single-rank gradient) and each rank keeps its slice.  It is
-                      started asynchronously as each bucket completes and waited
-                      for once backward is done, so it overlaps backward.
+                      asynchronous all-reduce, waited for once backward is done.
   decision    the squared gradient norm is summed across ranks (one scalar
               all-reduce): inf/NaN anywhere becomes inf/NaN everywhere, so all
               ranks skip or step together and clip by the same global norm.
   weights     each rank copies its updated 16-bit shard up, then one in-place
               all_gather_into_tensor rebuilds the full flat16 on every rank.
+  master      master_state_dict gathers the fp32 shards window by window through
+              a buffer of MASTER_WINDOW elements per rank (never a full fp32 model
+              on a device) into one host tensor, on rank 0 alone with rank0_only.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-
 # torch >= 2.13 renamed all_gather_into_tensor (the old name warns)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+MASTER_WINDOW = 1 << 22  # fp32 elements per rank per gather of master_state_dict (16 MiB)
 
 
-def is_nccl() -> bool:
-    return dist.get_backend() == "nccl"
+def backend_for(config: str, device_type: str) -> str:
+    """The backend that serves tensors of device_type, from dist.get_backend_config()'s
+    text: "nccl", or "cpu:gloo,cuda:nccl" after an init_process_group() that named none
+    (where dist.get_backend() says "undefined")."""
+    config = config.strip()
+    if ":" not in config:
+        return config
+    table = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    return table.get(device_type, "")
 
 
-def reduce_bucket(buf: torch.Tensor, lo: int, *, rank: int, world_size: int, shard_numel: int) -> None:
-    """Average the bucket buf (flat elements [lo, lo + len)) so this rank's shard of it is valid."""
-    if is_nccl():
-        S = shard_numel
-        hi_b = lo + buf.numel()
-        for r in range(world_size):
-            a, b = max(lo, r * S), min(hi_b, (r + 1) * S)
-            if b > a:
-                part = buf[a - lo:b - lo]
-                dist.reduce(part, dst=r, op=dist.ReduceOp.SUM)
-                if r == rank:
-                    part.div_(world_size)
-        return
-    acc = buf.float()
-    dist.all_reduce(acc)
-    acc.div_(world_size)
-    buf.copy_(acc)
+def uses_nccl(device: torch.device) -> bool:
+    return device.type == "cuda" and backend_for(str(dist.get_backend_config()), "cuda") == "nccl"
 
 
-def start_bucket_reduce(buf: torch.Tensor):
-    """gloo: an asynchronous fp32 all-reduce of the bucket, so backward goes on meanwhile.
-    Returns (the fp32 buffer, the work handle) for finish_bucket_reduce."""
-    acc = buf.float()
-    return acc, dist.all_reduce(acc, async_op=True)
+class Collectives:
+    """The collectives of one rank, with the backend decided once (NCCL for CUDA tensors or not)."""
+
+    def __init__(self, device: torch.device, rank: int, world_size: int, shard_numel: int):
+        self.device, self.rank, self.world_size, self.S = device, rank, world_size, shard_numel
+        self.nccl = uses_nccl(device)
+
+    # -- gradients ------------------------------------------------------------
+    def start_bucket_reduce(self, buf: torch.Tensor, lo: int) -> "BucketReduce":
+        """Start averaging the bucket buf (flat elements [lo, lo + len)) asynchronously."""
+        if self.nccl:
+            mine, works = None, []
+            for r in range(self.world_size):
+                a, b = max(lo, r * self.S), min(lo + buf.numel(), (r + 1) * self.S)
+                if b > a:
+                    acc = buf[a - lo:b - lo].float()
+                    works.append((acc, dist.reduce(acc, dst=r, op=dist.ReduceOp.SUM, async_op=True)))
+                    if r == self.rank:
+                        mine = acc
+            return BucketReduce(mine, works, self.world_size, owner_part=True)
+        acc = buf.float()
+        return BucketReduce(acc, [(acc, dist.all_reduce(acc, async_op=True))], self.world_size, owner_part=False)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    # -- weights --------------------------------------------------------------
+    def all_gather_weights(self, flat16: torch.Tensor, tracer) -> None:
+        """Every rank's shard of flat16 into every rank's flat16, in place."""
+        shard = flat16[self.rank * self.S:(self.rank + 1) * self.S]
+        with tracer.span("all_gather", bytes=2 * flat16.numel()):
+            _all_gather(flat16, shard if self.nccl else shard.clone())
+
+    def gather_master(self, shard: torch.Tensor, rank0_only: bool, window: int = MASTER_WINDOW):
+        """Every rank's fp32 master shard (a CPU tensor of S elements) concatenated into
+        one host tensor, window by window; None on ranks other than 0 with rank0_only."""
+        W, S = self.world_size, self.S
+        dev = self.device if self.nccl else torch.device("cpu")
+        out = torch.empty(W * S, dtype=torch.float32) if (self.rank == 0 or not rank0_only) else None
+        for o in range(0, S, window):
+            n = min(window, S - o)
+            piece = shard[o:o + n].to(dev)
+            got = torch.empty(W * n, dtype=torch.float32, device=dev)
+            _all_gather(got, piece)
+            if out is not None:
+                got = got.cpu().view(W, n)
+                for k in range(W):
+                    out[k * S + o:k * S + o + n] = got[k]
+        return out
+
+    # -- agreement ------------------------------------------------------------
+    def all_ok(self, ok: bool) -> bool:
+        """True only if every rank passed True."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=self.device if self.nccl else "cpu")
+        dist.all_reduce(flag)
+        return int(flag) == 0
+
+    def barrier(self) -> None:
+        if self.nccl:
+            dist.barrier(device_ids=[self.device.index])  # NCCL would otherwise guess the GPU
+        else:
+            dist.barrier()
 
 
-def finish_bucket_reduce(work, acc: torch.Tensor, world_size: int) -> None:
-    work.wait()  # bounded by the process group's timeout (torch.distributed's default: 30 min)
-    acc.div_(world_size)
+class BucketReduce:
+    """A bucket's reduce in flight.  wait() (on the current stream for NCCL, on the
+    host for gloo) returns this rank's fp32 average: the owned part (NCCL) or the
+    whole bucket (gloo's all-reduce); None where this rank owns none of it (NCCL)."""
 
+    def __init__(self, acc, works, world_size: int, owner_part: bool):
+        self.acc, self.works, self.world_size, self.owner_part = acc, works, world_size, owner_part
 
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    x = x.clone()
-    dist.all_reduce(x)
-    return x
+    def wait(self) -> torch.Tensor | None:
+        for _, work in self.works:
+            work.wait()  # bounded by the process group's timeout (torch.distributed's default: 30 min)
+        if self.acc is not None:
+            self.acc.div_(self.world_size)
+        return self.acc
 
-
-def all_gather_weights(flat16: torch.Tensor, lo: int, hi: int, tracer) -> None:
-    """Every rank's shard [lo, hi) of flat16 into every rank's flat16, in place."""
-    shard = flat16[lo:hi]
-    with tracer.span("all_gather", bytes=2 * flat16.numel()):
-        _all_gather(flat16, shard.clone() if not is_nccl() else shard)
-
-
-def all_gather_cpu(shard: torch.Tensor, padded_numel: int, device: torch.device) -> torch.Tensor:
-    """Every rank's fp32 master shard, concatenated (for master_state_dict)."""
-    if is_nccl():
-        dev = shard.to(device)
-        out = torch.empty(padded_numel, dtype=shard.dtype, device=device)
-        _all_gather(out, dev)
-        return out.cpu()
-    out = torch.empty(padded_numel, dtype=shard.dtype)
-    _all_gather(out, shard)
-    return out
-
-
-def all_ranks_ok(ok: bool, device: torch.device) -> bool:
-    """True only if every rank passed True (a collective)."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device if is_nccl() else "cpu")
-    dist.all_reduce(flag)
-    return int(flag) == 0
-
-
-def barrier() -> None:
-    dist.barrier()
+    def record_stream(self, stream) -> None:
+        """The buffers are read on `stream` (CUDA): keep them alive for it."""
+        for acc, _ in self.works:
+            acc.record_stream(stream)

@@ -95,6 +95,7 @@ class OffloadEngine:
         self.shard_lo, self.shard_hi = self.rank * S, (self.rank + 1) * S
         self._names = {id(p): n for n, p in model.named_parameters()}  # for master_state_dict()
         self.counters = Counters()
+        self.coll = distributed.Collectives(self.device, self.rank, self.world_size, S) if self.distributed else None
 
         self._server = None
         self.client: ShardClient | None = None
@@ -147,15 +148,14 @@ class OffloadEngine:
             self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.pin_host_memory)
         gather = None
         if self.world_size > 1:
-            gather = lambda flat16: distributed.all_gather_weights(flat16, self.shard_lo, self.shard_hi,  # noqa: E731
-                                                                   self.tracer)
+            gather = lambda flat16: self.coll.all_gather_weights(flat16, self.tracer)  # noqa: E731
         self.cycle = UpdateCycle(c, self.flat, dtype=self.dtype, device=self.device, shard_lo=self.shard_lo,
                                  zero_copy=self._zero_copy, overlap_weights_up=cfg.overlap_weights_up,
                                  tracer=self.tracer, counters=self.counters, gather=gather)
         gate = SlotGate(self.cycle, enabled=self._grad_slots == 1, tracer=self.tracer, counters=self.counters)
         self.grads = GradientsDown(self.flat, c.grads, dtype=self.dtype, dtype_name=cfg.dtype, device=self.device,
                                    rank=self.rank, world_size=self.world_size, gate=gate, on_free=self.cycle.pump,
-                                   tracer=self.tracer, counters=self.counters)
+                                   tracer=self.tracer, counters=self.counters, collectives=self.coll)
 
     def _init_weights(self) -> None:
         with self.tracer.span("init_weights"):
@@ -267,18 +267,24 @@ class OffloadEngine:
         self.grads.quiesce()
         self.cycle.quiesce()
 
-    def master_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
-        """The fp32 master weights (all shards) as CPU tensors, keyed like model.state_dict()."""
+    def master_state_dict(self, rank0_only: bool = False) -> "OrderedDict[str, torch.Tensor]":
+        """The fp32 master weights (all shards) as CPU tensors, keyed like model.state_dict().
+
+        The values are views into one host tensor of the flat space (4 B/param, no
+        copy per parameter).  Across ranks the shards are gathered window by window
+        (runtime.distributed: never a full fp32 model on a device); rank0_only=True
+        assembles them on rank 0 alone, and the other ranks return an empty dict
+        (FSDP's full state dict convention), so a node holds one fp32 model, not one
+        per rank.  Every rank must call it (a collective)."""
         self._check_between_steps("master_state_dict()")
         shard = torch.from_numpy(self.client.get_master())
-        if self.world_size > 1:
-            full = distributed.all_gather_cpu(shard, self.flat.padded_numel, self.device)
-        else:
-            full = shard
+        full = shard if self.world_size == 1 else self.coll.gather_master(shard, rank0_only)
         out = OrderedDict()
+        if full is None:
+            return out
         for p in self.flat.params:
             s = self.flat.by_param[id(p)]
-            out[self._names.get(id(p), f"param{len(out)}")] = full[s.offset:s.offset + s.numel].view(p.shape).clone()
+            out[self._names.get(id(p), f"param{len(out)}")] = full[s.offset:s.offset + s.numel].view(p.shape)
         return out
 
     def save_checkpoint(self, directory: str, keep: int = 2) -> str:
@@ -321,7 +327,7 @@ class OffloadEngine:
             self.client.load(str(d))
             self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
             if self.world_size > 1:
-                distributed.all_gather_weights(self.flat16, self.shard_lo, self.shard_hi, self.tracer)
+                self.coll.all_gather_weights(self.flat16, self.tracer)
         self.iteration = meta["iteration"]
         self.updates = meta["updates"]
         self.skipped_steps = meta["skipped_steps"]
@@ -345,11 +351,11 @@ class OffloadEngine:
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)
     def _agree(self, ok: bool) -> bool:
-        return distributed.all_ranks_ok(ok, self.device) if self.world_size > 1 else ok
+        return self.coll.all_ok(ok) if self.world_size > 1 else ok
 
     def _barrier(self) -> None:
         if self.world_size > 1:
-            distributed.barrier()
+            self.coll.barrier()
 
     # ------------------------------------------------------------------ teardown
     def _check_open(self) -> None:

@@ -29,7 +29,6 @@ import torch
 from cython_ext import cpu_adam
 from optimizer_server.errors import OptimizerServerTimeoutError
 
-from . import distributed
 from .flat import Bucket, FlatParams, ParamSpan
 from .stats import Counters
 
@@ -78,14 +77,18 @@ class GradientsDown:
 
     def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
                  device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
-                 counters: Counters):
+                 counters: Counters, collectives=None):
         self.flat = flat
+        self.coll = collectives  # runtime.distributed.Collectives, with world_size > 1
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
         self.rank, self.world_size = rank, world_size
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
         self.shard_lo, self.shard_hi = rank * S, (rank + 1) * S
+        # the shard elements past the model's end (the last shard's padding): no bucket
+        # covers them, so each step zeroes them (the staging window lies over slot 0)
+        self.pad_lo = min(max(flat.numel - self.shard_lo, 0), S)
         self.host_words = host_words
         self.host = [torch.from_numpy(w.view("int16")).view(dtype) for w in host_words]
         self.cpu_threads = torch.get_num_threads()
@@ -128,6 +131,10 @@ class GradStep:
         self.remaining = [len(b.params) for b in buckets]  # parameters still without a gradient
         self.bufs: list = [None] * len(buckets)           # device buffers of this step (transient)
         self.front = 0   # buckets [0, front) are done: their weights are free on the device
+        # Across ranks every rank issues its buckets' collectives in index order (DDP's
+        # rule): a bucket that completes before its predecessors waits for them.
+        self.ordered = down.world_size > 1
+        self.issued = 0  # buckets [0, issued) went to _bucket_done
         self.sq = torch.zeros((), dtype=torch.float32, device=down.device)
         self.sq_host = 0.0
         self.seen: set[int] = set()
@@ -151,7 +158,12 @@ class GradStep:
             self._fill_unused(b)
             self.remaining[b.index] = 0
             self._done(b)
+        assert not self.ordered or self.issued == len(self.d.flat.buckets)
         self._finish_reduces()
+        d = self.d
+        if d.pad_lo < d.flat.shard_numel:
+            d.gate.wait_free(d.flat.shard_numel)
+            d.host[self.slot][d.pad_lo:].zero_()
         self.finished = True
 
     def sumsq(self) -> float:
@@ -159,7 +171,7 @@ class GradStep:
         self.d.quiesce()  # all gradient bytes are on the host
         sq = self.sq + self.sq_host if self.sq_host else self.sq
         if self.d.world_size > 1:
-            sq = distributed.all_reduce_sum(sq)
+            sq = self.d.coll.all_reduce_sum(sq)
         return float(sq)
 
     def _done(self, b: Bucket) -> None:
@@ -169,7 +181,12 @@ class GradStep:
             self.front += 1
         free = bs[self.front].lo if self.front < len(bs) else d.flat.padded_numel
         d.on_free(min(max(free - d.shard_lo, 0), d.flat.shard_numel))
-        self._bucket_done(b)
+        if not self.ordered:
+            self._bucket_done(b)
+            return
+        while self.issued < len(bs) and self.remaining[self.issued] == 0:
+            self._bucket_done(bs[self.issued])
+            self.issued += 1
 
     def _unseen(self, b: Bucket):
         return (s for s in b.params if id(s.param) not in self.seen)
@@ -233,31 +250,53 @@ class DeviceBucketStep(GradStep):
         return max(b.lo, self.d.shard_lo), min(b.hi, self.d.shard_hi)
 
     def _bucket_done(self, b: Bucket) -> None:
-        """The bucket is complete: reduce across ranks, copy our shard's part down."""
+        """The bucket is complete: reduce across ranks, copy our shard's part down.
+
+        CUDA: everything after the hook's copy into the bucket runs on the copy
+        stream, ordered after the compute stream's work so far (the bucket's
+        backward kernels are queued, not finished): the reduce's wait, the norm of
+        the 16-bit values that go down, and the copy; the compute stream never
+        waits for communication."""
         d = self.d
         lo, hi = self._shard_part(b)
         buf = self.bufs[b.index]
         with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
-            if d.world_size > 1:
-                distributed.reduce_bucket(buf, b.lo, rank=d.rank, world_size=d.world_size,
-                                          shard_numel=d.flat.shard_numel)
-            if hi > lo:
-                part = buf[lo - b.lo:hi - b.lo]
-                d.gate.wait_free(hi - d.shard_lo)
-                host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
-                if d.cuda:
-                    # on the device, where the bucket is: no extra host pass
-                    self.sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
-                    # side stream: the copy overlaps the rest of backward
-                    cur = torch.cuda.current_stream(d.device)
-                    d.copy_stream.wait_stream(cur)
-                    with torch.cuda.stream(d.copy_stream):
-                        host.copy_(part, non_blocking=True)
-                    buf.record_stream(d.copy_stream)
-                else:
+            red = d.coll.start_bucket_reduce(buf, b.lo) if d.world_size > 1 else None
+            if not d.cuda:  # a CPU device with a process group (GlooStep serves gloo)
+                avg = red.wait() if red is not None else None
+                if hi > lo:
+                    if avg is None:
+                        part = buf[lo - b.lo:hi - b.lo]
+                    else:  # NCCL's reduce leaves this rank its part; gloo's all-reduce the bucket
+                        part = avg if d.coll.nccl else avg[lo - b.lo:hi - b.lo]
+                    d.gate.wait_free(hi - d.shard_lo)
+                    host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
                     host.copy_(part)
                     self.sq_host += d.host_sumsq(self.slot, lo - d.shard_lo, hi - d.shard_lo)
-                d.counters.bytes_to_host += 2 * (hi - lo)
+                    d.counters.bytes_to_host += 2 * (hi - lo)
+            elif hi > lo or red is not None:
+                cur = torch.cuda.current_stream(d.device)
+                d.copy_stream.wait_stream(cur)
+                with torch.cuda.stream(d.copy_stream):
+                    if red is None:
+                        part = buf[lo - b.lo:hi - b.lo]
+                    else:
+                        avg = red.wait()  # the copy stream waits for the reduce, not the host
+                        red.record_stream(d.copy_stream)
+                        part = None
+                        if avg is not None:
+                            part = avg if d.coll.nccl else avg[lo - b.lo:hi - b.lo]
+                            part = part.to(d.dtype)  # the one rounding to 16 bits
+                    if hi > lo:
+                        d.gate.wait_free(hi - d.shard_lo)
+                        host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
+                        # the norm of exactly the 16-bit values that go down (an fp32 average
+                        # beyond fp16's range is inf there, and must skip the step)
+                        self.sq += torch.linalg.vector_norm(part, dtype=torch.float32).square()
+                        host.copy_(part, non_blocking=True)
+                        part.record_stream(d.copy_stream)
+                        d.counters.bytes_to_host += 2 * (hi - lo)
+                buf.record_stream(d.copy_stream)
         self.bufs[b.index] = None
 
 
@@ -270,15 +309,15 @@ class GlooStep(DeviceBucketStep):
         # gloo: start the all-reduce and let backward go on; finished in _finish_reduces
         lo, hi = self._shard_part(b)
         with self.d.tracer.span("grad_reduce_start", bucket=b.index):
-            self.pending.append((b, lo, hi, *distributed.start_bucket_reduce(self.bufs[b.index])))
+            self.pending.append((b, lo, hi, self.d.coll.start_bucket_reduce(self.bufs[b.index], b.lo)))
         self.bufs[b.index] = None
 
     def _finish_reduces(self) -> None:
         """Wait for the all-reduces started during backward; copy our shard's parts down."""
         d = self.d
-        for b, lo, hi, acc, work in self.pending:
+        for b, lo, hi, red in self.pending:
             with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
-                distributed.finish_bucket_reduce(work, acc, d.world_size)
+                acc = red.wait()
                 if hi > lo:
                     d.gate.wait_free(hi - d.shard_lo)
                     host = d.host[self.slot][lo - d.shard_lo:hi - d.shard_lo]
