@@ -93,3 +93,84 @@ def test_model_built_on_cpu_trains_on_gpu():
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() - base <= 2 * eng.flat.padded_numel + (1 << 20)
     assert n == eng.flat.numel
+
+
+# ----------------------------------------------------------------------------- tests that can fail on a GPU
+class _Lag(torch.autograd.Function):
+    """Identity whose backward first queues a long sleep on the compute stream: the
+    hooks of the parameters behind it run while the GPU is still far behind, so a
+    copy not ordered after the compute stream (a missing wait_stream or
+    record_stream) reads gradients that are not written yet."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.cuda._sleep(50_000_000)  # ~25 ms of GPU cycles
+        return g
+
+
+class _LaggingGPT(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = gpt()
+
+    def forward(self, idx, targets=None):
+        m = self.inner
+        B, T = idx.shape
+        x = _Lag.apply(m.tok(idx) + m.pos(torch.arange(T, device=idx.device)))
+        for b in m.blocks:
+            x = _Lag.apply(b(x))
+        logits = m.head(m.ln_f(x))
+        if targets is None:
+            return logits
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("dpu", [None, 3])
+def test_cuda_ordering_with_a_lagging_gpu(dpu):
+    p0, master, ref_master, losses, ref_losses, st = run_pair(_LaggingGPT, gpt_batch, "bf16", steps=8, dpu=dpu,
+                                                              device="cuda", bucket_numel=1024, progress_block=100)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) <= 1e-2 * abs(b)
+
+
+def test_cuda_one_gradient_slot_waits_for_a_slow_server(monkeypatch):
+    """The one-slot DPU gate on the GPU path: bitwise the two-slot run, and it waited."""
+    from tests.test_engine import _Tables
+    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "scalar")  # the server's update, several times slower
+    results = []
+    for slots in (1, 2):
+        model = _Tables().cuda()
+        cfg = OffloadConfig(lr=1e-2, dtype="bf16", dpu=True, dpu_warmup_steps=2, dpu_grad_slots=slots,
+                            server_threads=1, progress_block_numel=1 << 16)
+        with OffloadEngine(model, cfg) as eng:
+            for t in range(1, 7):
+                idx = torch.randint(0, 1 << 18, (64,), generator=torch.Generator().manual_seed(t)).cuda()
+                eng.backward(model(idx) / 64)
+                eng.step()
+            results.append((torch.cat([v.reshape(-1) for v in eng.master_state_dict().values()]),
+                            eng.stats()["grad_slot_wait_s"]))
+    (m1, wait1), (m2, wait2) = results
+    assert torch.equal(m1, m2)
+    assert wait1 > 0 and wait2 == 0
+
+
+def test_device_memory_of_a_25m_model_is_the_16_bit_weights():
+    """~25M parameters built on the CPU: after a step the device holds the 16-bit
+    weights (2 B/param) and little else; a full fp32 copy (4 B/param) would show."""
+    from runtime.demo.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=8, d_model=704, seq_len=64))
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 20_000_000
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=4)) as eng:
+        train_engine(eng, gpt_batch, 2, "bf16")
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        assert held <= 2 * eng.flat.padded_numel * 1.05 + (4 << 20), held / n

@@ -73,3 +73,16 @@ def test_gpu_scripts_without_gpu():
     out = run("gpu_bench.py", "--dry-run")
     for variant in ("baseline", "sync", "dpu"):
         assert f"| 2x32 | {variant} |" in out
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """gpu_check.sh --dry-run: every step of the prepared GPU run (imports, build, the
+    cuda tests, which skip, the benchmark at tiny sizes, the JSON) on the CPU, inside
+    the ~420 s the real run is given."""
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHON=sys.executable))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "/dev/shm" in r.stdout and "cuda tests rc=0, bench rc=0" in r.stdout, r.stdout[-3000:]
+    res = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert {"sync_b2", "dpu_b4", "dpu-after_b4"} <= set(res)

@@ -179,3 +179,32 @@ def test_bytes_per_step():
     assert b["to_host_B"] == 100 and b["to_device_B"] == 400 and b["to_device_early_B"] == 200
     assert b["to_device_GBps"] == pytest.approx(800 / 4e3) and b["update_GBps"] == pytest.approx(2800 / 4e3)
     assert bytes_per_step(spans[:4])["update_GBps"] is None
+
+
+# ----------------------------------------------------------------------------- device choice
+def test_cuda_device_without_cuda_is_the_intended_error(monkeypatch):
+    """device="cuda" on a machine without CUDA: the error naming is_available(), not
+    whatever torch.cuda.current_device() raises first."""
+    import torch
+
+    from runtime.engine import _resolve_device
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="torch.cuda.is_available\\(\\) is False"):
+        _resolve_device("cuda", torch.device("cpu"))
+    assert _resolve_device("", torch.device("cpu")) == torch.device("cpu")
+
+
+def test_a_launched_rank_takes_its_local_gpu(monkeypatch):
+    """With LOCAL_RANK set, device="cuda" means that rank's GPU (torchrun numbers them), not GPU 0."""
+    import torch
+
+    from runtime import engine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert engine._resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 3)
+    assert engine._resolve_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert engine._resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 0)

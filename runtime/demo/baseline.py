@@ -55,8 +55,9 @@ class DeviceMixedPrecision:
         t0 = time.perf_counter()
         with torch.no_grad():
             grads = [p.grad for p in self.params]
-            norm_sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32).square())
-                          for g in grads if g is not None)
+            # one host sync for the whole step (a float() per parameter would be hundreds)
+            sq = [torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads if g is not None]
+            norm_sq = float(torch.stack(sq).double().sum()) if sq else 0.0
             if not math.isfinite(norm_sq):
                 for p in self.params:
                     p.grad = None
