@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -69,6 +70,11 @@ class OffloadEngine:
         self.cfg = cfg = config
         self.model = model
         self.dtype = TORCH_DTYPES[cfg.dtype]
+        other = _OPEN.get(id(model))
+        if other is not None and other.model is model and not other._closed:
+            raise ValueError("this model already has an open OffloadEngine (its parameters view that engine's "
+                             "weights, and its close() would take them back): call engine.close() on it first, "
+                             "or build the model anew")
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -93,7 +99,7 @@ class OffloadEngine:
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
         S = self.flat.shard_numel
         self.shard_lo, self.shard_hi = self.rank * S, (self.rank + 1) * S
-        self._names = {id(p): n for n, p in model.named_parameters()}  # for master_state_dict()
+        self._names = _state_dict_names(model)  # for master_state_dict()
         self.counters = Counters()
         self.coll = distributed.Collectives(self.device, self.rank, self.world_size, S) if self.distributed else None
 
@@ -116,6 +122,7 @@ class OffloadEngine:
             self.close()
             raise
 
+        _OPEN[id(model)] = self
         self.scaler = LossScaler.for_config(cfg)
         self.optimizer = ServerOptimizer(cfg)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
@@ -172,6 +179,12 @@ class OffloadEngine:
             # server's 16-bit copy of our shard rounds the same way (RNE)
             self.flat.cast_and_bind(self.cycle.flat16)
             self._bound = True
+            # frozen parameters are never sent to the server, but the model computes with
+            # them beside the trained ones: the same 16 bits, on the same device
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
             for b in self.model.buffers():
                 b.data = b.data.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
         host_memory.return_freed_heap()
@@ -239,7 +252,7 @@ class OffloadEngine:
             clip = min(1.0, self.cfg.clip_grad_norm / (norm + 1e-6))
         k = self.updates + 1
         lr = self.optimizer.lr_for(k)
-        hp = {"weight_decay": float(self.optimizer.param_groups[0]["weight_decay"])}
+        hp = self.optimizer.step_hparams()
         with self.tracer.span("signal", step=k):
             self.cycle.send(k, grad_slot=grads.slot, lr=lr, grad_scale=clip / scale, hparams=hp,
                             predict=self.cfg.dpu_predict if delayed else 0.0)
@@ -284,7 +297,9 @@ class OffloadEngine:
             return out
         for p in self.flat.params:
             s = self.flat.by_param[id(p)]
-            out[self._names.get(id(p), f"param{len(out)}")] = full[s.offset:s.offset + s.numel].view(p.shape)
+            view = full[s.offset:s.offset + s.numel].view(p.shape)
+            for name in self._names.get(id(p), [f"param{len(out)}"]):  # a tied weight under each of its names
+                out[name] = view
         return out
 
     def save_checkpoint(self, directory: str, keep: int = 2) -> str:
@@ -367,6 +382,8 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
+        if _OPEN.get(id(self.model)) is self:
+            del _OPEN[id(self.model)]
         try:
             if self._bound:
                 try:
@@ -395,6 +412,22 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# The open engine of each model (by id; weak: a dropped engine leaves no entry), so a
+# second engine on the same model is refused instead of fighting over its weights.
+_OPEN: "weakref.WeakValueDictionary[int, OffloadEngine]" = weakref.WeakValueDictionary()
+COMPILE_PREFIX = "_orig_mod."          # what torch.compile's wrapper adds to every name
+
+
+def _state_dict_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Every name model.state_dict() gives each parameter (a tied weight has several),
+    without torch.compile's prefix: the keys a plain model's load_state_dict expects."""
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.nn.Parameter):
+            names.setdefault(id(t), []).append(name.replace(COMPILE_PREFIX, ""))
+    return names
 
 
 def _resolve_device(name: str, src: torch.device) -> torch.device:

@@ -1,0 +1,110 @@
+"""What real training code brings: frozen parameters, tied weights, torch.compile's
+names, a scheduler that writes betas, a second engine on the same model."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from runtime import OffloadConfig, OffloadEngine
+from tests.helpers.models import gpt, gpt_batch, train_engine
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output head sharing one weight (GPT-2's lm_head), plus a
+    frozen positional table."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = torch.nn.Embedding(64, 16)
+        self.pos = torch.nn.Embedding(8, 16)
+        self.pos.weight.requires_grad_(False)
+        self.mix = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 64, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        logits = self.head(torch.tanh(self.mix(x)))
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 64), targets.reshape(-1))
+
+
+def batch(t):
+    g = torch.Generator().manual_seed(t)
+    idx = torch.randint(0, 64, (4, 9), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def test_frozen_parameters_are_cast_and_kept():
+    model = Tied()
+    frozen = model.pos.weight.detach().clone()
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+        assert model.pos.weight.dtype == torch.bfloat16 and not model.pos.weight.requires_grad
+        for t in range(1, 4):
+            eng.backward(model(*batch(t)))  # no dtype clash between frozen and trained weights
+            eng.step()
+        assert torch.equal(model.pos.weight, frozen.to(torch.bfloat16))  # never updated
+        assert eng.stats()["num_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_master_state_dict_loads_strictly_into_a_plain_model():
+    model = Tied()
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+        for t in range(1, 3):
+            eng.backward(model(*batch(t)))
+            eng.step()
+        sd = eng.master_state_dict()
+    assert "head.weight" in sd and sd["head.weight"] is sd["tok.weight"]  # the tied alias, one tensor
+    fresh = Tied()
+    missing = set(fresh.state_dict()) - set(sd)
+    assert missing == {"pos.weight"}  # the frozen table is not the optimizer's: it is the model's own
+    sd["pos.weight"] = fresh.pos.weight.detach()
+    fresh.load_state_dict(sd, strict=True)
+
+
+def test_torch_compile_names_have_no_prefix():
+    model = gpt()
+    compiled = torch.compile(model, backend="eager")
+    with OffloadEngine(compiled, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+        train_engine(eng, gpt_batch, 2, "bf16")
+        keys = set(eng.master_state_dict())
+    assert keys == set(gpt().state_dict()) and not any(k.startswith("_orig_mod.") for k in keys)
+
+
+def test_a_second_engine_on_an_open_engines_model_is_refused():
+    model = gpt()
+    first = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1))
+    try:
+        with pytest.raises(ValueError, match="already has an open OffloadEngine.*close"):
+            OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1))
+        twin = copy.deepcopy(model)  # a copy is another model
+        OffloadEngine(twin, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)).close()
+    finally:
+        first.close()
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as again:
+        train_engine(again, gpt_batch, 1, "bf16")  # after close: a new engine takes the model
+
+
+def test_a_scheduler_that_writes_betas_is_followed(tmp_path):
+    model = gpt()
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+        sched = torch.optim.lr_scheduler.OneCycleLR(eng.optimizer, max_lr=1e-3, total_steps=10)  # cycles beta1
+        betas = []
+        for t in range(1, 5):
+            betas.append(eng.optimizer.param_groups[0]["betas"][0])
+            train_engine(eng, gpt_batch, 1, "bf16", start=t)
+            sched.step()
+        d = eng.save_checkpoint(str(tmp_path))
+    man = json.loads(open(f"{d}/shard-r0-of-1.json").read())
+    assert len(set(betas)) > 1 and man["hparams"]["beta1"] == pytest.approx(betas[-1])  # the server used them
+
+
+def test_add_param_group_is_refused_not_ignored():
+    with OffloadEngine(gpt(), OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+        with pytest.raises(ValueError, match="one param group"):
+            eng.optimizer.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.0})
