@@ -240,7 +240,7 @@ cdef class _Call:
 
 
 cdef _Call _prepare(param, states, grad, param_out, grad_dtype, out_dtype, num_threads,
-                    progress, progress_tag, progress_block):
+                    progress, progress_tag, progress_block, progress_base=0):
     """The shared preamble of adam_step, adagrad_step and lion_step: param and each
     (array, name) of states are float32, writable, C-contiguous and of one length;
     grad and param_out (optional) of that length and of a 16-bit or fp32 kind."""
@@ -265,7 +265,7 @@ cdef _Call _prepare(param, states, grad, param_out, grad_dtype, out_dtype, num_t
         c.ok = _kind_of(c.o, "param_out", out_dtype, "out_dtype", False)
         _check_len(c.o, "param_out", c.n)
     c.nt = _threads(num_threads)
-    c.pg = _progress(progress, progress_tag, progress_block, c.n)
+    c.pg = _progress(progress, progress_tag, progress_block, c.n, progress_base)
     return c
 
 
@@ -277,7 +277,7 @@ cdef _check_lr_wd_scale(double lr, double wd):
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
               step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
               adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
-              progress=None, progress_tag=0, progress_block=0):
+              progress=None, progress_tag=0, progress_block=0, progress_base=0):
     """One Adam (adamw=False, L2 decay) or AdamW (decoupled decay) step, in place.
 
     param, exp_avg, exp_avg_sq: 1-D C-contiguous float32, updated in place.
@@ -288,10 +288,13 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     Non-finite gradients are not masked: the caller decides to skip the step.
     predict: param_out gets p_new + predict * (p_new - p_old) instead of p_new (weight
     prediction for delayed updates; the fp32 param itself is the exact update).
-    progress, progress_tag, progress_block: publish progress per block (module docstring).
+    progress, progress_tag, progress_block: publish progress per block (module docstring);
+    progress_base: these arrays start at that element of the shard the word counts (an update
+    run range by range, one call per param group, publishes shard-wide progress).
     """
     cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")), grad, param_out,
-                            grad_dtype, out_dtype, num_threads, progress, progress_tag, progress_block)
+                            grad_dtype, out_dtype, num_threads, progress, progress_tag, progress_block,
+                            progress_base)
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step must be an int >= 1 (1-based, for bias correction), got {step!r}")
     cdef double dlr = _finite(lr, "lr")
@@ -325,13 +328,13 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
 
 def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weight_decay=0.0,
                  grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
-                 progress=None, progress_tag=0, progress_block=0):
+                 progress=None, progress_tag=0, progress_block=0, progress_base=0):
     """One Adagrad step in place (torch.optim.Adagrad with lr_decay=0; L2 weight decay).
 
     state_sum += g*g;  param -= lr * g / (sqrt(state_sum) + eps).
     """
     cdef _Call c = _prepare(param, ((state_sum, "state_sum"),), grad, param_out, grad_dtype, out_dtype,
-                            num_threads, progress, progress_tag, progress_block)
+                            num_threads, progress, progress_tag, progress_block, progress_base)
     cdef double dlr = _finite(lr, "lr")
     cdef double deps = _finite(eps, "eps")
     cdef double wd = _finite(weight_decay, "weight_decay")
@@ -354,13 +357,13 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
 
 def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
               grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
-              progress=None, progress_tag=0, progress_block=0):
+              progress=None, progress_tag=0, progress_block=0, progress_base=0):
     """One Lion step in place (Chen et al. 2023; decoupled weight decay).
 
     c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
     """
     cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"),), grad, param_out, grad_dtype, out_dtype,
-                            num_threads, progress, progress_tag, progress_block)
+                            num_threads, progress, progress_tag, progress_block, progress_base)
     cdef double dlr = _finite(lr, "lr")
     cdef double b1 = _beta(beta1, "beta1")
     cdef double b2 = _beta(beta2, "beta2")
@@ -485,13 +488,15 @@ cdef class _Progress:
     cdef uint64_t *word
     cdef uint64_t tagbits
     cdef int64_t block
+    cdef uint64_t base
 
 
-cdef _Progress _progress(progress, tag, block, Py_ssize_t n):
+cdef _Progress _progress(progress, tag, block, Py_ssize_t n, base=0):
     cdef _Progress pg = _Progress()
     pg.word = NULL
     pg.tagbits = 0
     pg.block = 0
+    pg.base = 0
     if progress is None:
         return pg
     pg.buf = _word(progress, True)
@@ -503,6 +508,10 @@ cdef _Progress _progress(progress, tag, block, Py_ssize_t n):
         raise ValueError(f"a progress word counts at most {PROGRESS_DONE_MASK} elements, got {n}")
     pg.word = <uint64_t *>pg.buf.view.buf
     pg.tagbits = (<uint64_t>(tag & PROGRESS_TAG_MASK)) << ZO_PROGRESS_SHIFT
+    if not isinstance(base, int) or isinstance(base, bool) or base < 0 or base + n > PROGRESS_DONE_MASK:
+        raise ValueError(f"progress_base must be an int >= 0 with progress_base + length <= {PROGRESS_DONE_MASK}, "
+                         f"got {base!r}")
+    pg.base = base
     pg.block = block if block > 0 else n
     return pg
 
@@ -546,12 +555,13 @@ cdef void _run(Kernel which, zo_hparams *h, _Call c):
     cdef int level = _level
     cdef uint64_t *word = pg.word
     cdef uint64_t tagbits = pg.tagbits
+    cdef uint64_t base = pg.base
     cdef int64_t block = pg.block if word != NULL else n
     cdef int64_t b0 = 0
     cdef int64_t b1
     if n == 0:
         if word != NULL:
-            zo_progress_store(word, tagbits)
+            zo_progress_store(word, tagbits | pg.base)
         return
     with nogil:
         # Blocks run one after another, each with all threads, so progress
@@ -560,7 +570,7 @@ cdef void _run(Kernel which, zo_hparams *h, _Call c):
             b1 = b0 + block if b0 + block < n else n
             _run_range(which, level, p, s1, s2, g, gk, o, ok, b0, b1, nt, h)
             if word != NULL:
-                zo_progress_store(word, tagbits | <uint64_t>b1)
+                zo_progress_store(word, tagbits | (base + <uint64_t>b1))
             b0 = b1
 
 

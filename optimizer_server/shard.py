@@ -91,6 +91,7 @@ class Shard:
         self.phase = ShardState.UNINITIALIZED
         self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
         self._init_next = 0        # INIT chunks arrive in order: the offset the next must have
+        self.last_groups: list = []  # the param groups of the last STEP (saved in the manifest)
         self.drop_reason: str | None = None  # set when its worker died mid-update
         self.last_seen = time.monotonic()
         self.update_times: list[float] = []
@@ -177,6 +178,9 @@ class Shard:
                                  f"slot(s): send out_slot 0, or register with weight_slots=2")
         if msg.predict and self.optimizer not in ("adamw", "adam"):
             return P.E_INVALID, f"predict is implemented for adam/adamw, not {self.optimizer}"
+        if msg.groups and msg.groups[-1][0] + msg.groups[-1][1] != self.numel:
+            return P.E_INVALID, (f"STEP's groups cover [0, {msg.groups[-1][0] + msg.groups[-1][1]}) but the shard has "
+                                 f"{self.numel} elements: the groups' ranges must cover it")
         self.phase = ShardState.UPDATING
         return None
 
@@ -193,31 +197,42 @@ class Shard:
         return None
 
     def step(self, msg: P.Step) -> float:
-        """Run one update from gradient slot msg.slot; returns seconds spent."""
+        """Run one update from gradient slot msg.slot; returns seconds spent.  With param
+        groups, one kernel call per group's range, front to back, each publishing its
+        progress in shard coordinates (progress_base)."""
         self.hparams.update(msg.hparams)
         self.hparams["lr"] = msg.lr
-        h = self.hparams
+        ranges = [(0, self.numel, self.hparams)]
+        if msg.groups:
+            keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+            ranges = [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:]))) for g in msg.groups]
+            self.last_groups = msg.groups
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
-        # progress: weights16 is final block by block, front first; the worker copies
-        # each block up as soon as it is published (and, with DPU, free on the device)
-        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
-                  num_threads=self.threads, progress=self.progress, progress_tag=msg.step,
-                  progress_block=self.progress_block)
-        if msg.predict:  # the server refused it for optimizers other than adam/adamw
-            kw["predict"] = msg.predict
         self._state_dirty = True
         t0 = time.perf_counter()
-        if self.optimizer in ("adamw", "adam"):
-            cpu_adam.adam_step(self.master, self.state["exp_avg"], self.state["exp_avg_sq"], gin, out,
-                               step=msg.step, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
-        elif self.optimizer == "adagrad":
-            cpu_adam.adagrad_step(self.master, self.state["state_sum"], gin, out, lr=h["lr"], eps=h["eps"],
-                                  weight_decay=h["weight_decay"], **kw)
-        else:
-            cpu_adam.lion_step(self.master, self.state["exp_avg"], gin, out, lr=h["lr"], beta1=h["beta1"],
-                               beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
+        for lo, hi, h in ranges:
+            # progress: weights16 is final block by block, front first; the worker copies
+            # each block up as soon as it is published (and, with DPU, free on the device)
+            kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
+                      num_threads=self.threads, progress=self.progress, progress_tag=msg.step,
+                      progress_block=self.progress_block)
+            if lo:
+                kw["progress_base"] = lo
+            if msg.predict:  # the server refused it for optimizers other than adam/adamw
+                kw["predict"] = msg.predict
+            sl = slice(lo, hi) if (lo, hi) != (0, self.numel) else slice(None)
+            p, g, o = self.master[sl], gin[sl], out[sl]
+            if self.optimizer in ("adamw", "adam"):
+                cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,
+                                   step=msg.step, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                                   weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
+            elif self.optimizer == "adagrad":
+                cpu_adam.adagrad_step(p, self.state["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],
+                                      weight_decay=h["weight_decay"], **kw)
+            else:
+                cpu_adam.lion_step(p, self.state["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
+                                   beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
         dt = time.perf_counter() - t0
         self.steps = msg.step
         self.update_times.append(dt)
@@ -251,7 +266,7 @@ class Shard:
         return {"format": C.SHARD_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
                 "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
                 "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
-                "steps": self.steps, "skipped": self.skipped,
+                "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
                 "arrays": ["master", *self.state.keys()]}
 
     def save(self, directory: str) -> dict:

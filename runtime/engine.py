@@ -62,7 +62,13 @@ MID_STEP = ("{what} in the middle of a step would lose its gradients (backward()
 
 
 class OffloadEngine:
-    def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, **overrides):
+    def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
+                 param_groups: list | None = None, **overrides):
+        """param_groups: torch.optim's groups, [{"params": [...], "weight_decay": 0.0, "lr": ...}, ...]
+        over the model's trainable parameters (each in exactly one group), each with its own
+        lr, betas, eps and weight_decay (the config's where a group does not say);
+        engine.optimizer.param_groups follows them, and schedulers drive them.  None: one
+        group of every trainable parameter."""
         if config is None:
             config = OffloadConfig(**overrides)
         elif overrides:
@@ -96,7 +102,9 @@ class OffloadEngine:
         # DONE before the next backward anyway.
         self._grad_slots = cfg.dpu_grad_slots if cfg.dpu else 1
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
-        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size)
+        group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
+        self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
+        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of)
         S = self.flat.shard_numel
         self.shard_lo, self.shard_hi = self.rank * S, (self.rank + 1) * S
         self._names = _state_dict_names(model)  # for master_state_dict()
@@ -124,7 +132,6 @@ class OffloadEngine:
 
         _OPEN[id(model)] = self
         self.scaler = LossScaler.for_config(cfg)
-        self.optimizer = ServerOptimizer(cfg)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
                                             shard_numel=S, agree=self._agree, barrier=self._barrier,
                                             tracer=self.tracer)
@@ -251,11 +258,15 @@ class OffloadEngine:
         if self.cfg.clip_grad_norm is not None:
             clip = min(1.0, self.cfg.clip_grad_norm / (norm + 1e-6))
         k = self.updates + 1
-        lr = self.optimizer.lr_for(k)
-        hp = self.optimizer.step_hparams()
+        lrs = self.optimizer.lrs_for(k)
+        hps = self.optimizer.step_hparams()
+        groups = []
+        if len(hps) > 1:  # each group's range of this shard with its values
+            groups = [[lo, hi - lo, lrs[g], hps[g]["beta1"], hps[g]["beta2"], hps[g]["eps"], hps[g]["weight_decay"]]
+                      for g, lo, hi in self.flat.shard_groups(self.rank)]
         with self.tracer.span("signal", step=k):
-            self.cycle.send(k, grad_slot=grads.slot, lr=lr, grad_scale=clip / scale, hparams=hp,
-                            predict=self.cfg.dpu_predict if delayed else 0.0)
+            self.cycle.send(k, grad_slot=grads.slot, lr=lrs[0], grad_scale=clip / scale, hparams=hps[0],
+                            predict=self.cfg.dpu_predict if delayed else 0.0, groups=groups)
         self.updates = k
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
@@ -418,6 +429,46 @@ class OffloadEngine:
 # second engine on the same model is refused instead of fighting over its weights.
 _OPEN: "weakref.WeakValueDictionary[int, OffloadEngine]" = weakref.WeakValueDictionary()
 COMPILE_PREFIX = "_orig_mod."          # what torch.compile's wrapper adds to every name
+
+
+def _index_groups(param_groups, params: list, model: torch.nn.Module) -> tuple[list[int], list[dict]]:
+    """(the group of each trainable parameter, each group's options) from torch.optim-style
+    param groups, or ValueError naming what is wrong."""
+    from .optimizer_proxy import GROUP_KEYS
+    if isinstance(param_groups, dict) or not isinstance(param_groups, (list, tuple)) or not param_groups:
+        raise TypeError("param_groups must be a non-empty list of dicts like torch.optim's, "
+                        "[{'params': [...], 'weight_decay': 0.0}, ...]")
+    names = {id(p): n for n, p in model.named_parameters()}
+    trainable = {id(p): i for i, p in enumerate(params)}
+    group_of: list[int | None] = [None] * len(params)
+    opts = []
+    for gi, g in enumerate(param_groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError(f"param_groups[{gi}] must be a dict with a 'params' list")
+        extra = set(g) - {"params", *GROUP_KEYS}
+        if extra:
+            raise ValueError(f"param_groups[{gi}] has {sorted(extra)}; a group may set {list(GROUP_KEYS)}")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if id(p) not in names:
+                raise ValueError(f"param_groups[{gi}] holds a tensor that is not a parameter of the model")
+            i = trainable.get(id(p))
+            if i is None:
+                continue  # frozen: cast and moved, never trained (as torch.optim leaves it without a gradient)
+            if group_of[i] is not None:
+                raise ValueError(f"parameter {names[id(p)]} is in param groups {group_of[i]} and {gi}; "
+                                 f"put each parameter in one group")
+            group_of[i] = gi
+        opts.append({k: (tuple(v) if k == "betas" else v) for k, v in g.items() if k != "params"})
+    missing = [names[id(p)] for p, gi in zip(params, group_of) if gi is None]
+    if missing:
+        raise ValueError(f"trainable parameters in no param group: {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                         f"add them to a group or set requires_grad=False")
+    used = sorted(set(group_of))
+    if used != list(range(len(param_groups))):
+        raise ValueError(f"param groups {sorted(set(range(len(param_groups))) - set(used))} hold no trainable "
+                         f"parameter; drop them")
+    return group_of, opts
 
 
 def _state_dict_names(model: torch.nn.Module) -> dict[int, list[str]]:

@@ -47,15 +47,32 @@ class FlatParams:
     ``cast_and_bind`` once and ``bind`` after each swap.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int):
+    def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int,
+                 groups: list[int] | None = None):
+        """groups[i]: the param group of params[i] (None: one group).  Each group's
+        parameters lie together, in one contiguous range (group_ranges), so an update
+        is one kernel call per group; inside a group, and for the groups' order, the
+        layout stays reverse registration order (the group of the last parameter first)."""
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.params = params
         self.spans: list[ParamSpan] = []
         self.buckets: list[Bucket] = []
+        order = list(reversed(range(len(params))))
+        if groups is not None:
+            first = {}
+            for i in order:
+                first.setdefault(groups[i], len(first))
+            order.sort(key=lambda i: first[groups[i]])  # stable: reverse registration inside a group
+        self.group_ranges: list[tuple[int, int, int]] = []  # (group, lo, hi) in flat coordinates, in order
         off = 0
         cur: Bucket | None = None
-        for p in reversed(params):
+        for i in order:
+            p = params[i]
+            g = groups[i] if groups is not None else 0
+            if not self.group_ranges or self.group_ranges[-1][0] != g:
+                self.group_ranges.append((g, off, off))
+            self.group_ranges[-1] = (g, self.group_ranges[-1][1], off + p.numel())
             n = p.numel()
             if cur is None or (cur.numel > 0 and cur.numel + n > bucket_numel):
                 cur = Bucket(index=len(self.buckets), lo=off, hi=off)
@@ -70,6 +87,20 @@ class FlatParams:
         self.padded_numel = (off + world_size - 1) // world_size * world_size
         self.shard_numel = self.padded_numel // world_size
         self.by_param = {id(s.param): s for s in self.spans}
+
+    def shard_groups(self, rank: int) -> list[tuple[int, int, int]]:
+        """(group, lo, hi) in shard coordinates, in order, covering rank's whole shard
+        (the padding goes with the last group: its zeros stay zeros under any update)."""
+        S, lo0 = self.shard_numel, rank * self.shard_numel
+        ranges = list(self.group_ranges)
+        g, a, _ = ranges[-1]
+        ranges[-1] = (g, a, self.padded_numel)
+        out = []
+        for g, a, b in ranges:
+            a2, b2 = max(a, lo0), min(b, lo0 + S)
+            if b2 > a2:
+                out.append((g, a2 - lo0, b2 - lo0))
+        return out
 
     def copy_fp32_range(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """out[:] = the model's current weights [lo, hi) of the flat space, as fp32

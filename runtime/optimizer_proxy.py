@@ -1,11 +1,12 @@
-"""A torch.optim.Optimizer stand-in so torch LR schedulers drive the server's lr.
+"""A torch.optim.Optimizer stand-in so torch LR schedulers drive the server's hyper-parameters.
 
-The real update runs in the optimizer server; this object only carries one
-param group that schedulers read and write.  The engine sends its lr,
-weight_decay, betas and eps with every STEP, so a scheduler that writes any of
-them (OneCycleLR cycles betas by default) is followed from the next update on.
-Its step() is called by OffloadEngine.step() and does nothing else.  There is
-one group: add_param_group raises rather than ignore a group.
+The real update runs in the optimizer server; this object only carries the
+param groups that schedulers read and write: one per group the engine was given
+(one by default), each with lr, betas, eps and weight_decay.  The engine sends
+every group's values with every STEP, so a scheduler that writes any of them
+(OneCycleLR cycles betas by default) is followed from the next update on.  Its
+step() is called by OffloadEngine.step() and does nothing else.  The groups are
+fixed at construction: add_param_group raises rather than ignore a group.
 """
 from __future__ import annotations
 
@@ -13,44 +14,60 @@ import math
 
 import torch
 
+GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
 
 class ServerOptimizer(torch.optim.Optimizer):
-    def __init__(self, cfg):
+    def __init__(self, cfg, groups: list[dict] | None = None):
+        """groups: each group's overrides of the config's lr, betas, eps and weight_decay."""
         self._cfg = cfg
         self._schedule = cfg.lr if callable(cfg.lr) else None
-        lr0 = cfg.lr_at(1)
-        # one placeholder tensor: Optimizer insists on a non-empty param list
-        super().__init__([torch.zeros(1)], dict(lr=lr0, betas=cfg.betas, eps=cfg.eps,
-                                                  weight_decay=cfg.weight_decay))
+        defaults = dict(lr=cfg.lr_at(1), betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        groups = groups or [{}]
+        if self._schedule is not None and any("lr" in g for g in groups):
+            raise ValueError("OffloadConfig.lr is a callable and a param group sets its own lr: give the groups "
+                             "their lrs and drive them with a torch LR scheduler on engine.optimizer instead")
+        # one placeholder tensor per group: Optimizer insists on non-empty, distinct params
+        super().__init__([dict(g, params=[torch.zeros(1)]) for g in groups], defaults)
         self._constructed = True
 
-    def lr_for(self, update: int) -> float:
-        """The lr for 1-based update `update`: the config's callable, else the param group."""
+    def lrs_for(self, update: int) -> list[float]:
+        """Each group's lr for 1-based update `update`: the config's callable, else the group's."""
         if self._schedule is not None:
             lr = self._cfg.lr_at(update)
-            self.param_groups[0]["lr"] = lr
-            return lr
-        lr = float(self.param_groups[0]["lr"])
-        if not (lr >= 0 and lr < float("inf")):
-            raise ValueError(f"lr in param_groups is {lr!r}; it must be a finite float >= 0")
-        return lr
+            for g in self.param_groups:
+                g["lr"] = lr
+            return [lr] * len(self.param_groups)
+        out = []
+        for g in self.param_groups:
+            lr = float(g["lr"])
+            if not (lr >= 0 and lr < float("inf")):
+                raise ValueError(f"lr in param_groups is {lr!r}; it must be a finite float >= 0")
+            out.append(lr)
+        return out
 
-    def step_hparams(self) -> dict:
-        """The group's hyper-parameters for the next STEP (lr apart), checked as torch.optim does."""
-        g = self.param_groups[0]
-        b1, b2 = (float(b) for b in g["betas"])
-        eps, wd = float(g["eps"]), float(g["weight_decay"])
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas in param_groups are {g['betas']!r}; each must be in [0, 1)")
-        if not (eps > 0 and math.isfinite(eps)) or not (wd >= 0 and math.isfinite(wd)):
-            raise ValueError(f"eps {eps!r} must be a finite float > 0 and weight_decay {wd!r} a finite float >= 0")
-        return {"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd}
+    def lr_for(self, update: int) -> float:
+        """The first group's lr (the only one's, by default)."""
+        return self.lrs_for(update)[0]
+
+    def step_hparams(self) -> list[dict]:
+        """Each group's hyper-parameters for the next STEP (lr apart), checked as torch.optim does."""
+        out = []
+        for g in self.param_groups:
+            b1, b2 = (float(b) for b in g["betas"])
+            eps, wd = float(g["eps"]), float(g["weight_decay"])
+            if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+                raise ValueError(f"betas in param_groups are {g['betas']!r}; each must be in [0, 1)")
+            if not (eps > 0 and math.isfinite(eps)) or not (wd >= 0 and math.isfinite(wd)):
+                raise ValueError(f"eps {eps!r} must be a finite float > 0 and weight_decay {wd!r} a finite float >= 0")
+            out.append({"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd})
+        return out
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
-            raise ValueError("OffloadEngine's optimizer has one param group (all trainable parameters, with "
-                             "OffloadConfig's settings); adding a group would be ignored, so it is refused: "
-                             "set lr/weight_decay/betas in OffloadConfig or in param_groups[0]")
+            raise ValueError("OffloadEngine's optimizer has the param groups it was built with (OffloadEngine's "
+                             "param_groups argument); adding one would be ignored, so it is refused: pass every "
+                             "group when the engine is created")
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -61,11 +78,17 @@ class ServerOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are freed by the engine's hooks once copied; nothing to do."""
 
-    def state_dict_small(self) -> dict:
-        g = self.param_groups[0]
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+    def state_dict_small(self):
+        """The groups' hyper-parameters (a dict for one group, as before groups existed)."""
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+                  for g in self.param_groups]
+        return groups[0] if len(groups) == 1 else groups
 
-    def load_state_dict_small(self, d: dict) -> None:
-        g = self.param_groups[0]
-        for k, v in d.items():
-            g[k] = tuple(v) if isinstance(v, list) else v
+    def load_state_dict_small(self, d) -> None:
+        groups = [d] if isinstance(d, dict) else d
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} param group(s), this engine {len(self.param_groups)}; "
+                             f"build the engine with the groups it was saved with")
+        for g, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                g[k] = tuple(v) if isinstance(v, list) else v

@@ -118,9 +118,12 @@ class UpdateCycle:
         assert self.phase in phases, f"{event} in phase {self.phase.value}"
 
     # ------------------------------------------------------------------ events
-    def send(self, k: int, *, grad_slot: int, lr: float, grad_scale: float, hparams: dict, predict: float) -> None:
+    def send(self, k: int, *, grad_slot: int, lr: float, grad_scale: float, hparams: dict, predict: float,
+             groups: list | None = None) -> None:
         self._expect("send", Phase.IDLE, Phase.ON_DEVICE)
-        self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot)
+        kw = {"groups": groups} if groups else {}
+        self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot,
+                               **kw)
         self.step, self.phase = k, Phase.IN_FLIGHT
         if self._up is not None:
             self._up.start()

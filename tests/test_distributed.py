@@ -12,7 +12,7 @@ import torch
 
 from runtime import OffloadEngine
 from tests.conftest import our_segments
-from tests.helpers.dist_worker import config, global_batch, make_model
+from tests.helpers.dist_worker import config, global_batch, groups, make_model
 from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,7 +28,7 @@ def launch(out, mode, steps, nproc=2, extra=(), **kw):
 
 def one_rank(mode, steps):
     model = make_model()
-    with OffloadEngine(model, config(mode)) as eng:
+    with OffloadEngine(model, config(mode), param_groups=groups(model, mode)) as eng:
         for t in range(1, steps + 1):
             x, y = global_batch(t)
             loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y)
@@ -38,7 +38,7 @@ def one_rank(mode, steps):
     return master, eng.stats()
 
 
-@pytest.mark.parametrize("mode", ["sync", "dpu"])
+@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu"])
 def test_two_ranks_match_one_rank(tmp_path, mode):
     steps = 20
     p = launch(tmp_path, mode, steps)

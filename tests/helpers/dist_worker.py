@@ -31,6 +31,15 @@ def global_batch(step: int, bs: int = 32):
     return torch.randn(bs, 16, generator=g), torch.randn(bs, 8, generator=g)
 
 
+def groups(model, mode: str):
+    """groups*: weights with decay, biases without it at twice the lr (ranges across shards)."""
+    if not mode.startswith("groups"):
+        return None
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 6e-3}]
+
+
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
                          dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
@@ -44,7 +53,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     extra = {}
     model = make_model()
-    eng = OffloadEngine(model, config(mode))
+    eng = OffloadEngine(model, config(mode), param_groups=groups(model, mode))
     dt = eng.dtype
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
         eng.load_checkpoint(os.path.join(out, "ckpt"))
