@@ -103,3 +103,18 @@ def test_bad_groups_are_refused_naming_the_fix(groups, msg):
     model = gpt()
     with pytest.raises((ValueError, TypeError), match=msg):
         OffloadEngine(model, OffloadConfig(dtype="bf16", server_threads=1), param_groups=groups(model))
+
+
+def test_each_group_is_one_range_of_the_flat_space():
+    """So a STEP carries one range per group and shard (not one per parameter)."""
+    from runtime.flat import FlatParams
+    model = gpt()
+    gs = nanogpt_groups(model)
+    params = list(model.parameters())
+    index = {id(p): gi for gi, g in enumerate(gs) for p in g["params"]}
+    flat = FlatParams(params, bucket_numel=1024, world_size=3, groups=[index[id(p)] for p in params])
+    assert sorted(g for g, _, _ in flat.group_ranges) == [0, 1, 2, 3]
+    assert [r[1:] for r in flat.group_ranges] == sorted(r[1:] for r in flat.group_ranges)
+    for rank in range(3):
+        rs = flat.shard_groups(rank)
+        assert rs[0][1] == 0 and rs[-1][2] == flat.shard_numel and all(a[2] == b[1] for a, b in zip(rs, rs[1:]))
