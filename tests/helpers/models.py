@@ -45,7 +45,9 @@ def gpt_batch(step: int, dtype: str, micro: int = 0, bs: int = 4):
 
 
 def flat_master(engine) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in engine.master_state_dict().values()])
+    """The fp32 master, each parameter once (a tied weight is one tensor under several names)."""
+    uniq = {id(t): t for t in engine.master_state_dict().values()}
+    return torch.cat([t.reshape(-1) for t in uniq.values()])
 
 
 def train_engine(engine, batch, steps, dtype, start=1, accum=1):
