@@ -178,10 +178,11 @@ class CheckpointDir:
 
     def commit(self, tmp: Path, ok: bool, expected: Callable[[int], list[Path]]) -> tuple[bool, str]:
         """Agree and publish.  expected(k): the files rank k must have written into tmp.
-        Returns (True, step path) or (False, why) on every rank alike."""
+        Returns (True, step path), or (False, why) on every rank alike, why "" when a
+        rank's write failed (that rank raises its own error)."""
         if not self._agree(ok):
             shutil.rmtree(tmp, ignore_errors=True)
-            return False, "a write failed"
+            return False, ""
         why = ""
         fix = ("Pass a directory every rank and the optimizer server can see (a shared mount), not a "
                "node-local path")

@@ -217,11 +217,10 @@ class Shard:
             kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
                       num_threads=self.threads, progress=self.progress, progress_tag=msg.step,
                       progress_block=self.progress_block)
-            if lo:
-                kw["progress_base"] = lo
+            kw["progress_base"] = lo
             if msg.predict:  # the server refused it for optimizers other than adam/adamw
                 kw["predict"] = msg.predict
-            sl = slice(lo, hi) if (lo, hi) != (0, self.numel) else slice(None)
+            sl = slice(lo, hi)
             p, g, o = self.master[sl], gin[sl], out[sl]
             if self.optimizer in ("adamw", "adam"):
                 cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,

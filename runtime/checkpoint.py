@@ -82,7 +82,7 @@ class EngineCheckpoint:
         if err is not None:
             raise OptimizerServerError(f"saving checkpoint {name} in {root} failed ({err}); the previous "
                                        f"checkpoint is intact", code="checkpoint") from err
-        if where != "a write failed":
+        if where:
             raise OptimizerServerError(f"saving checkpoint {name} failed: {where}; the previous checkpoint is "
                                        f"intact", code="checkpoint")
         raise OptimizerServerError(f"saving checkpoint {name} failed on another rank; the previous "

@@ -72,9 +72,9 @@ class Collectives:
                     works.append((acc, dist.reduce(acc, dst=r, op=dist.ReduceOp.SUM, async_op=True)))
                     if r == self.rank:
                         mine = acc
-            return BucketReduce(mine, works, self.world_size, owner_part=True)
+            return BucketReduce(mine, works, self.world_size)
         acc = buf.float()
-        return BucketReduce(acc, [(acc, dist.all_reduce(acc, async_op=True))], self.world_size, owner_part=False)
+        return BucketReduce(acc, [(acc, dist.all_reduce(acc, async_op=True))], self.world_size)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
@@ -124,8 +124,8 @@ class BucketReduce:
     host for gloo) returns this rank's fp32 average: the owned part (NCCL) or the
     whole bucket (gloo's all-reduce); None where this rank owns none of it (NCCL)."""
 
-    def __init__(self, acc, works, world_size: int, owner_part: bool):
-        self.acc, self.works, self.world_size, self.owner_part = acc, works, world_size, owner_part
+    def __init__(self, acc, works, world_size: int):
+        self.acc, self.works, self.world_size = acc, works, world_size
 
     def wait(self) -> torch.Tensor | None:
         for _, work in self.works:

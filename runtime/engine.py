@@ -106,7 +106,7 @@ class OffloadEngine:
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of)
         S = self.flat.shard_numel
-        self.shard_lo, self.shard_hi = self.rank * S, (self.rank + 1) * S
+        self.shard_lo, self.shard_hi = self.flat.shard_range(self.rank)
         self._names = _state_dict_names(model)  # for master_state_dict()
         self.counters = Counters()
         self.coll = distributed.Collectives(self.device, self.rank, self.world_size, S) if self.distributed else None

@@ -88,10 +88,14 @@ class FlatParams:
         self.shard_numel = self.padded_numel // world_size
         self.by_param = {id(s.param): s for s in self.spans}
 
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of rank's shard in the flat space."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
     def shard_groups(self, rank: int) -> list[tuple[int, int, int]]:
         """(group, lo, hi) in shard coordinates, in order, covering rank's whole shard
         (the padding goes with the last group: its zeros stay zeros under any update)."""
-        S, lo0 = self.shard_numel, rank * self.shard_numel
+        S, lo0 = self.shard_numel, self.shard_range(rank)[0]
         ranges = list(self.group_ranges)
         g, a, _ = ranges[-1]
         ranges[-1] = (g, a, self.padded_numel)

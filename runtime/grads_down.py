@@ -85,7 +85,7 @@ class GradientsDown:
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
-        self.shard_lo, self.shard_hi = rank * S, (rank + 1) * S
+        self.shard_lo, self.shard_hi = flat.shard_range(rank)
         # the shard elements past the model's end (the last shard's padding): no bucket
         # covers them, so each step zeroes them (the staging window lies over slot 0)
         self.pad_lo = min(max(flat.numel - self.shard_lo, 0), S)
