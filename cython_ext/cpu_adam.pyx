@@ -541,6 +541,20 @@ def load_progress(progress, *, tag=None):
     return done if int(v >> ZO_PROGRESS_SHIFT) == (tag & PROGRESS_TAG_MASK) else 0
 
 
+def store_progress(progress, *, tag, done):
+    """Publish ``done`` elements of update ``tag`` with release semantics, as a
+    kernel's block does.  For a range the server finishes without a kernel (a
+    parameter with no gradient this step: its weights are only re-cast), so the
+    worker's readers see the same monotone word."""
+    cdef _Buf b = _word(progress, True)
+    if not isinstance(tag, int) or isinstance(tag, bool) or tag < 0:
+        raise ValueError(f"tag must be an int >= 0, got {tag!r}")
+    if not isinstance(done, int) or isinstance(done, bool) or not 0 <= done <= PROGRESS_DONE_MASK:
+        raise ValueError(f"done must be an int in [0, {PROGRESS_DONE_MASK}], got {done!r}")
+    cdef uint64_t v = ((<uint64_t>(tag & PROGRESS_TAG_MASK)) << ZO_PROGRESS_SHIFT) | <uint64_t>done
+    zo_progress_store(<uint64_t *>b.view.buf, v)
+
+
 cdef void _run(Kernel which, zo_hparams *h, _Call c):
     cdef float *p = <float *>c.p.view.buf
     cdef float *s1 = <float *>c.s1.view.buf

@@ -49,6 +49,9 @@ the engine's, with DPU too) and gave semantic refusals of well-formed requests
 their own code (E_INVALID, not E_DECODE).
 Version 5 added param groups (STEP.groups: per contiguous range of the shard, its
 own lr, betas, eps and weight decay).
+Version 6 gave each STEP.groups range its own Adam step count (`updates`, the
+bias correction's t), 0 meaning the range got no gradient this step and stays
+exactly as it is (torch.optim skips a parameter whose .grad is None).
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -67,7 +70,8 @@ DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (confi
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
 MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
-MAX_GROUPS = 256                       # param groups in one STEP (each 7 numbers: well inside the message)
+MAX_GROUPS = 512                       # ranges in one STEP (each 8 numbers, <= 72 B: well inside the message)
+GROUP_FIELDS = ("offset", "count", "lr", "beta1", "beta2", "eps", "weight_decay", "updates")
 DEFAULT_STAGING_NUMEL = 1 << 24        # fp32 elements per INIT/GET_MASTER chunk (64 MiB)
 
 
@@ -219,8 +223,11 @@ class Step(Message):
     hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
     predict: float = 0.0  # weights16 gets p + predict*(p - p_prev): DPU weight prediction (Adam only)
     out_slot: int = 0     # which weights16 slot receives the new weights (HELLO.weight_slots = 2)
-    # param groups: [offset, count, lr, beta1, beta2, eps, weight_decay] per range of the shard, in
-    # order, covering it; empty: the whole shard with lr and hparams above
+    # ranges of the shard, in order, covering it, each GROUP_FIELDS: [offset, count, lr, beta1,
+    # beta2, eps, weight_decay, updates] (a param group's range, or part of one); updates is the
+    # range's own Adam step count, this update included (the bias correction's t; a parameter
+    # skipped on some steps lags `step`), 0: no gradient this step, the range stays as it is.
+    # Empty: the whole shard with lr and hparams above, at step `step`.
     groups: list = field(default_factory=list)
 
     def validate(self) -> None:
@@ -232,16 +239,18 @@ class Step(Message):
         _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
         _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")
         validate_hparams(self.hparams)
-        _require(len(self.groups) <= MAX_GROUPS, f"at most {MAX_GROUPS} param groups, got {len(self.groups)}")
+        _require(len(self.groups) <= MAX_GROUPS, f"at most {MAX_GROUPS} ranges, got {len(self.groups)}")
         end = 0
         for i, g in enumerate(self.groups):
-            _require(isinstance(g, list) and len(g) == 7 and all(_is_num(x) for x in g),
-                     f"groups[{i}] must be [offset, count, lr, beta1, beta2, eps, weight_decay], got {g!r}")
-            off, count = g[0], g[1]
+            _require(isinstance(g, list) and len(g) == len(GROUP_FIELDS) and all(_is_num(x) for x in g),
+                     f"groups[{i}] must be [{', '.join(GROUP_FIELDS)}], got {g!r}")
+            off, count, updates = g[0], g[1], g[7]
             _require(_is_int(off) and _is_int(count) and off == end and count > 0,
                      f"groups[{i}] must start where the previous ended ({end}) and hold > 0 elements, got {g[:2]}")
+            _require(_is_int(updates) and 0 <= updates <= self.step,
+                     f"groups[{i}]'s updates must be an int in [0, step={self.step}], got {updates!r}")
             end = off + count
-            validate_hparams(dict(zip(("lr", "beta1", "beta2", "eps", "weight_decay"), g[2:])))
+            validate_hparams(dict(zip(GROUP_FIELDS[2:7], g[2:7])))
 
 
 @dataclass(kw_only=True)

@@ -202,16 +202,24 @@ class Shard:
         progress in shard coordinates (progress_base)."""
         self.hparams.update(msg.hparams)
         self.hparams["lr"] = msg.lr
-        ranges = [(0, self.numel, self.hparams)]
+        ranges = [(0, self.numel, self.hparams, msg.step)]
         if msg.groups:
-            keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
-            ranges = [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:]))) for g in msg.groups]
+            keys = P.GROUP_FIELDS[2:7]
+            ranges = [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:7])), int(g[7])) for g in msg.groups]
             self.last_groups = msg.groups
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         self._state_dirty = True
         t0 = time.perf_counter()
-        for lo, hi, h in ranges:
+        for lo, hi, h, updates in ranges:
+            sl = slice(lo, hi)
+            if updates == 0:
+                # no gradient this step (torch.optim skips a parameter whose .grad is None):
+                # master and state stay as they are; the out slot may hold older weights
+                # (two slots alternate), so it gets the master's 16 bits, then the progress
+                cpu_adam.cast_to_16(self.master[sl], out[sl], out_dtype=self.dtype, num_threads=self.threads)
+                cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
+                continue
             # progress: weights16 is final block by block, front first; the worker copies
             # each block up as soon as it is published (and, with DPU, free on the device)
             kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
@@ -220,11 +228,10 @@ class Shard:
             kw["progress_base"] = lo
             if msg.predict:  # the server refused it for optimizers other than adam/adamw
                 kw["predict"] = msg.predict
-            sl = slice(lo, hi)
             p, g, o = self.master[sl], gin[sl], out[sl]
             if self.optimizer in ("adamw", "adam"):
                 cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,
-                                   step=msg.step, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                                   step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
                                    weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
             elif self.optimizer == "adagrad":
                 cpu_adam.adagrad_step(p, self.state["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from optimizer_server import checkpoint as ckpt_format
 from optimizer_server.client import ShardClient
 from optimizer_server.errors import OptimizerServerError
+from optimizer_server.protocol import MAX_GROUPS
 from optimizer_server.tracing import Tracer
 
 from . import distributed, host_memory
@@ -137,6 +138,9 @@ class OffloadEngine:
                                             tracer=self.tracer)
         self.iteration = 0        # step() calls, skipped ones included
         self.updates = 0          # updates applied (the Adam step count)
+        # each parameter's (span order) own step count: it lags `updates` by the steps
+        # in which no rank computed a gradient for it (torch.optim's state["step"])
+        self.param_updates = np.zeros(len(self.flat.spans), dtype=np.int64)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
 
@@ -240,7 +244,7 @@ class OffloadEngine:
     def _step(self, grads: GradStep) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
         with self.tracer.span("grad_check"):
-            sq = grads.sumsq()
+            sq, used = grads.totals()
         overflow = not math.isfinite(sq)
         # the update in flight (DPU) lands before anything else touches the server
         self.cycle.land(copy=True)
@@ -260,14 +264,23 @@ class OffloadEngine:
         k = self.updates + 1
         lrs = self.optimizer.lrs_for(k)
         hps = self.optimizer.step_hparams()
+        # each parameter's own Adam step count after this update; 0: it got no gradient
+        # (on any rank), so the server leaves it exactly as it is, as torch.optim does
+        counts = [int(c) + 1 if u else 0 for c, u in zip(self.param_updates, used)]
         groups = []
-        if len(hps) > 1:  # each group's range of this shard with its values
-            groups = [[lo, hi - lo, lrs[g], hps[g]["beta1"], hps[g]["beta2"], hps[g]["eps"], hps[g]["weight_decay"]]
-                      for g, lo, hi in self.flat.shard_groups(self.rank)]
+        if len(hps) > 1 or any(c != k for c in counts):  # ranges of this shard, each with its values
+            groups = [[lo, hi - lo, lrs[g], hps[g]["beta1"], hps[g]["beta2"], hps[g]["eps"], hps[g]["weight_decay"], c]
+                      for g, lo, hi, c in self.flat.shard_runs(self.rank, counts)]
+            if len(groups) > MAX_GROUPS:
+                raise RuntimeError(f"this step's shard splits into {len(groups)} ranges (param groups, and "
+                                   f"parameters with and without a gradient, alternating), more than one STEP "
+                                   f"carries ({MAX_GROUPS}): put parameters that are often unused in a param "
+                                   f"group of their own")
         with self.tracer.span("signal", step=k):
             self.cycle.send(k, grad_slot=grads.slot, lr=lrs[0], grad_scale=clip / scale, hparams=hps[0],
                             predict=self.cfg.dpu_predict if delayed else 0.0, groups=groups)
         self.updates = k
+        self.param_updates += np.asarray(used, dtype=np.int64)
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
         if not delayed:
@@ -324,7 +337,8 @@ class OffloadEngine:
         pending = self.cycle.incoming_words() if self.cycle.landed else None
         meta = {"dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer, "iteration": self.iteration,
                 "updates": self.updates, "skipped_steps": self.skipped_steps, "micro": self._micro,
-                "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small()}
+                "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small(),
+                "param_updates": self.param_updates.tolist()}
         return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
                                      pending16=pending, meta=meta)
 
@@ -346,6 +360,10 @@ class OffloadEngine:
         self._check_between_steps("load_checkpoint()")
         d, src, meta, metas = self.checkpoints.read_meta(
             directory, {"numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer})
+        counts = meta.get("param_updates", [meta["updates"]] * len(self.param_updates))  # older: all, every step
+        if len(counts) != len(self.param_updates):
+            raise ValueError(f"checkpoint {d} counts steps for {len(counts)} parameters, this model has "
+                             f"{len(self.param_updates)} trainable ones: load it into the model it was saved from")
         with self.tracer.span("load_checkpoint", world_size_saved=src):
             raw = self.checkpoints.read_shard(d, "device16", src, metas)
             if meta["stale"]:  # verified before the server's state is touched
@@ -358,6 +376,7 @@ class OffloadEngine:
         self.updates = meta["updates"]
         self.skipped_steps = meta["skipped_steps"]
         self._micro = meta["micro"]
+        self.param_updates[:] = counts
         self.cycle.reset()
         if meta["stale"]:
             # nothing is in flight: the server does not touch the slot until the next STEP

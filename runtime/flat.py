@@ -106,6 +106,28 @@ class FlatParams:
                 out.append((g, a2 - lo0, b2 - lo0))
         return out
 
+    def shard_runs(self, rank: int, values: list[int]) -> list[tuple[int, int, int, int]]:
+        """(group, lo, hi, value) in shard coordinates, in order, covering rank's whole
+        shard: shard_groups split where values[i] (one per span, in span order) changes,
+        consecutive spans of one group with one value merged.  The padding goes with
+        the shard's last run."""
+        lo0 = self.shard_range(rank)[0]
+        out: list[list[int]] = []
+        for g, a, b in self.shard_groups(rank):
+            fa, fb, first = a + lo0, b + lo0, len(out)
+            for i, s in enumerate(self.spans):  # spans tile [0, numel) in offset order
+                x, y = max(fa, s.offset), min(fb, s.offset + s.numel)
+                if y <= x:
+                    continue
+                if out and out[-1][0] == g and out[-1][3] == values[i] and out[-1][2] == x - lo0:
+                    out[-1][2] = y - lo0
+                else:
+                    out.append([g, x - lo0, y - lo0, values[i]])
+            if len(out) == first:  # a shard of padding only
+                out.append([g, a, b, values[-1]])
+            out[-1][2] = b  # the padding (past numel) with the last run
+        return [tuple(r) for r in out]
+
     def copy_fp32_range(self, out: torch.Tensor, lo: int, hi: int) -> None:
         """out[:] = the model's current weights [lo, hi) of the flat space, as fp32
         (padding zero), straight from each parameter: no flat copy of the whole model."""

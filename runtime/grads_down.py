@@ -3,9 +3,10 @@
 One GradientsDown per engine picks, at construction, the step class for the
 topology; backward() asks it for a GradStep (``begin``), whose ``on_grad`` the
 parameters' post-accumulate-grad hooks call, ``finish`` ends backward (unused
-parameters count as zero gradients, gloo reduces are waited for) and ``sumsq``
-gives the global sum of squares behind the norm and the overflow decision; step()
-drops it.  Topologies:
+parameters are zeros in the slot, gloo reduces are waited for) and ``totals``
+gives the global sum of squares behind the norm and the overflow decision, and
+which parameters got a gradient on some rank (the others the server leaves
+alone); step() drops it.  Topologies:
 
   HostDirectStep    one rank, the device is this CPU: each hook copies its gradient
                     straight into the shared slot and sums its squares in the same
@@ -139,6 +140,7 @@ class GradStep:
         self.sq_host = 0.0
         self.seen: set[int] = set()
         self.finished = False
+        self._totals: tuple[float, list[bool]] | None = None
 
     def on_grad(self, p: torch.Tensor) -> None:
         s = self.d.flat.by_param[id(p)]
@@ -151,8 +153,15 @@ class GradStep:
             self._done(b)
 
     def finish(self) -> None:
-        """End of backward: parameters that got no gradient (unused in forward) count as zeros."""
+        """End of backward: a gradient that only earlier micro-batches produced (it sits in
+        .grad: the last backward never reached the parameter) goes down now; parameters
+        with none at all are zeros in the slot and reported by ``totals`` as unused."""
         for b in self.d.flat.buckets:
+            if self.remaining[b.index] == 0:
+                continue
+            for s in list(self._unseen(b)):
+                if s.param.grad is not None:
+                    self.on_grad(s.param)  # completes the bucket when it is the last one
             if self.remaining[b.index] == 0:
                 continue
             self._fill_unused(b)
@@ -168,11 +177,26 @@ class GradStep:
 
     def sumsq(self) -> float:
         """The global sum of squares of the (scaled) gradients; a sync point: one scalar per step."""
-        self.d.quiesce()  # all gradient bytes are on the host
-        sq = self.sq + self.sq_host if self.sq_host else self.sq
-        if self.d.world_size > 1:
-            sq = self.d.coll.all_reduce_sum(sq)
-        return float(sq)
+        return self.totals()[0]
+
+    def totals(self) -> tuple[float, list[bool]]:
+        """(the global sum of squares of the (scaled) gradients, whether each parameter, in
+        span order, got a gradient on some rank), computed once per step.
+
+        A sync point.  Across ranks one all-reduce carries both: the sum and, per
+        parameter, how many ranks saw a gradient (DDP's rule: a parameter unused on
+        every rank is left alone, one unused on some ranks gets their zeros)."""
+        if self._totals is None:
+            self.d.quiesce()  # all gradient bytes are on the host
+            sq = self.sq + self.sq_host if self.sq_host else self.sq
+            seen = [id(s.param) in self.seen for s in self.d.flat.spans]
+            if self.d.world_size > 1:
+                v = torch.tensor([0.0] + [float(x) for x in seen], dtype=torch.float32, device=sq.device)
+                v[0] = sq
+                v = self.d.coll.all_reduce_sum(v)
+                sq, seen = v[0], [bool(x > 0) for x in v[1:].tolist()]
+            self._totals = (float(sq), seen)
+        return self._totals
 
     def _done(self, b: Bucket) -> None:
         # backward is done with a prefix of buckets: the pending update's weights may go there

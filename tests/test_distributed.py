@@ -12,7 +12,7 @@ import torch
 
 from runtime import OffloadEngine
 from tests.conftest import our_segments
-from tests.helpers.dist_worker import config, global_batch, groups, make_model
+from tests.helpers.dist_worker import config, forward, global_batch, groups, make_model
 from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,25 +27,27 @@ def launch(out, mode, steps, nproc=2, extra=(), **kw):
 
 
 def one_rank(mode, steps):
-    model = make_model()
+    model = make_model(mode)
     with OffloadEngine(model, config(mode), param_groups=groups(model, mode)) as eng:
         for t in range(1, steps + 1):
             x, y = global_batch(t)
-            loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y)
+            loss = torch.nn.functional.mse_loss(forward(model, x.to(eng.dtype), t, 0).float(), y)
             eng.backward(loss)
             eng.step()
         master = torch.cat([v.reshape(-1) for v in eng.master_state_dict().values()])
     return master, eng.stats()
 
 
-@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu"])
+@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu", "unused-dpu"])
 def test_two_ranks_match_one_rank(tmp_path, mode):
+    """unused-dpu: a parameter without a gradient on every rank is left alone, one with
+    a gradient on one rank only is updated on both (DDP's rule), one never used stays."""
     steps = 20
     p = launch(tmp_path, mode, steps)
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
     ref, ref_stats = one_rank(mode, steps)
-    p0 = torch.cat([q.detach().reshape(-1) for q in make_model().parameters()])
+    p0 = torch.cat([q.detach().reshape(-1) for q in make_model(mode).parameters()])
     n = p0.numel()
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
@@ -59,6 +61,10 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
     for k in a["w16"]:
         assert torch.equal(a["w16"][k], b["w16"][k])  # all-gather: every rank holds the same weights
         assert torch.equal(a["master"][k], b["master"][k])
+    if mode.startswith("unused"):
+        fresh = make_model(mode)
+        for k in ("never.weight", "never.bias"):
+            assert torch.equal(a["master"][k], getattr(fresh.never, k.split(".")[1]).detach()), k
 
 
 def test_overflow_on_one_rank_skips_everywhere(tmp_path):

@@ -10,6 +10,7 @@ import torch
 
 from runtime import OffloadConfig, OffloadEngine
 from tests.helpers.models import gpt, gpt_batch, train_engine
+from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -108,3 +109,68 @@ def test_add_param_group_is_refused_not_ignored():
     with OffloadEngine(gpt(), OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
         with pytest.raises(ValueError, match="param groups it was built with"):
             eng.optimizer.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.0})
+
+
+class Branchy(torch.nn.Module):
+    """`side` gets a gradient on some steps (and, with accumulation, in some
+    micro-batches only); `never` is never called."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.side = torch.nn.Linear(16, 32), torch.nn.Linear(32, 32)
+        self.never, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x, use_side):
+        h = torch.tanh(self.inp(x))
+        if use_side:
+            h = h + torch.tanh(self.side(h))
+        return self.out(h)
+
+
+def branchy_loss(m, t, micro):
+    g = torch.Generator().manual_seed(100 * t + micro)
+    x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
+    use_side = t % 3 != 0 and (micro == 0 or t % 2 == 0)  # accumulation 2: odd steps, micro-batch 0 only
+    return torch.nn.functional.mse_loss(m(x.to(torch.bfloat16), use_side).float(), y)
+
+
+@pytest.mark.parametrize("dpu,accum", [(False, 1), (True, 1), (False, 2)], ids=["sync", "dpu", "accum2"])
+def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
+    """torch.optim.AdamW skips a parameter whose .grad is None: no decay, no moment
+    update, no step count (its bias correction lags).  The engine matches it, fed the
+    same 16-bit gradients (teacher forcing), and a never-used layer stays bitwise."""
+    model = Branchy()
+    ref = copy.deepcopy(model)
+    p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = OffloadConfig(lr=1e-2, weight_decay=0.1, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=3,
+                        grad_accumulation_steps=accum)
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(list(masters.values()), lr=1e-2, weight_decay=0.1)
+    ref.to(torch.bfloat16)
+    with OffloadEngine(model, cfg) as eng:
+        for t in range(1, 13):
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    q.copy_(p)
+            for mi in range(accum):
+                (branchy_loss(ref, t, mi) / accum).backward()  # the engine divides by accum alike
+                eng.backward(branchy_loss(model, t, mi))
+            for n, q in ref.named_parameters():
+                masters[n].grad = None if q.grad is None else q.grad.float()
+                q.grad = None
+            opt.step()
+            eng.step()
+        eng.synchronize()
+        got = eng.master_state_dict()
+        by_id = {id(s.param): int(c) for s, c in zip(eng.flat.spans, eng.param_updates)}
+        steps = {n: by_id[id(p)] for n, p in model.named_parameters()}
+    for n in ("never.weight", "never.bias"):
+        assert torch.equal(got[n], p0[n]), n          # the fp32 master, bitwise
+        assert torch.equal(model.get_parameter(n), p0[n].to(torch.bfloat16)), n  # the device's weights
+    for n in p0:
+        if n.startswith("never"):
+            continue
+        assert rel_err(got[n] - p0[n], masters[n].detach() - p0[n]) < 1e-4, (n, rel_err(got[n] - p0[n],
+                                                                                        masters[n].detach() - p0[n]))
+        assert steps[n] == opt.state[masters[n]]["step"].item(), n

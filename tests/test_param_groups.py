@@ -118,3 +118,30 @@ def test_each_group_is_one_range_of_the_flat_space():
     for rank in range(3):
         rs = flat.shard_groups(rank)
         assert rs[0][1] == 0 and rs[-1][2] == flat.shard_numel and all(a[2] == b[1] for a, b in zip(rs, rs[1:]))
+
+
+def test_shard_runs_split_groups_where_step_counts_differ():
+    """A parameter without a gradient this step is a range of its own (value 0); its
+    neighbours in one group with one count stay one range; every shard is covered."""
+    from runtime.flat import FlatParams
+    model = gpt()
+    gs = nanogpt_groups(model)
+    params = list(model.parameters())
+    index = {id(p): gi for gi, g in enumerate(gs) for p in g["params"]}
+    flat = FlatParams(params, bucket_numel=1024, world_size=3, groups=[index[id(p)] for p in params])
+    values = [5] * len(flat.spans)
+    assert [r[:3] for r in flat.shard_runs(1, values)] == flat.shard_groups(1)  # all alike: the groups
+    values[3] = 0
+    values[4] = 0  # two neighbours without a gradient
+    for rank in range(3):
+        runs = flat.shard_runs(rank, values)
+        assert runs[0][1] == 0 and runs[-1][2] == flat.shard_numel
+        assert all(a[2] == b[1] for a, b in zip(runs, runs[1:]))
+        lo0 = flat.shard_range(rank)[0]
+        for g, a, b, v in runs:
+            spans = [i for i, s in enumerate(flat.spans) if s.offset < b + lo0 and s.offset + s.numel > a + lo0]
+            assert {values[i] for i in spans} <= {v} and {index[id(flat.spans[i].param)] for i in spans} <= {g}
+    zero = [r for r in flat.shard_runs(0, values) + flat.shard_runs(1, values) + flat.shard_runs(2, values)
+            if r[3] == 0]
+    s3, s4 = flat.spans[3], flat.spans[4]
+    assert sum(b - a for _, a, b, _ in zero) == s3.numel + s4.numel

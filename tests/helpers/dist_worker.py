@@ -6,7 +6,9 @@ Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
 MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
-unshared (each rank saves into a directory of its own, which must be refused).
+unshared (each rank saves into a directory of its own, which must be refused) |
+unused-dpu (a layer with no gradient on any rank every third step, one only rank 0's
+rows use every third, and one never used).
 """
 import os
 import sys
@@ -20,10 +22,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from runtime import OffloadConfig, OffloadEngine  # noqa: E402
 
 
-def make_model():
+def make_model(mode: str = ""):
     torch.manual_seed(0)
+    if mode.startswith("unused"):
+        return Branchy()
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
                                torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+class Branchy(torch.nn.Module):
+    """`side` runs on global rows SIDE_ROWS[t % 3] of step t's batch (so on one rank, both
+    or none); `never` is never called."""
+    SIDE_ROWS = {0: (0, 0), 1: (0, 16), 2: (0, 32)}
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.side = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64)
+        self.never, self.out = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x, rows=(0, 0)):
+        h = torch.nn.functional.gelu(self.inp(x))
+        a, b = rows
+        if b > a:
+            h = torch.cat([h[:a], h[a:b] + torch.nn.functional.gelu(self.side(h[a:b])), h[b:]])
+        return self.out(h)
+
+
+def forward(model, x, t: int, lo: int):
+    """model on the batch rows [lo, lo + len(x)) of step t's global batch."""
+    if not isinstance(model, Branchy):
+        return model(x)
+    a, b = Branchy.SIDE_ROWS[t % 3]
+    return model(x, (max(a - lo, 0), max(min(b - lo, x.shape[0]), 0)))
 
 
 def global_batch(step: int, bs: int = 32):
@@ -52,7 +82,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     extra = {}
-    model = make_model()
+    model = make_model(mode)
     eng = OffloadEngine(model, config(mode), param_groups=groups(model, mode))
     dt = eng.dtype
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
@@ -71,7 +101,7 @@ def main():
         h = None
         if mode == "overflow" and rank == 1 and t == 3:
             h = next(model.parameters()).register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
-        loss = torch.nn.functional.mse_loss(model(x.to(dt)).float(), y)
+        loss = torch.nn.functional.mse_loss(forward(model, x.to(dt), t, rank * n).float(), y)
         eng.backward(loss)
         eng.step()
         if h is not None:
