@@ -1,11 +1,14 @@
 """Training-side runtime of zero-offload.
 
-    from runtime import OffloadEngine, OffloadConfig
+    from runtime import OffloadAdamW            # torch.optim.AdamW's interface
+    from runtime import OffloadEngine, OffloadConfig  # explicit control
+    from runtime.hf import OffloadTrainer       # transformers.Trainer (needs transformers)
 """
 from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
 
 from .config import OffloadConfig
 from .engine import OffloadEngine
+from .offload_adamw import OffloadAdamW
 
-__all__ = ["OffloadEngine", "OffloadConfig", "OptimizerServerError", "OptimizerServerDeadError",
+__all__ = ["OffloadAdamW", "OffloadEngine", "OffloadConfig", "OptimizerServerError", "OptimizerServerDeadError",
            "OptimizerServerTimeoutError"]

@@ -46,7 +46,7 @@ from optimizer_server.errors import OptimizerServerError
 from optimizer_server.protocol import MAX_GROUPS
 from optimizer_server.tracing import Tracer
 
-from . import distributed, host_memory
+from . import clipping, distributed, host_memory
 from .checkpoint import EngineCheckpoint
 from .config import OffloadConfig
 from .dtypes import TORCH_DTYPES
@@ -64,12 +64,18 @@ MID_STEP = ("{what} in the middle of a step would lose its gradients (backward()
 
 class OffloadEngine:
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
-                 param_groups: list | None = None, **overrides):
+                 param_groups: list | None = None, backward_mode: str = "engine", **overrides):
         """param_groups: torch.optim's groups, [{"params": [...], "weight_decay": 0.0, "lr": ...}, ...]
         over the model's trainable parameters (each in exactly one group), each with its own
         lr, betas, eps and weight_decay (the config's where a group does not say);
         engine.optimizer.param_groups follows them, and schedulers drive them.  None: one
-        group of every trainable parameter."""
+        group of every trainable parameter.
+
+        backward_mode: "engine": call engine.backward(loss) (loss scaling, the loss divided
+        by grad_accumulation_steps).  "hooks": call loss.backward() yourself, as with a
+        torch optimizer (runtime.OffloadAdamW): the engine sees each backward through its
+        gradient hooks and autograd's end-of-backward callback; the loss is used as given
+        (divide it for accumulation yourself), so fp16 (which needs loss scaling) is refused."""
         if config is None:
             config = OffloadConfig(**overrides)
         elif overrides:
@@ -77,14 +83,22 @@ class OffloadEngine:
         self.cfg = cfg = config
         self.model = model
         self.dtype = TORCH_DTYPES[cfg.dtype]
-        other = _OPEN.get(id(model))
-        if other is not None and other.model is model and not other._closed:
-            raise ValueError("this model already has an open OffloadEngine (its parameters view that engine's "
-                             "weights, and its close() would take them back): call engine.close() on it first, "
-                             "or build the model anew")
+        if backward_mode not in ("engine", "hooks"):
+            raise ValueError(f"backward_mode must be 'engine' or 'hooks', got {backward_mode!r}")
+        if backward_mode == "hooks" and cfg.dtype == "fp16":
+            raise ValueError("dtype='fp16' needs loss scaling, which a plain loss.backward() does not apply: use "
+                             "dtype='bf16', or OffloadEngine(model, cfg) with engine.backward(loss), which scales "
+                             "the loss and skips overflowing steps")
+        self.backward_mode = backward_mode
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        for p in params:
+            other = _OWNER.get(id(p))
+            if other is not None and not other._closed and _trains(other, p):
+                raise ValueError("a parameter of this model already has an open OffloadEngine or OffloadAdamW (it "
+                                 "views that one's weights, and its close() would take them back): close that one "
+                                 "first (engine.close() / optimizer.close()), or build the model anew")
         src = params[0].device
         if any(p.device != src for p in params):
             raise ValueError("all trainable parameters must be on one device; move the model with .to(device) first")
@@ -123,6 +137,8 @@ class OffloadEngine:
         self._bound = False  # the parameters view flat16 (set-up got that far)
         self._grads_ready = False
         self._micro = 0
+        self._in_backward = False  # backward_mode "hooks": a backward pass is running
+        self._clip_now: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         try:
             self._connect(cfg)
             self._init_weights()
@@ -131,7 +147,9 @@ class OffloadEngine:
             self.close()
             raise
 
-        _OPEN[id(model)] = self
+        for p in params:
+            _OWNER[id(p)] = self
+        clipping.install()  # torch.nn.utils.clip_grad_norm_ on our parameters reaches clip_grad_norm_
         self.scaler = LossScaler.for_config(cfg)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
                                             shard_numel=S, agree=self._agree, barrier=self._barrier,
@@ -210,6 +228,8 @@ class OffloadEngine:
         """Backward of one micro-batch; on the last one of a step the gradients
         stream to the host as buckets complete."""
         self._check_open()
+        if self.backward_mode == "hooks":
+            raise RuntimeError("this engine was built with backward_mode='hooks': call loss.backward() itself")
         if self._grads_ready:
             raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
                                "micro-batch's backward")
@@ -224,10 +244,57 @@ class OffloadEngine:
             self._grads_ready = True
 
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.backward_mode == "hooks" and not self._in_backward:
+            self._begin_pass()
         g = self._step_grads
         if g is None or g.finished:
             return  # accumulation pending: autograd keeps summing into p.grad
         g.on_grad(p)
+
+    def _begin_pass(self) -> None:
+        """backward_mode "hooks": the first gradient hook of a loss.backward()."""
+        self._check_open()
+        if self._grads_ready:
+            raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
+                               f"accumulate gradients over micro-batches, say how many with grad_accumulation_steps "
+                               f"(now {self.cfg.grad_accumulation_steps})")
+        self._in_backward = True
+        self._micro += 1
+        if self._micro % self.cfg.grad_accumulation_steps == 0:
+            self._step_grads = self.grads.begin(self.iteration % self._grad_slots)
+        # runs once this backward has finished (DDP ends its reduces the same way)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _end_pass(self) -> None:
+        self._in_backward = False
+        g = self._step_grads
+        if g is not None and not g.finished:
+            g.finish()
+            self._grads_ready = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
+        """Between the last backward of a step and step(): the global L2 norm of the step's
+        gradients (all ranks, unscaled), and clip them to max_norm in that step (as
+        torch.nn.utils.clip_grad_norm_ does: coefficient min(1, max_norm / (norm + 1e-6)),
+        applied inside the CPU update).  max_norm=inf only measures.  The parameters hold
+        no .grad (their gradients went to the host as backward produced them), so torch's
+        own clip_grad_norm_ on them is routed here (runtime.clipping)."""
+        self._check_open()
+        if not self._grads_ready:
+            raise RuntimeError("clip_grad_norm_() needs this step's gradients: call it after the last micro-batch's "
+                               "backward and before step()")
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type {norm_type!r}: the offloaded gradients have an L2 norm only (norm_type=2)")
+        max_norm = float(max_norm)
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        sq, _ = self._step_grads.totals()
+        norm = math.sqrt(sq) / self.scaler.scale if math.isfinite(sq) else float("inf")
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(f"the total norm of the gradients is {norm}, so they cannot be clipped; pass "
+                               f"error_if_nonfinite=False to skip this step instead")
+        self._clip_now = max_norm if self._clip_now is None else min(self._clip_now, max_norm)
+        return norm
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:
@@ -238,10 +305,11 @@ class OffloadEngine:
         self._grads_ready = False
         self.iteration += 1
         grads, self._step_grads = self._step_grads, None
+        clip_now, self._clip_now = self._clip_now, None
         with self.tracer.span("step", iteration=self.iteration), marker("zo.step", self.is_cuda):
-            self._step(grads)
+            self._step(grads, clip_now)
 
-    def _step(self, grads: GradStep) -> None:
+    def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
         with self.tracer.span("grad_check"):
             sq, used = grads.totals()
@@ -259,8 +327,11 @@ class OffloadEngine:
         norm = math.sqrt(sq) / scale
         self.last_grad_norm = norm
         clip = 1.0
-        if self.cfg.clip_grad_norm is not None:
-            clip = min(1.0, self.cfg.clip_grad_norm / (norm + 1e-6))
+        max_norm = self.cfg.clip_grad_norm
+        if clip_now is not None:  # this step's clip_grad_norm_
+            max_norm = clip_now if max_norm is None else min(max_norm, clip_now)
+        if max_norm is not None:
+            clip = min(1.0, max_norm / (norm + 1e-6))
         k = self.updates + 1
         lrs = self.optimizer.lrs_for(k)
         hps = self.optimizer.step_hparams()
@@ -412,8 +483,9 @@ class OffloadEngine:
         if self._closed:
             return
         self._closed = True
-        if _OPEN.get(id(self.model)) is self:
-            del _OPEN[id(self.model)]
+        for p in self.flat.params:
+            if _OWNER.get(id(p)) is self:
+                del _OWNER[id(p)]
         try:
             if self._bound:
                 try:
@@ -444,9 +516,21 @@ class OffloadEngine:
         self.close()
 
 
-# The open engine of each model (by id; weak: a dropped engine leaves no entry), so a
-# second engine on the same model is refused instead of fighting over its weights.
-_OPEN: "weakref.WeakValueDictionary[int, OffloadEngine]" = weakref.WeakValueDictionary()
+# The open engine of each trained parameter (by id; weak: a dropped engine leaves no
+# entry), so a second engine or OffloadAdamW on a parameter is refused instead of
+# fighting over its weights, and torch's clip_grad_norm_ finds the engine (runtime.clipping).
+_OWNER: "weakref.WeakValueDictionary[int, OffloadEngine]" = weakref.WeakValueDictionary()
+
+
+def owner_of(p: torch.Tensor) -> "OffloadEngine | None":
+    """The open engine that trains parameter p, or None."""
+    e = _OWNER.get(id(p))
+    return e if e is not None and not e._closed and _trains(e, p) else None
+
+
+def _trains(e: "OffloadEngine", p: torch.Tensor) -> bool:
+    s = e.flat.by_param.get(id(p))  # ids are reused once a tensor dies: check identity
+    return s is not None and s.param is p
 COMPILE_PREFIX = "_orig_mod."          # what torch.compile's wrapper adds to every name
 
 

@@ -63,6 +63,12 @@ class ServerOptimizer(torch.optim.Optimizer):
             out.append({"beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd})
         return out
 
+    def follow(self, param_groups: list[dict]) -> None:
+        """Read the groups' values from these dicts from now on: an OffloadAdamW's own
+        param_groups, which its schedulers and its user write."""
+        assert len(param_groups) == len(self.param_groups), (len(param_groups), len(self.param_groups))
+        self.param_groups = param_groups
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
             raise ValueError("OffloadEngine's optimizer has the param groups it was built with (OffloadEngine's "

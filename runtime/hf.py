@@ -1,0 +1,114 @@
+"""OffloadTrainer: transformers.Trainer with the optimizer offloaded (needs transformers).
+
+    from runtime.hf import OffloadTrainer
+    trainer = OffloadTrainer(model=model, args=TrainingArguments(..., bf16=True),
+                             train_dataset=ds, offload={"dpu": False, "server_threads": 8})
+    trainer.train()          # or train(resume_from_checkpoint=True)
+
+It builds an OffloadAdamW from the TrainingArguments as Trainer builds
+torch.optim.AdamW: learning_rate, weight_decay with Trainer's own no-decay groups
+(get_decay_parameter_names: biases and norm weights), adam_beta1/2, adam_epsilon,
+gradient_accumulation_steps; lr_scheduler_type and warmup are Trainer's own
+scheduler on it.  max_grad_norm clips in the CPU update, and the logged grad_norm
+is the true global norm.  Checkpoints (save_steps) hold master, m and v as an
+engine checkpoint in checkpoint-N/zero_offload/ (loadable at any world size), so
+resume_from_checkpoint goes on bitwise.
+
+`offload`: OffloadAdamW's offload options (an OffloadConfig's fields as a dict, or
+an OffloadConfig): dtype (bf16, the default; the weights are 16-bit whatever
+args.bf16 says, and args.fp16 is refused: it needs loss scaling a plain backward
+does not do), dpu, server_threads, ...  optim in TrainingArguments is ignored: the
+optimizer is AdamW in the optimizer server.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+from transformers import Trainer
+
+from .config import OffloadConfig
+from .offload_adamw import OffloadAdamW
+
+CHECKPOINT_SUBDIR = "zero_offload"   # checkpoint-N/zero_offload: the engine's checkpoint
+SCHEDULER_FILE = "scheduler.pt"     # Trainer's own name for the scheduler's state
+
+
+class OffloadTrainer(Trainer):
+    def __init__(self, *args, offload: OffloadConfig | dict | None = None, **kwargs):
+        if isinstance(offload, OffloadConfig):
+            offload = {f.name: getattr(offload, f.name) for f in dataclasses.fields(offload)}
+        elif offload is not None and not isinstance(offload, dict):
+            raise TypeError(f"offload must be a dict of OffloadConfig fields or an OffloadConfig, got "
+                            f"{type(offload).__name__}")
+        self.offload_options = dict(offload or {})
+        for k in ("lr", "betas", "eps", "weight_decay", "optimizer", "grad_accumulation_steps", "clip_grad_norm"):
+            if k in self.offload_options:
+                raise ValueError(f"offload[{k!r}] comes from TrainingArguments (learning_rate, adam_beta1/2, "
+                                 f"adam_epsilon, weight_decay, gradient_accumulation_steps, max_grad_norm); "
+                                 f"set it there")
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
+                             "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
+
+    def create_optimizer(self, model=None):
+        """OffloadAdamW with Trainer's groups and hyper-parameters (module docstring)."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
+            opts = dict(self.offload_options)
+            opts.setdefault("dtype", "bf16")
+            self.optimizer = OffloadAdamW(groups, lr=self.args.learning_rate,
+                                          betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                          eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay,
+                                          model=opt_model, grad_accumulation_steps=self.args.gradient_accumulation_steps,
+                                          **opts)
+        return self.optimizer
+
+    @property
+    def offload_optimizer(self) -> OffloadAdamW:
+        """The OffloadAdamW under Accelerate's wrapper."""
+        opt = self.optimizer
+        while not isinstance(opt, OffloadAdamW) and hasattr(opt, "optimizer"):
+            opt = opt.optimizer
+        if not isinstance(opt, OffloadAdamW):
+            raise RuntimeError("OffloadTrainer's optimizer is not an OffloadAdamW: do not pass optimizers= to it "
+                               "(use transformers.Trainer for another optimizer)")
+        return opt
+
+    def _clip_grad_norm(self, model):
+        # the parameters hold no .grad (they went to the host): the engine has the norm
+        return self.offload_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        # every rank writes its shard (a collective); the scheduler as Trainer does
+        self.offload_optimizer.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), keep=1)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        d = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
+        if not os.path.isdir(d):
+            raise ValueError(f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ (master, m and v): it was not saved by "
+                             f"OffloadTrainer; resume from one of its checkpoints, or start from the model's weights")
+        self.offload_optimizer.load_checkpoint(d)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            # land the last update on the model (DPU) and stop the server, as close() does;
+            # a later train() call builds a new optimizer from the trained weights
+            if self.optimizer is not None:
+                self.offload_optimizer.close()
+                self.optimizer = None
+                self.lr_scheduler = None

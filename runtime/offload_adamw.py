@@ -1,0 +1,188 @@
+"""OffloadAdamW: torch.optim.AdamW's interface over an OffloadEngine.
+
+    model = MyModel()                                   # fp32, as the user built it
+    opt = OffloadAdamW(groups_or_params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                       model=model, dpu=True)           # + any OffloadConfig field
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-4, total_steps=N)
+    for x, y in loader:
+        loss = model(x, y)                              # 16-bit weights on the device
+        loss.backward()                                 # gradients stream to the host
+        opt.clip_grad_norm_(1.0)                        # (or torch.nn.utils.clip_grad_norm_)
+        opt.step(); sched.step(); opt.zero_grad()
+    opt.close()
+
+The fp32 master, m and v live in the optimizer server, which runs the update;
+this object holds the param groups torch code reads and writes (schedulers
+included): every group's lr, betas, eps and weight_decay go with every step.
+Construction casts the parameters to the 16-bit dtype on their device (bf16 by
+default; fp16 needs loss scaling a plain loss.backward() does not do, so it is
+refused: use bf16, or OffloadEngine with engine.backward).  With model= the
+model's frozen parameters and floating buffers are cast too and master_state_dict
+uses its names; without it only the given parameters are.
+
+What differs from torch.optim.AdamW, and why:
+- Parameters hold no .grad after backward (they went to the host as backward
+  produced them).  Clip with clip_grad_norm_ (here, or torch's, which is routed
+  here for these parameters: runtime.clipping).
+- Gradient accumulation over k backwards per step needs grad_accumulation_steps=k
+  (the engine must know which backward is the last to send them down then).
+- state_dict() holds small metadata; master, m and v are written as an engine
+  checkpoint under state_dir (loadable at any world size), and load_state_dict
+  reads them back from there.  Both are collectives across ranks.  Without
+  state_dir a state dict restores only into the same optimizer at the same step
+  (Accelerate's prepare() round trip) and refuses anywhere else.
+- With dpu=True the model computes on weights one update old (see OffloadEngine).
+"""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+import weakref
+
+import torch
+
+from .config import OffloadConfig
+from .engine import OffloadEngine
+
+_TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+STATE_KEY = "zero_offload"   # the key of OffloadAdamW's own entry in state_dict()
+
+
+class _Params(torch.nn.Module):
+    """The parameters an OffloadAdamW was given without model=, as a module the engine owns."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
+        for i, p in enumerate(params):
+            self.register_parameter(f"param{i}", p)
+
+
+class OffloadAdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, model: torch.nn.Module | None = None,
+                 offload: OffloadConfig | None = None, state_dir: str | None = None,
+                 foreach=None, fused=None, **options):
+        """params, lr, betas, eps, weight_decay: as torch.optim.AdamW (foreach and fused
+        are accepted and mean nothing here: the CPU update is one fused pass).
+        model: the module the parameters belong to (casts its frozen parameters and
+        buffers too; names for master_state_dict).  offload: an OffloadConfig, or its
+        fields as keywords (dtype, dpu, clip_grad_norm, grad_accumulation_steps,
+        server_threads, ...); the AdamW arguments override its lr, betas, eps,
+        weight_decay and optimizer.  state_dir: where state_dict() writes master, m and v."""
+        for k, default in _TORCH_ONLY.items():
+            if options.get(k, default) != default:
+                raise ValueError(f"OffloadAdamW does not implement {k}={options[k]!r} (torch.optim.AdamW's); "
+                                 f"leave it at {default}")
+            options.pop(k, None)
+        if callable(lr) or isinstance(lr, torch.Tensor):
+            raise TypeError(f"lr must be a float (drive it with a torch LR scheduler), got {type(lr).__name__}")
+        if offload is not None and options:
+            raise TypeError("pass either offload=OffloadConfig(...) or its fields as keywords, not both")
+        if offload is None:
+            options.setdefault("dtype", "bf16")
+            offload = OffloadConfig(**options)
+        cfg = dataclasses.replace(offload, lr=float(lr), betas=tuple(betas), eps=float(eps),
+                                  weight_decay=float(weight_decay), optimizer="adamw")
+        defaults = dict(lr=float(lr), betas=tuple(betas), eps=float(eps), weight_decay=float(weight_decay))
+        super().__init__(params, defaults)
+        params_all = [p for g in self.param_groups for p in g["params"]]
+        if model is None:
+            model = _Params(params_all)
+        groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
+        self.state_dir = state_dir
+        self.engine = OffloadEngine(model, cfg, param_groups=groups, backward_mode="hooks")
+        # the engine reads each group's values from these dicts, where schedulers write
+        self.engine.optimizer.follow(self.param_groups)
+        self._close = weakref.finalize(self, self.engine.close)
+        self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
+        self._constructed = True
+
+    # ------------------------------------------------------------------ torch.optim API
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructed", False):
+            raise ValueError("OffloadAdamW lays its parameters out in the optimizer server when it is built: "
+                             "pass every param group to the constructor")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply this step's gradients (the last backward's); with closure, call it first
+        (with grad enabled) and return its loss, as torch.optim does."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's: gradients that accumulate between micro-batches are dropped.  After
+        the last backward of a step the parameters hold none (they went to the host)."""
+        super().zero_grad(set_to_none=set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """The global L2 norm of this step's gradients (all ranks) as a tensor, and
+        clip them to max_norm in the coming step(); call it after the last backward."""
+        return torch.tensor(self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite))
+
+    def state_dict(self) -> dict:
+        """torch.optim's layout with empty per-parameter state: the groups, and under
+        STATE_KEY where this step's master, m and v were saved (under state_dir).
+
+        Without state_dir nothing is saved and the dict restores only into this same
+        optimizer at this same step (what Accelerate's prepare() does with it);
+        loading it anywhere else raises, naming state_dir."""
+        path = self.save_checkpoint(self.state_dir) if self.state_dir is not None else None
+        sd = super().state_dict()
+        sd["state"] = {}
+        sd[STATE_KEY] = {"checkpoint": None if path is None else str(path), "instance": self._instance,
+                         "iteration": self.engine.iteration}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state_dict() of an OffloadAdamW: its groups' values, and master, m
+        and v (and the device weights as they were) from its checkpoint."""
+        own = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
+        if own is None:
+            raise ValueError("this state dict is not an OffloadAdamW's (it has no master, m and v): a torch "
+                             "optimizer's state cannot be loaded here; start from the model's weights instead")
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
+                                                       for a, b in zip(saved, self.param_groups)):
+            raise ValueError("the state dict's param groups differ from this optimizer's in number or size: "
+                             "build the optimizer with the groups it was saved with")
+        if own["checkpoint"] is not None:
+            self.load_checkpoint(own["checkpoint"])
+        elif own.get("instance") != self._instance or own.get("iteration") != self.engine.iteration:
+            raise ValueError("this state dict was taken without state_dir, so it holds no master, m and v and "
+                             "restores only into the optimizer it came from at the step it was taken: build "
+                             "OffloadAdamW(..., state_dir='...') to save them with state_dict()")
+        for g, s in zip(self.param_groups, saved):
+            for k, v in s.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+
+    # ------------------------------------------------------------------ offload API
+    def save_checkpoint(self, directory: str, keep: int = 2) -> str:
+        """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights."""
+        return self.engine.save_checkpoint(directory, keep=keep)
+
+    def load_checkpoint(self, directory: str) -> None:
+        self.engine.load_checkpoint(directory)
+
+    def master_state_dict(self, rank0_only: bool = False):
+        """The fp32 master weights, keyed like model.state_dict() (with model=)."""
+        return self.engine.master_state_dict(rank0_only)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        """Land the last update on the device and stop the server (also at garbage collection)."""
+        self._close()
+
+    def __enter__(self) -> "OffloadAdamW":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

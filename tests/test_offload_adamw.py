@@ -1,0 +1,184 @@
+"""runtime.OffloadAdamW: a training loop written for torch.optim.AdamW, unchanged but
+for the class, against torch.optim.AdamW itself (references written here)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from runtime import OffloadAdamW
+from tests.helpers.models import gpt, gpt_batch
+from tests.helpers.reference import rel_err
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def torch_loop(model, opt, steps, clip=1.0, sched=None):
+    """A plain loop for torch.optim: backward, torch's clipping, step, scheduler, zero_grad."""
+    losses, norms = [], []
+    for t in range(1, steps + 1):
+        loss = gpt_batch(t, "bf16")(model)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+def test_unchanged_torch_loop_trains_like_torch_adamw():
+    """The same loop with torch.optim.AdamW on the fp32 model and with OffloadAdamW
+    (16-bit weights): losses and norms within 16-bit noise (the batches are random
+    tokens: the loss stays near ln 256; trajectories part slowly, so norms are compared
+    over the first steps)."""
+    ref_model, model = gpt(), gpt()
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    ref_losses, ref_norms = torch_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), **kw), 25)
+    with OffloadAdamW(model.parameters(), **kw, server_threads=1) as opt:
+        losses, norms = torch_loop(model, opt, 25)
+    assert all(abs(a - b) / b < 3e-3 for a, b in zip(losses, ref_losses)), list(zip(losses, ref_losses))
+    assert all(abs(a - b) / b < 2e-2 for a, b in zip(norms[:12], ref_norms)), list(zip(norms, ref_norms))
+
+
+def nogroups(model):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
+def test_matches_torch_adamw_with_clipping_groups_and_onecycle(dpu):
+    """Teacher forcing: torch.optim.AdamW over fp32 masters fed the same 16-bit gradients,
+    clipped by torch.nn.utils.clip_grad_norm_ (fp32) at a max_norm that fires on every
+    step, two groups, OneCycleLR cycling lr and beta1: updates within 1e-4, and the
+    norm torch's clip_grad_norm_ returns on the offloaded parameters is the true one."""
+    model = gpt()
+    ref = copy.deepcopy(model)
+    p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
+    by_id = {id(p): n for n, p in ref.named_parameters()}
+    ref_opt = torch.optim.AdamW([dict(g, params=[masters[by_id[id(p)]] for p in g["params"]]) for g in nogroups(ref)],
+                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=3e-3, total_steps=40)
+    ref.to(torch.bfloat16)
+    opt = OffloadAdamW(nogroups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, model=model, server_threads=1,
+                       dpu=dpu, dpu_warmup_steps=3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=40)
+    try:
+        for t in range(1, 16):
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), ref.parameters()):
+                    q.copy_(p)
+            gpt_batch(t, "bf16")(ref).backward()
+            for n, q in ref.named_parameters():
+                masters[n].grad, q.grad = q.grad.float(), None
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 0.5))
+            ref_opt.step()
+            ref_sched.step()
+            gpt_batch(t, "bf16")(model).backward()
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            assert ref_norm > 0.5 and abs(norm - ref_norm) / ref_norm < 1e-5, (t, norm, ref_norm)
+            opt.step()
+            sched.step()
+            assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+        opt.engine.synchronize()
+        got = opt.master_state_dict()
+    finally:
+        opt.close()
+    for n in p0:
+        assert rel_err(got[n] - p0[n], masters[n].detach() - p0[n]) < 1e-4, (n, rel_err(got[n] - p0[n],
+                                                                                        masters[n].detach() - p0[n]))
+
+
+@pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
+def test_state_dict_resume_is_bitwise(tmp_path, dpu):
+    """torch.save(model.state_dict(), opt.state_dict(), sched.state_dict()); a new process
+    (here: new objects) loads them and goes on bitwise like the uninterrupted run."""
+    def make():
+        m = gpt()
+        o = OffloadAdamW(m.parameters(), lr=3e-3, model=m, server_threads=1, dpu=dpu, dpu_warmup_steps=2,
+                         state_dir=str(tmp_path / "opt"))
+        return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
+
+    def run(m, o, s, steps, first):
+        out = []
+        for t in range(first, first + steps):
+            loss = gpt_batch(t, "bf16")(m)
+            loss.backward()
+            o.step()
+            s.step()
+            o.zero_grad()
+            out.append(float(loss.detach()))
+        return out
+
+    m, o, s = make()
+    with o:
+        full = run(m, o, s, 8, 1)
+        full_master = o.master_state_dict()
+    m, o, s = make()
+    with o:
+        run(m, o, s, 4, 1)
+        torch.save({"model": m.state_dict(), "opt": o.state_dict(), "sched": s.state_dict()}, tmp_path / "ck.pt")
+    saved = torch.load(tmp_path / "ck.pt")
+    assert saved["opt"]["state"] == {} and "zero_offload" in saved["opt"]
+    m, o, s = make()
+    with o:
+        m.load_state_dict(saved["model"])
+        o.load_state_dict(saved["opt"])
+        s.load_state_dict(saved["sched"])
+        rest = run(m, o, s, 4, 5)
+        got = o.master_state_dict()
+    assert rest == full[4:]
+    for k in got:
+        assert torch.equal(got[k], full_master[k]), k
+
+
+def test_closure_accumulation_and_frozen_parameters():
+    """step(closure) returns the closure's loss; grad_accumulation_steps=2 sums two
+    backwards like torch (one step per two); a frozen embedding (model=) is cast, never moved."""
+    model = gpt()
+    model.pos.weight.requires_grad_(False)
+    frozen = model.pos.weight.detach().clone()
+    with OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, model=model,
+                      grad_accumulation_steps=2, server_threads=1) as opt:
+        for t in range(1, 4):
+            def closure():
+                opt.zero_grad()
+                total = 0.0
+                for mi in range(2):
+                    loss = gpt_batch(t, "bf16", mi)(model) / 2
+                    loss.backward()
+                    total += float(loss.detach())
+                return total
+            assert isinstance(opt.step(closure), float)
+        assert opt.stats()["updates"] == 3
+        assert torch.equal(model.pos.weight, frozen.to(torch.bfloat16))
+
+
+def test_refusals_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="bf16.*OffloadEngine"):
+        OffloadAdamW(gpt().parameters(), dtype="fp16")
+    with pytest.raises(ValueError, match="amsgrad"):
+        OffloadAdamW(gpt().parameters(), amsgrad=True)
+    model = gpt()
+    with OffloadAdamW(model.parameters(), server_threads=1) as opt:
+        with pytest.raises(ValueError, match="already has an open"):
+            OffloadAdamW(model.parameters(), server_threads=1)
+        with pytest.raises(ValueError, match="constructor"):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+        sd = opt.state_dict()  # without state_dir: only back into this optimizer, at this step
+        opt.load_state_dict(sd)
+        with pytest.raises(RuntimeError, match="after the last micro-batch's backward"):
+            opt.clip_grad_norm_(1.0)
+        gpt_batch(1, "bf16")(model).backward()
+        with pytest.raises(RuntimeError, match="grad_accumulation_steps"):
+            gpt_batch(2, "bf16")(model).backward()
+        opt.step()  # the first backward's gradients were kept
+        assert opt.stats()["updates"] == 1
+        with pytest.raises(ValueError, match="state_dir"):
+            opt.load_state_dict(sd)  # a step later: it holds no master, m and v to go back to
+        with pytest.raises(ValueError, match="not an OffloadAdamW"):
+            opt.load_state_dict(torch.optim.AdamW(gpt().parameters()).state_dict())
