@@ -233,6 +233,7 @@ class OffloadEngine:
         if self._grads_ready:
             raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
                                "micro-batch's backward")
+        self._check_views()
         self._micro += 1
         final = self._micro % self.cfg.grad_accumulation_steps == 0
         if final:
@@ -254,6 +255,7 @@ class OffloadEngine:
     def _begin_pass(self) -> None:
         """backward_mode "hooks": the first gradient hook of a loss.backward()."""
         self._check_open()
+        self._check_views()
         if self._grads_ready:
             raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
                                f"accumulate gradients over micro-batches, say how many with grad_accumulation_steps "
@@ -295,6 +297,21 @@ class OffloadEngine:
                                f"error_if_nonfinite=False to skip this step instead")
         self._clip_now = max_norm if self._clip_now is None else min(self._clip_now, max_norm)
         return norm
+
+    def _check_views(self) -> None:
+        """The parameters must still view flat16: what the server writes reaches the model
+        only through it.  O(parameters) pointer compares per backward."""
+        base = self.cycle.flat16.data_ptr()
+        size = self.cycle.flat16.element_size()
+        for s in self.flat.spans:
+            if s.param.data_ptr() != base + size * s.offset or s.param.dtype != self.dtype:
+                raise RuntimeError(
+                    "the model's parameters no longer view the engine's 16-bit weights: something replaced their "
+                    "storage (torch DistributedDataParallel, which accelerator.prepare(model) applies with several "
+                    "processes; model.to(...); load_state_dict(assign=True)), so updates would not reach the model. "
+                    "The engine reduces gradients across ranks itself (ZeRO-2): do not wrap the model in DDP (with "
+                    "Accelerate, prepare the optimizer, dataloader and scheduler but not the model), and move the "
+                    "model to its device before creating the engine")
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:

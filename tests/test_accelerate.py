@@ -1,0 +1,49 @@
+"""Accelerate: a script written for accelerator.prepare / accumulate / backward /
+clip_grad_norm_ trains with OffloadAdamW as with torch.optim.AdamW, 1 process and 2
+through the launcher (tests/helpers/accelerate_worker.py); preparing the model with
+several processes (DDP) is refused naming the fix."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "helpers", "accelerate_worker.py")
+STEPS = 8
+
+
+def run(out, which, nproc):
+    cmd = [sys.executable, WORKER, str(out), which, str(STEPS)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", str(nproc), *cmd[1:]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=dict(env, PYTHONPATH=ROOT))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_accelerate_script_trains_like_torch_adamw(tmp_path, nproc):
+    for which in ("torch", "offload"):
+        p = run(tmp_path, which, nproc)
+        assert p.returncode == 0, p.stdout + p.stderr
+    for r in range(nproc):
+        a, b = (torch.load(tmp_path / f"{w}-rank{r}.pt") for w in ("offload", "torch"))
+        assert a["world"] == nproc and len(a["losses"]) == STEPS
+        assert all(abs(x - y) / y < 1e-3 for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])
+        # accelerator.clip_grad_norm_ returns the true global norm (torch's on the reference)
+        assert all(abs(x - y) / y < 1e-2 for x, y in zip(a["norms"], b["norms"])), (a["norms"], b["norms"])
+        moved = [float((a["weights"][k] - b["weights"][k]).abs().max()) for k in a["weights"]]
+        assert max(moved) < 5e-2  # the weights went where torch's did (16-bit rounding apart)
+
+
+def test_prepared_model_with_several_processes_is_refused(tmp_path):
+    p = run(tmp_path, "offload-ddp", 2)
+    assert p.returncode != 0
+    said = (tmp_path / "error-rank0.txt").read_text()
+    assert "do not wrap the model in DDP" in said and "prepare the optimizer, dataloader and scheduler" in said
