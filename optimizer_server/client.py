@@ -197,13 +197,14 @@ class ShardClient:
             self.init_chunk(lo, hi)
 
     def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
-                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None):
+                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False):
         self._check_usable()
         if self._inflight is not None:
             raise OptimizerServerError(f"step {step} sent while step {self._inflight} is in flight", code=P.E_ORDER)
         self._sock.send(P.Step(session=self.session, step=step, slot=slot, lr=float(lr),
                                grad_scale=float(grad_scale), hparams=dict(hparams or {}),
-                               predict=float(predict), out_slot=out_slot, groups=list(groups or [])).encode())
+                               predict=float(predict), out_slot=out_slot, groups=list(groups or []),
+                               reverse=bool(reverse)).encode())
         self._inflight = step
 
     def wait_done(self, timeout_s: float | None = None) -> P.Done:

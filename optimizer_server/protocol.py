@@ -52,6 +52,9 @@ own lr, betas, eps and weight decay).
 Version 6 gave each STEP.groups range its own Adam step count (`updates`, the
 bias correction's t), 0 meaning the range got no gradient this step and stays
 exactly as it is (torch.optim skips a parameter whose .grad is None).
+Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
+out last layer first, so that is the next forward's order) and the progress word
+counts the elements done from the shard's end (overlap_update's forward pipeline).
 """
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -223,6 +226,9 @@ class Step(Message):
     hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
     predict: float = 0.0  # weights16 gets p + predict*(p - p_prev): DPU weight prediction (Adam only)
     out_slot: int = 0     # which weights16 slot receives the new weights (HELLO.weight_slots = 2)
+    # back to front, block by block; the progress word then counts elements done from the end:
+    # weights16[numel - done:] is final (the next forward's first layers lie at the end)
+    reverse: bool = False
     # ranges of the shard, in order, covering it, each GROUP_FIELDS: [offset, count, lr, beta1,
     # beta2, eps, weight_decay, updates] (a param group's range, or part of one); updates is the
     # range's own Adam step count, this update included (the bias correction's t; a parameter

@@ -211,34 +211,18 @@ class Shard:
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         self._state_dirty = True
         t0 = time.perf_counter()
-        for lo, hi, h, updates in ranges:
-            sl = slice(lo, hi)
-            if updates == 0:
-                # no gradient this step (torch.optim skips a parameter whose .grad is None):
-                # master and state stay as they are; the out slot may hold older weights
-                # (two slots alternate), so it gets the master's 16 bits, then the progress
-                cpu_adam.cast_to_16(self.master[sl], out[sl], out_dtype=self.dtype, num_threads=self.threads)
-                cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
-                continue
-            # progress: weights16 is final block by block, front first; the worker copies
-            # each block up as soon as it is published (and, with DPU, free on the device)
-            kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale,
-                      num_threads=self.threads, progress=self.progress, progress_tag=msg.step,
-                      progress_block=self.progress_block)
-            kw["progress_base"] = lo
-            if msg.predict:  # the server refused it for optimizers other than adam/adamw
-                kw["predict"] = msg.predict
-            p, g, o = self.master[sl], gin[sl], out[sl]
-            if self.optimizer in ("adamw", "adam"):
-                cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,
-                                   step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                                   weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
-            elif self.optimizer == "adagrad":
-                cpu_adam.adagrad_step(p, self.state["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],
-                                      weight_decay=h["weight_decay"], **kw)
-            else:
-                cpu_adam.lion_step(p, self.state["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
-                                   beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
+        if msg.reverse:
+            # back to front, one progress block per call, each published as "done from the
+            # end"; an elementwise update gives the same bytes in any order and split
+            B = self.progress_block
+            for lo, hi, h, updates in reversed(ranges):
+                for b in range(hi, lo, -B):
+                    a = max(lo, b - B)
+                    self._update_range(msg, a, b, h, updates, gin, out, progress=False)
+                    cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
+        else:
+            for lo, hi, h, updates in ranges:
+                self._update_range(msg, lo, hi, h, updates, gin, out, progress=True)
         dt = time.perf_counter() - t0
         self.steps = msg.step
         self.update_times.append(dt)
@@ -247,6 +231,40 @@ class Shard:
         self.bytes_read += self.bytes_per_update // 2    # 16-bit grad + fp32 state
         self.bytes_written += self.bytes_per_update // 2  # fp32 state + 16-bit weights
         return dt
+
+    def _update_range(self, msg: P.Step, lo: int, hi: int, h: dict, updates: int, gin, out, *,
+                      progress: bool) -> None:
+        """Update shard elements [lo, hi) with hyper-parameters h at Adam step `updates`
+        (0: no gradient, the range stays as it is); progress: the kernel publishes its
+        blocks (front to back, in shard coordinates)."""
+        sl = slice(lo, hi)
+        if updates == 0:
+            # no gradient this step (torch.optim skips a parameter whose .grad is None):
+            # master and state stay as they are; the out slot may hold older weights
+            # (two slots alternate), so it gets the master's 16 bits, then the progress
+            cpu_adam.cast_to_16(self.master[sl], out[sl], out_dtype=self.dtype, num_threads=self.threads)
+            if progress:
+                cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
+            return
+        # progress: weights16 is final block by block, front first; the worker copies
+        # each block up as soon as it is published (and, with DPU, free on the device)
+        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads)
+        if progress:
+            kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,
+                      progress_base=lo)
+        if msg.predict:  # the server refused it for optimizers other than adam/adamw
+            kw["predict"] = msg.predict
+        p, g, o = self.master[sl], gin[sl], out[sl]
+        if self.optimizer in ("adamw", "adam"):
+            cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,
+                               step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
+        elif self.optimizer == "adagrad":
+            cpu_adam.adagrad_step(p, self.state["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],
+                                  weight_decay=h["weight_decay"], **kw)
+        else:
+            cpu_adam.lion_step(p, self.state["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
+                               beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
 
     @property
     def bytes_per_update(self) -> int:

@@ -39,6 +39,14 @@ class OffloadConfig:
         so this rarely waits): host RAM stays 16 B/param.  2: a second gradient slot
         (+2 B/param) and backward never waits (1.00-1.10x faster on the CPU device in two
         bench_pipeline runs at the balanced 85M case: BENCHMARKS.md).
+    overlap_update: results bitwise those of the synchronous engine, with the CPU
+        update running during the next forward (runtime.overlap): step() returns once
+        the norm is known and STEP is sent; the server updates back to front (the next
+        forward's order) and each module's forward pre-hook waits only for its own
+        parameters' new weights.  One rank: the update hides behind the next forward
+        as far as that forward lasts; several ranks: the first forward hook waits for
+        the whole update (exact, little overlap).  Not with dpu (a choice between the
+        two: dpu hides more and computes on weights one update old).
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
         weights live in the shared segment (two slots): the server writes the next weights
@@ -87,6 +95,7 @@ class OffloadConfig:
     dpu_warmup_steps: int = 40
     dpu_predict: float = 0.0
     dpu_grad_slots: int = 1
+    overlap_update: bool = False
     bucket_numel: int = 1 << 24
     cpu_zero_copy: bool = True
     overlap_weights_up: bool = True
@@ -135,6 +144,9 @@ class OffloadConfig:
             raise ValueError(f"grad_accumulation_steps must be an int >= 1, got {self.grad_accumulation_steps!r}")
         if not (isinstance(self.dpu_warmup_steps, int) and self.dpu_warmup_steps >= 1):
             raise ValueError(f"dpu_warmup_steps must be an int >= 1, got {self.dpu_warmup_steps!r}")
+        if self.overlap_update and self.dpu:
+            raise ValueError("overlap_update and dpu are two ways to hide the CPU update: choose one (overlap_update "
+                             "keeps the synchronous result bit for bit; dpu hides more, on weights one update old)")
         if self.dpu_grad_slots not in (1, 2):
             raise ValueError(f"dpu_grad_slots must be 1 or 2, got {self.dpu_grad_slots!r}")
         if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= MAX_PREDICT):

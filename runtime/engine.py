@@ -54,6 +54,7 @@ from .flat import FlatParams
 from .grads_down import GradientsDown, GradStep, SlotGate
 from .loss_scaler import LossScaler
 from .optimizer_proxy import ServerOptimizer
+from .overlap import ForwardPipeline
 from .profiling import marker
 from .stats import Counters
 from .update_cycle import UpdateCycle
@@ -129,6 +130,7 @@ class OffloadEngine:
         self._server = None
         self.client: ShardClient | None = None
         self.cycle: UpdateCycle | None = None
+        self.pipeline: ForwardPipeline | None = None  # overlap_update
         self.grads: GradientsDown | None = None
         self._pinned = None
         self._hooks = []
@@ -143,6 +145,9 @@ class OffloadEngine:
             self._connect(cfg)
             self._init_weights()
             self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.flat.spans]
+            if cfg.overlap_update:
+                self.pipeline = ForwardPipeline(model, self.flat, self.cycle, world_size=self.world_size,
+                                                tracer=self.tracer, counters=self.counters)
         except BaseException:
             self.close()
             raise
@@ -233,6 +238,7 @@ class OffloadEngine:
         if self._grads_ready:
             raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
                                "micro-batch's backward")
+        self._finish_overlap()
         self._check_views()
         self._micro += 1
         final = self._micro % self.cfg.grad_accumulation_steps == 0
@@ -255,6 +261,7 @@ class OffloadEngine:
     def _begin_pass(self) -> None:
         """backward_mode "hooks": the first gradient hook of a loss.backward()."""
         self._check_open()
+        self._finish_overlap()
         self._check_views()
         if self._grads_ready:
             raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
@@ -298,6 +305,12 @@ class OffloadEngine:
         self._clip_now = max_norm if self._clip_now is None else min(self._clip_now, max_norm)
         return norm
 
+    def _finish_overlap(self) -> None:
+        """overlap_update: the update the forward pipelined is landed whole (its last blocks)
+        before anything else reads or writes the slots or the weights."""
+        if self.pipeline is not None:
+            self.pipeline.finish()
+
     def _check_views(self) -> None:
         """The parameters must still view flat16: what the server writes reaches the model
         only through it.  O(parameters) pointer compares per backward."""
@@ -328,6 +341,7 @@ class OffloadEngine:
 
     def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
+        self._finish_overlap()  # (backward did already; a step without a forward in between)
         with self.tracer.span("grad_check"):
             sq, used = grads.totals()
         overflow = not math.isfinite(sq)
@@ -366,18 +380,22 @@ class OffloadEngine:
                                    f"group of their own")
         with self.tracer.span("signal", step=k):
             self.cycle.send(k, grad_slot=grads.slot, lr=lrs[0], grad_scale=clip / scale, hparams=hps[0],
-                            predict=self.cfg.dpu_predict if delayed else 0.0, groups=groups)
+                            predict=self.cfg.dpu_predict if delayed else 0.0, groups=groups,
+                            reverse=self.pipeline is not None and self.pipeline.per_module)
         self.updates = k
         self.param_updates += np.asarray(used, dtype=np.int64)
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
-        if not delayed:
+        if self.pipeline is not None:
+            self.pipeline.arm(k)  # the next forward waits for it, module by module
+        elif not delayed:
             self.cycle.land(copy=True)
 
     def synchronize(self, copy_weights: bool = False) -> None:
         """Wait for the update in flight.  With copy_weights the device gets the
         newest weights now (this moves the DPU schedule; training code leaves it off)."""
         self._check_open()
+        self._finish_overlap()
         self.cycle.land(copy=copy_weights)
 
     # ------------------------------------------------------------------ state
@@ -387,6 +405,7 @@ class OffloadEngine:
         self._check_open()
         if self._grads_ready or self._step_grads is not None or self._micro % self.cfg.grad_accumulation_steps:
             raise RuntimeError(MID_STEP.format(what=what))
+        self._finish_overlap()
         self.cycle.land(copy=False)
         # on CUDA the copies in either direction may still read the slots
         self.grads.quiesce()
@@ -479,6 +498,7 @@ class OffloadEngine:
                 "loss_scale": self.scaler.scale, "bytes_to_host": c.bytes_to_host,
                 "bytes_to_device": c.bytes_to_device, "bytes_to_device_early": c.bytes_to_device_early,
                 "wait_s": c.wait_s, "grad_slot_wait_s": c.grad_slot_wait_s, "server_update_s": c.update_s,
+                "overlap_wait_s": c.overlap_wait_s,
                 "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 
@@ -506,6 +526,7 @@ class OffloadEngine:
         try:
             if self._bound:
                 try:
+                    self._finish_overlap()
                     self.cycle.land(copy=True)
                 except OptimizerServerError:
                     pass
@@ -515,6 +536,8 @@ class OffloadEngine:
             for h in self._hooks:
                 h.remove()
             self._hooks = []
+            if self.pipeline is not None:
+                self.pipeline.release()
             if self.grads is not None:
                 self.grads.release()
             if self._pinned is not None:

@@ -12,3 +12,4 @@ class Counters:
     wait_s: float = 0.0             # waiting for the server's DONE
     grad_slot_wait_s: float = 0.0   # backward's hooks waiting for the update to pass (one DPU slot)
     update_s: float = 0.0           # the server's own time in updates (DONE.update_s)
+    overlap_wait_s: float = 0.0     # overlap_update: forward pre-hooks waiting for their weights

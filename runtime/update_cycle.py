@@ -6,6 +6,8 @@ Phases (Phase) and the events that move between them:
     IDLE, ON_DEVICE     send(k): STEP k goes out           IN_FLIGHT
     IN_FLIGHT           land(): DONE k is read             LANDED     (copy=True goes on below)
     LANDED              land(copy=True): weights on device ON_DEVICE  (tail copied, or slot swapped)
+    LANDED              mark_on_device(): the caller       ON_DEVICE  (the forward pipeline copied
+                          copied the weights up                         a reversed update's ranges)
     IDLE, ON_DEVICE,    reset(): the device weights were   IDLE
       LANDED              replaced (load_checkpoint)
     IDLE, ON_DEVICE,    restore(k): a checkpoint held      LANDED
@@ -70,6 +72,7 @@ class UpdateCycle:
         self._cur = 0  # zero-copy: the slot the model's parameters view
         self.phase = Phase.IDLE
         self.step: int | None = None  # the update IN_FLIGHT or LANDED
+        self.reverse = False          # that update runs back to front (published counts from the end)
         if zero_copy:
             assert len(self._host) == 2, "cpu_zero_copy needs two weights slots"
             self.flat16 = self._host[self._cur]
@@ -100,6 +103,10 @@ class UpdateCycle:
         """The weights16 slot the next update writes (zero-copy: the one the model is not on)."""
         return 1 - self._cur if self.zero_copy else 0
 
+    def incoming_tensor(self) -> torch.Tensor:
+        """The slot the update in flight writes, as a 16-bit tensor of the shard (host memory)."""
+        return self._host[self.incoming_slot]
+
     def incoming_words(self) -> np.ndarray:
         """The raw 16-bit words of that slot (a checkpoint saves and restores a landed update there)."""
         return self.client.weights16_slots[self.incoming_slot]
@@ -119,9 +126,13 @@ class UpdateCycle:
 
     # ------------------------------------------------------------------ events
     def send(self, k: int, *, grad_slot: int, lr: float, grad_scale: float, hparams: dict, predict: float,
-             groups: list | None = None) -> None:
+             groups: list | None = None, reverse: bool = False) -> None:
+        """reverse: the server updates back to front (runtime.overlap's forward pipeline)."""
         self._expect("send", Phase.IDLE, Phase.ON_DEVICE)
+        self.reverse = reverse
         kw = {"groups": groups} if groups else {}
+        if reverse:
+            kw["reverse"] = True
         self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot,
                                **kw)
         self.step, self.phase = k, Phase.IN_FLIGHT
@@ -131,6 +142,8 @@ class UpdateCycle:
     def pump(self, free: int, early: bool = True) -> int:
         """Copy what is both published and below `free` (shard elements) up; returns
         how far the device is.  early: overlapping backward or the update."""
+        if self.reverse:  # the forward pipeline copies a reversed update's weights itself
+            return self._up.copied if self._up is not None else 0
         if self._up is None or self.phase not in (Phase.IN_FLIGHT, Phase.LANDED) or (early and not self.overlap):
             return self._up.copied if self._up is not None else 0
         S = self._up.numel
@@ -143,7 +156,8 @@ class UpdateCycle:
         if self.phase is Phase.IN_FLIGHT:
             t0 = time.perf_counter()
             with self.tracer.span("wait_server"), marker("zo.wait_server", self._cuda):
-                done = self._wait_copying() if copy and self._up is not None else self.client.wait_done()
+                copying = copy and self._up is not None and not self.reverse
+                done = self._wait_copying() if copying else self.client.wait_done()
             self.phase = Phase.LANDED
             self.counters.wait_s += time.perf_counter() - t0
             self.counters.update_s += done.update_s
@@ -157,6 +171,14 @@ class UpdateCycle:
                     if self.gather is not None:
                         self.gather(self.flat16)
             self.step, self.phase = None, Phase.ON_DEVICE
+
+    def mark_on_device(self) -> None:
+        """LANDED -> ON_DEVICE where the caller put the weights on the device itself (the
+        forward pipeline copied every range of a reversed update)."""
+        self._expect("mark_on_device", Phase.LANDED)
+        if self.gather is not None:
+            self.gather(self.flat16)
+        self.step, self.phase = None, Phase.ON_DEVICE
 
     def _wait_copying(self):
         """Wait for DONE, copying the weights up as they are published."""
@@ -177,13 +199,13 @@ class UpdateCycle:
     def reset(self) -> None:
         """The device weights were replaced (a checkpoint was loaded into flat16)."""
         self._expect("reset", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
-        self.step, self.phase = None, Phase.IDLE
+        self.step, self.phase, self.reverse = None, Phase.IDLE, False
 
     def restore(self, k: int) -> None:
         """The incoming slot holds update k's weights (read from a checkpoint); they
         go to the device at the next land(copy=True), as if k had just landed."""
         self._expect("restore", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
-        self.step, self.phase = k, Phase.LANDED
+        self.step, self.phase, self.reverse = k, Phase.LANDED, False
         if self._up is not None:
             self._up.start()
 

@@ -67,6 +67,24 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
             assert torch.equal(a["master"][k], getattr(fresh.never, k.split(".")[1]).detach()), k
 
 
+def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
+    """overlap_update across ranks (the first forward hook lands the update and its
+    all-gather): master and weights on both ranks bitwise those of sync."""
+    res = {}
+    for mode in ("sync-clip", "overlap-clip"):
+        d = tmp_path / mode
+        d.mkdir()
+        p = launch(d, mode, 12)
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+        res[mode] = [torch.load(d / f"rank{r}.pt") for r in range(2)]
+    for r in range(2):
+        a, b = res["sync-clip"][r], res["overlap-clip"][r]
+        for k in a["master"]:
+            assert torch.equal(a["master"][k], b["master"][k]), (r, k)
+            assert torch.equal(a["w16"][k], b["w16"][k]), (r, k)
+
+
 def test_overflow_on_one_rank_skips_everywhere(tmp_path):
     p = launch(tmp_path, "overflow", 5)
     out, _ = p.communicate(timeout=240)

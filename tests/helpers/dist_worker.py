@@ -7,6 +7,7 @@ rank's final master weights, 16-bit weights and stats to OUT_DIR.
 MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
+overlap-clip / sync-clip (overlap_update against sync, clipping at 1.0) |
 unused-dpu (a layer with no gradient on any rank every third step, one only rank 0's
 rows use every third, and one never used).
 """
@@ -73,6 +74,7 @@ def groups(model, mode: str):
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
                          dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
+                         overlap_update=mode.startswith("overlap"), clip_grad_norm=1.0 if "clip" in mode else None,
                          progress_block_numel=256,  # many published blocks per shard: partial copies
                          staging_numel=500)  # the initial shard and master_state_dict in chunks
 

@@ -1,0 +1,135 @@
+"""overlap_update: the CPU update runs during the next forward, and the result stays
+bitwise that of the synchronous engine.
+
+step() knows the norm and the overflow decision before it sends STEP, exactly as
+the synchronous engine does; it then returns without waiting (``arm``).  The flat
+space lies last layer first (runtime.flat), so the server runs this update back to
+front (STEP.reverse), which is the next forward's order, publishing after each block
+how many elements from the shard's end are final.  Each module that holds trainable
+parameters itself gets a forward pre-hook that waits until its own parameters are
+final and makes them visible: on the CPU's zero-copy model it points them at the
+slot the server wrote (no bytes move), otherwise it copies their ranges up.  So the
+forward of step t+1 computes on exactly the weights of update t, like sync, and the
+update hides behind that forward as far as the forward lasts.  The next backward
+(or anything that needs the state: a checkpoint, the master, close) first lands the
+whole update (``finish``): nothing of it is left by then but its last block.
+
+Assumption, stated because exactness rests on it: a parameter is first used inside
+the forward of the module that holds it, or of a module that contains that one.  A
+module reading another module's parameter before that module ran would read old
+weights (the tests cover tied embeddings, whose owner runs first).
+
+Several ranks: each rank updates its shard, and the forward needs every shard, so
+the first forward pre-hook (the model's own) lands the whole update and its
+all-gather: exact, overlapping only what lies between step() and the forward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from optimizer_server.errors import OptimizerServerTimeoutError
+
+from .flat import FlatParams, ParamSpan
+from .stats import Counters
+
+# How long a forward pre-hook sleeps between looks at the progress word.  A block
+# (progress_block_numel) takes milliseconds to update, so 0.1 ms loses little.
+OVERLAP_POLL_S = 0.0001
+
+
+class ForwardPipeline:
+    """Owns the forward pre-hooks of overlap_update and the update they wait for.
+
+    cycle: the update cycle (published, reply_ready, land, mark_on_device,
+    incoming_tensor, flat16, zero_copy, request_timeout_s)."""
+
+    def __init__(self, model: torch.nn.Module, flat: FlatParams, cycle, *, world_size: int, tracer,
+                 counters: Counters):
+        self.flat, self.cycle, self.tracer, self.counters = flat, cycle, tracer, counters
+        self.k: int | None = None     # the update the next forward waits for
+        self.per_module = world_size == 1
+        self._visible: set[int] = set()  # spans (by id) already final on the device for update k
+        self._hooks = []
+        if not self.per_module:
+            self._hooks.append(model.register_forward_pre_hook(lambda m, a: self.finish()))
+            return
+        S = flat.shard_numel
+        for m in model.modules():
+            spans = [flat.by_param[id(p)] for p in m.parameters(recurse=False) if id(p) in flat.by_param]
+            if spans:
+                need = S - min(s.offset for s in spans)  # final from the end: covers the lowest offset
+                self._hooks.append(m.register_forward_pre_hook(self._hook(spans, need)))
+
+    @property
+    def armed(self) -> bool:
+        return self.k is not None
+
+    def arm(self, k: int) -> None:
+        """STEP k went out (reversed on one rank); the next forward waits for it."""
+        self.k = k
+        self._visible.clear()
+
+    def _hook(self, spans: list[ParamSpan], need: int):
+        def before_forward(module, args):
+            if self.k is None:
+                return
+            if self._wait(need):
+                self._expose([s for s in spans if id(s) not in self._visible])
+        return before_forward
+
+    def _wait(self, need: int) -> bool:
+        """Until `need` elements from the end are final; False if the update ended (or
+        failed) otherwise, which finish() has then dealt with."""
+        c, k = self.cycle, self.k
+        if c.published(k) >= need:
+            return True
+        with self.tracer.span("overlap_wait", step=k, need=need):
+            t0 = time.monotonic()
+            try:
+                while c.published(k) < need:
+                    if c.reply_ready(0):  # DONE (or the error finish() will raise) is there
+                        self.finish()
+                        return False
+                    if time.monotonic() - t0 > c.request_timeout_s:
+                        raise OptimizerServerTimeoutError(
+                            f"update {k} did not publish the weights a forward needs within "
+                            f"{c.request_timeout_s:.0f} s; if the server is just slow, raise request_timeout_s")
+                    time.sleep(OVERLAP_POLL_S)
+            finally:
+                self.counters.overlap_wait_s += time.monotonic() - t0
+        return True
+
+    def _expose(self, spans: list[ParamSpan]) -> None:
+        """These spans' new weights become what the model computes with."""
+        c = self.cycle
+        src = c.incoming_tensor()
+        with torch.no_grad():
+            for s in spans:
+                if c.zero_copy:  # point the parameter at the slot the server wrote
+                    s.param.data = src[s.offset:s.offset + s.numel].view(s.param.shape)
+                else:            # copy its range up (host slot -> device; pinned, so asynchronous)
+                    c.flat16[s.offset:s.offset + s.numel].copy_(src[s.offset:s.offset + s.numel],
+                                                                non_blocking=True)
+                    self.counters.bytes_to_device += 2 * s.numel
+                    self.counters.bytes_to_device_early += 2 * s.numel
+                self._visible.add(id(s))
+
+    def finish(self) -> None:
+        """Land update k entirely (before the next backward, a checkpoint, the master, close)."""
+        if self.k is None:
+            return
+        self.k = None
+        c = self.cycle
+        if not self.per_module or c.zero_copy:
+            c.land(copy=True)  # several ranks: copy up and all-gather; zero-copy: swap every parameter
+            return
+        c.land(copy=False)
+        self._expose([s for s in self.flat.spans if id(s) not in self._visible])
+        c.mark_on_device()
+
+    def release(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,96 @@
+"""overlap_update (runtime/overlap.py): bitwise the synchronous engine — losses, fp32
+master, m, v (the server's checkpoint bytes) and the device's weights — while the
+update runs during the next forward; a slowed server or a slowed forward changes
+the timing, never a bit."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime import OffloadConfig, OffloadEngine
+from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, train_engine
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 40
+
+
+def run(tmp, make, batch, dtype, overlap, accum=1, groups=None, slow_forward=False, inject_at=None, **cfg):
+    model = make()
+    kw = dict(lr=3e-3, dtype=dtype, server_threads=1, grad_accumulation_steps=accum, progress_block_numel=256,
+              overlap_update=overlap)
+    kw.update(cfg)
+    norms = []
+    hooks = []
+    if slow_forward:  # a slower device: each module's forward takes a little longer
+        hooks = [m.register_forward_pre_hook(lambda m, a: time.sleep(0.0005)) for m in model.modules()]
+    eng = OffloadEngine(model, OffloadConfig(**kw), param_groups=groups(model) if groups else None)
+    with eng:
+        losses = []
+        for t in range(1, STEPS + 1):
+            h = None
+            if inject_at == t:  # an fp16 overflow on this step: skipped, the scale halves
+                p = next(model.parameters())
+                h = p.register_hook(lambda g: torch.full_like(g, float("inf")))
+            losses += train_engine(eng, batch, 1, dtype, start=t, accum=accum)
+            norms.append(eng.last_grad_norm)
+            if h is not None:
+                h.remove()
+        d = eng.save_checkpoint(str(tmp / f"ck-{overlap}"))
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        stats = eng.stats()
+    state = b"".join(p.read_bytes() for p in sorted(Path(d).glob("*.bin")))  # master, m, v of every shard
+    for h in hooks:
+        h.remove()
+    return losses, weights, state, norms, stats
+
+
+def two_groups(model):
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}]
+
+
+CASES = {
+    # clip_grad_norm 1.2: the norm starts above it and falls below, so it fires on some steps only
+    "adamw-clip": (gpt, gpt_batch, "bf16", dict(clip_grad_norm=1.2, weight_decay=0.1)),
+    "fp16-overflow-accum2": (mlp, mlp_batch, "fp16", dict(accum=2, inject_at=5)),
+    "groups": (gpt, gpt_batch, "bf16", dict(groups=two_groups)),
+    "copy-path": (gpt, gpt_batch, "bf16", dict(cpu_zero_copy=False, clip_grad_norm=1.2)),
+    "lion": (mlp, mlp_batch, "bf16", dict(optimizer="lion", lr=1e-4)),
+    "adagrad": (mlp, mlp_batch, "bf16", dict(optimizer="adagrad")),
+    "slow-forward": (gpt, gpt_batch, "bf16", dict(slow_forward=True, clip_grad_norm=1.2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_overlap_is_bitwise_sync(tmp_path, case):
+    make, batch, dtype, kw = CASES[case]
+    sync = run(tmp_path, make, batch, dtype, False, **kw)
+    over = run(tmp_path, make, batch, dtype, True, **kw)
+    assert over[0] == sync[0], "losses"
+    assert over[2] == sync[2], "master, m, v"
+    for k in sync[1]:
+        assert torch.equal(over[1][k], sync[1][k]), k
+    if "clip_grad_norm" in kw:  # the clip fired on some steps and not on others
+        assert min(sync[3]) < kw["clip_grad_norm"] < max(sync[3]), sync[3]
+    if "inject_at" in kw:
+        assert over[4]["skipped_steps"] == sync[4]["skipped_steps"] == 1
+    assert over[4]["updates"] == sync[4]["updates"]
+
+
+def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypatch):
+    """The scalar kernel (several times slower): the forward's hooks must wait for their
+    weights, and the result is still sync's."""
+    monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "scalar")
+    sync = run(tmp_path, gpt, gpt_batch, "bf16", False, clip_grad_norm=1.2)
+    over = run(tmp_path, gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2)
+    assert over[0] == sync[0] and over[2] == sync[2]
+    assert over[4]["overlap_wait_s"] > 0
+
+
+def test_overlap_with_dpu_is_refused():
+    with pytest.raises(ValueError, match="choose one"):
+        OffloadConfig(overlap_update=True, dpu=True)
