@@ -17,7 +17,7 @@ SAMPLES = [
               server_pid=1),
     P.Init(session="s", offset=16, count=8),
     P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}, out_slot=1,
-           groups=[[0, 4, 1e-3, 0.9, 0.99, 1e-8, 0.1, 3], [4, 6, 0.0, 0.9, 0.99, 1e-8, 0.0, 0]]),
+           groups=[[0, 4, 1e-3, 0.9, 0.99, 1e-8, 0.1, 3], [4, 6, 0.0, 0.9, 0.99, 1e-8, 0.0, 0]], reverse=True),
     P.Done(step=3, update_s=0.01),
     P.Skip(session="s", step=4),
     P.GetMaster(session="s", offset=0, count=10),
