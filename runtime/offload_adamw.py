@@ -87,6 +87,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         params_all = [p for g in self.param_groups for p in g["params"]]
         if model is None:
+            if cfg.overlap_update:
+                raise ValueError("overlap_update waits in the model's forward pre-hooks, so it needs the model: "
+                                 "pass OffloadAdamW(..., model=model)")
             model = _Params(params_all)
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
         self.state_dir = state_dir

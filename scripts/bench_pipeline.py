@@ -1,4 +1,4 @@
-"""Step time of the whole pipeline: no offload vs offload sync vs offload DPU (vs DeepSpeed).
+"""Step time of the whole pipeline: no offload vs offload sync vs DPU vs overlap_update (vs DeepSpeed).
 
     python scripts/bench_pipeline.py                        # 10.8M GPT, batches 8x128 and 1x32
     python scripts/bench_pipeline.py --batches 2x64 --steps 10 --passes 1 --no-write
@@ -57,6 +57,8 @@ def pin(pid: int, cores: set[int]) -> None:
 # them; "*-after" copies them in one piece after DONE (overlap_weights_up=False).
 # "dpu-2slots": a second gradient slot, so backward never waits for the update in
 # flight (the default one slot makes each range wait until the update has passed it).
+# "overlap": overlap_update, bitwise sync, the update during the next forward
+# (runtime/overlap.py); "overlap-copy" with the weights copied as a GPU must.
 WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared"}
 
 
@@ -68,10 +70,11 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     torch.manual_seed(0)
     model = GPT(mc)
     dpu = name.startswith("dpu")
+    overlap = name.startswith("overlap")
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup,
                         dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
                         cpu_zero_copy=not name.endswith(("-copy", "-after")),
-                        dpu_grad_slots=2 if name == "dpu-2slots" else 1,
+                        dpu_grad_slots=2 if name == "dpu-2slots" else 1, overlap_update=overlap,
                         server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
@@ -166,13 +169,15 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--section", default="bench_pipeline",
+                    help="the BENCHMARKS.md section to write (a reduced run writes its own, not over the full one)")
     a = ap.parse_args(argv)
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
           f"each; no-offload and DeepSpeed on all {len(cores)} cores, baseline-1core on the worker's", flush=True)
     variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared", "sync-copy", "dpu-copy",
-                "sync-after", "dpu-after", "dpu-2slots"]
+                "sync-after", "dpu-after", "dpu-2slots", "overlap", "overlap-copy"]
     try:
         import deepspeed  # noqa: F401
         variants.append("deepspeed")
@@ -220,7 +225,9 @@ def main(argv=None) -> int:
               f"{med['sync-untraced']:.1f} | {med['sync-after'] / med['sync-untraced']:.2f}x | "
               f"{med['dpu-after']:.1f} | {med['dpu-copy']:.1f} | {med['dpu']:.1f} | "
               f"{med['dpu-after'] / med['dpu']:.2f}x | {med['dpu-2slots']:.1f} | "
-              f"{med['dpu'] / med['dpu-2slots']:.2f}x |")
+              f"{med['dpu'] / med['dpu-2slots']:.2f}x | {med['overlap']:.1f} | {med['overlap-copy']:.1f} | "
+              f"{med['sync-untraced'] / med['overlap']:.2f}x | {med['overlap'] / med['dpu']:.2f} | "
+              f"{med['sync-copy'] / med['overlap-copy']:.2f}x |")
         del batches, src
         print(row, flush=True)
         print(ab, flush=True)
@@ -244,14 +251,17 @@ def main(argv=None) -> int:
               "copied block by block as the server publishes them (during the wait; with DPU inside the next "
               "backward), or not copied at all (the CPU device's zero-copy slots, the columns above); and DPU "
               "with a second gradient slot (dpu_grad_slots=2: backward never waits for the update, +2 B/param) "
-              "against the default one slot, whose ranges backward writes once the update has passed them:\n\n"
+              "against the default one slot, whose ranges backward writes once the update has passed them; and "
+              "overlap_update (bitwise sync; the update during the next forward), zero-copy and copied:\n\n"
             + "\n".join(["| model, batch | sync, copy after DONE ms | sync, copy as published ms | sync, zero-copy ms "
                           "| after / zero-copy | DPU, copy after DONE ms | DPU, copy in backward ms "
                           "| DPU, zero-copy ms | after / zero-copy | DPU, 2 gradient slots ms "
-                          "| 1 slot / 2 slots |", "|" + "---|" * 11,
+                          "| 1 slot / 2 slots | overlap ms | overlap, copy ms | sync / overlap | overlap / DPU "
+                          "| sync / overlap, copy |", "|" + "---|" * 16,
                           *ab_rows]) + "\n")
     if not a.no_write:
-        update_section("bench_pipeline", body)
+        update_section(a.section, body.replace("## Pipeline step time", "## Pipeline step time" + (
+            f" ({a.section})" if a.section != "bench_pipeline" else ""), 1))
     return 0
 
 

@@ -1,13 +1,14 @@
 """Does offload change what training computes?  Does DPU cost loss?
 
-    python scripts/convergence.py                          # defaults of train_gpt.py, 4 runs
+    python scripts/convergence.py                          # defaults of train_gpt.py, 5 runs
     python scripts/convergence.py --lr 1e-3 --steps 400 --tag lr1e-3
 
-Trains the same GPT on the same data and seed four ways:
+Trains the same GPT on the same data and seed five ways:
   baseline   plain PyTorch mixed precision, AdamW on the device (no offload)
   sync       offload, synchronous
   dpu        offload with One-Step Delayed Parameter Update
   dpu-sim    plain-PyTorch simulation of the DPU schedule (the ZeRO-Offload paper's schedule)
+  overlap    offload with overlap_update (must equal sync at every evaluation: it says so)
 prints the validation losses at each evaluation, writes the curves as
 docs/convergence-TAG.png and the numbers as docs/convergence-TAG.json, and
 rewrites the "convergence" section of BENCHMARKS.md from all docs/convergence-*.json.
@@ -32,6 +33,7 @@ RUNS = {
     "baseline": dict(offload=False, dpu=False),
     "sync": dict(offload=True, dpu=False),
     "dpu": dict(offload=True, dpu=True),
+    "overlap": dict(offload=True, dpu=False, overlap_update=True),
     "dpu-sim": dict(offload=False, dpu=True, simulate_dpu=True),
 }
 
@@ -74,6 +76,10 @@ def main(argv=None) -> int:
         results[name] = {"step": h["step"], "loss": h["loss"], "val_step": h["val_step"], "val_loss": h["val_loss"],
                          "median_step_s": out["summary"]["median_step_s"]}
         print(f"{name:9s} val: " + " ".join(f"{s}:{v:.4f}" for s, v in zip(h["val_step"], h["val_loss"])),
+              flush=True)
+    if "overlap" in results and "sync" in results:  # overlap_update is bitwise sync: every evaluation equal
+        same = results["overlap"]["val_loss"] == results["sync"]["val_loss"]
+        print(f"overlap vs sync: validation losses {'identical at every evaluation' if same else 'DIFFER'}",
               flush=True)
     report = {"tag": a.tag, "args": vars(a), "machine": machine_line(), "runs": results}
     rows = summary_rows(report)

@@ -94,7 +94,8 @@ def count_params(mc: GPTConfig) -> int:
 
 
 def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype: str) -> dict:
-    """Build kind (baseline | sync | dpu | dpu-after), train a few steps, return time and memory.
+    """Build kind (baseline | sync | dpu | overlap | dpu-after), train a few steps, return time and memory.
+    overlap: overlap_update (bitwise sync, the update during the next forward);
     dpu-after: weights up in one piece after DONE (the A/B for copying them inside backward)."""
     gc.collect()
     if dev.type == "cuda":
@@ -105,7 +106,7 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     model = make_model(mc)
     n = model.num_params()
     cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, dpu=kind.startswith("dpu"), dpu_warmup_steps=2,
-                        overlap_weights_up=kind != "dpu-after",
+                        overlap_weights_up=kind != "dpu-after", overlap_update=kind == "overlap",
                         clip_grad_norm=1.0, server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
     if kind == "baseline":
         eng = DeviceMixedPrecision(model.to(dev), cfg)
@@ -187,7 +188,7 @@ def main(argv=None) -> int:
     batches = [int(v) for v in a.batches.split(",")]
     for b in batches:
         # the A/B of the overlapped weight copy only at the larger batch, last (bounded time)
-        for kind in ("baseline", "sync", "dpu") + (("dpu-after",) if b == batches[-1] else ()):
+        for kind in ("baseline", "sync", "dpu", "overlap") + (("dpu-after",) if b == batches[-1] else ()):
             r = run(kind, mc, dev, b, a.steps, 2, a.dtype)
             r["tflops"] = fpt * b * mc.seq_len / r["step_s"] / 1e12
             res[f"{kind}_b{b}"] = r

@@ -94,3 +94,28 @@ def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypa
 def test_overlap_with_dpu_is_refused():
     with pytest.raises(ValueError, match="choose one"):
         OffloadConfig(overlap_update=True, dpu=True)
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy"])
+def test_offload_adamw_with_overlap_is_bitwise_sync(zero_copy):
+    """A plain torch loop (loss.backward(): the update lands in the first gradient hook)."""
+    from runtime import OffloadAdamW
+    out = []
+    for overlap in (False, True):
+        model = gpt()
+        with OffloadAdamW(model.parameters(), lr=3e-3, model=model, server_threads=1, overlap_update=overlap,
+                          cpu_zero_copy=zero_copy, progress_block_numel=256) as opt:
+            losses = []
+            for t in range(1, 16):
+                loss = gpt_batch(t, "bf16")(model)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.2)
+                opt.step()
+                losses.append(float(loss.detach()))
+            master = opt.master_state_dict()
+        out.append((losses, master, {k: v.clone() for k, v in model.state_dict().items()}))
+    assert out[0][0] == out[1][0]
+    with pytest.raises(ValueError, match="model=model"):
+        OffloadAdamW(gpt().parameters(), overlap_update=True)
+    for k in out[0][1]:
+        assert torch.equal(out[0][1][k], out[1][1][k]) and torch.equal(out[0][2][k], out[1][2][k]), k
