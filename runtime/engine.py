@@ -238,12 +238,7 @@ class OffloadEngine:
         if self._grads_ready:
             raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
                                "micro-batch's backward")
-        self._finish_overlap()
-        self._check_views()
-        self._micro += 1
-        final = self._micro % self.cfg.grad_accumulation_steps == 0
-        if final:
-            self._step_grads = self.grads.begin(self.iteration % self._grad_slots)
+        final = self._start_micro()
         with self.tracer.span("backward"), marker("zo.backward", self.is_cuda):
             (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
         if final:
@@ -261,18 +256,26 @@ class OffloadEngine:
     def _begin_pass(self) -> None:
         """backward_mode "hooks": the first gradient hook of a loss.backward()."""
         self._check_open()
-        self._finish_overlap()
-        self._check_views()
         if self._grads_ready:
             raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
                                f"accumulate gradients over micro-batches, say how many with grad_accumulation_steps "
                                f"(now {self.cfg.grad_accumulation_steps})")
+        self._start_micro()  # raises (the DDP check) before this pass is marked as begun
         self._in_backward = True
-        self._micro += 1
-        if self._micro % self.cfg.grad_accumulation_steps == 0:
-            self._step_grads = self.grads.begin(self.iteration % self._grad_slots)
         # runs once this backward has finished (DDP ends its reduces the same way)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+
+    def _start_micro(self) -> bool:
+        """A micro-batch's backward begins (either mode): the pipelined update lands, the
+        parameters are checked, and on the step's last micro-batch its gradients' way
+        down starts.  Returns whether this is that last one."""
+        self._finish_overlap()
+        self._check_views()
+        self._micro += 1
+        final = self._micro % self.cfg.grad_accumulation_steps == 0
+        if final:
+            self._step_grads = self.grads.begin(self.iteration % self._grad_slots)
+        return final
 
     def _end_pass(self) -> None:
         self._in_backward = False
@@ -297,13 +300,17 @@ class OffloadEngine:
         max_norm = float(max_norm)
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-        sq, _ = self._step_grads.totals()
-        norm = math.sqrt(sq) / self.scaler.scale if math.isfinite(sq) else float("inf")
+        norm = self._unscaled_norm(self._step_grads.totals()[0])
         if error_if_nonfinite and not math.isfinite(norm):
             raise RuntimeError(f"the total norm of the gradients is {norm}, so they cannot be clipped; pass "
                                f"error_if_nonfinite=False to skip this step instead")
         self._clip_now = max_norm if self._clip_now is None else min(self._clip_now, max_norm)
         return norm
+
+    def _unscaled_norm(self, sq: float) -> float:
+        """The global L2 norm from the scaled gradients' sum of squares (inf if it overflowed):
+        what clip_grad_norm_ returns and what the step clips with."""
+        return math.sqrt(sq) / self.scaler.scale if math.isfinite(sq) else float("inf")
 
     def _finish_overlap(self) -> None:
         """overlap_update: the update the forward pipelined is landed whole (its last blocks)
@@ -341,7 +348,6 @@ class OffloadEngine:
 
     def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
-        self._finish_overlap()  # (backward did already; a step without a forward in between)
         with self.tracer.span("grad_check"):
             sq, used = grads.totals()
         overflow = not math.isfinite(sq)
@@ -355,7 +361,7 @@ class OffloadEngine:
             self.last_grad_norm = float("inf")
             return
         scale = self.scaler.scale
-        norm = math.sqrt(sq) / scale
+        norm = self._unscaled_norm(sq)
         self.last_grad_norm = norm
         clip = 1.0
         max_norm = self.cfg.clip_grad_norm
@@ -571,6 +577,8 @@ def owner_of(p: torch.Tensor) -> "OffloadEngine | None":
 def _trains(e: "OffloadEngine", p: torch.Tensor) -> bool:
     s = e.flat.by_param.get(id(p))  # ids are reused once a tensor dies: check identity
     return s is not None and s.param is p
+
+
 COMPILE_PREFIX = "_orig_mod."          # what torch.compile's wrapper adds to every name
 
 

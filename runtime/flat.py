@@ -23,6 +23,7 @@ class ParamSpan:
     offset: int          # into the flat space
     numel: int
     bucket: int
+    group: int = 0       # its param group (FlatParams' groups)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class FlatParams:
             if cur is None or (cur.numel > 0 and cur.numel + n > bucket_numel):
                 cur = Bucket(index=len(self.buckets), lo=off, hi=off)
                 self.buckets.append(cur)
-            span = ParamSpan(p, off, n, cur.index)
+            span = ParamSpan(p, off, n, cur.index, g)
             cur.params.append(span)
             cur.hi = off + n
             self.spans.append(span)
@@ -110,22 +111,20 @@ class FlatParams:
         """(group, lo, hi, value) in shard coordinates, in order, covering rank's whole
         shard: shard_groups split where values[i] (one per span, in span order) changes,
         consecutive spans of one group with one value merged.  The padding goes with
-        the shard's last run."""
-        lo0 = self.shard_range(rank)[0]
+        the shard's last run.  One pass over the spans (it runs every step)."""
+        lo0, S = self.shard_range(rank)[0], self.shard_numel
         out: list[list[int]] = []
-        for g, a, b in self.shard_groups(rank):
-            fa, fb, first = a + lo0, b + lo0, len(out)
-            for i, s in enumerate(self.spans):  # spans tile [0, numel) in offset order
-                x, y = max(fa, s.offset), min(fb, s.offset + s.numel)
-                if y <= x:
-                    continue
-                if out and out[-1][0] == g and out[-1][3] == values[i] and out[-1][2] == x - lo0:
-                    out[-1][2] = y - lo0
-                else:
-                    out.append([g, x - lo0, y - lo0, values[i]])
-            if len(out) == first:  # a shard of padding only
-                out.append([g, a, b, values[-1]])
-            out[-1][2] = b  # the padding (past numel) with the last run
+        for i, s in enumerate(self.spans):  # spans tile [0, numel) in offset order
+            x, y = max(lo0, s.offset) - lo0, min(lo0 + S, s.offset + s.numel) - lo0
+            if y <= x:
+                continue
+            if out and out[-1][0] == s.group and out[-1][3] == values[i]:
+                out[-1][2] = y
+            else:
+                out.append([s.group, x, y, values[i]])
+        if not out:  # a shard of padding only: the last group's
+            out.append([self.spans[-1].group, 0, S, values[-1]])
+        out[-1][2] = S  # the padding (past numel) with the last run
         return [tuple(r) for r in out]
 
     def copy_fp32_range(self, out: torch.Tensor, lo: int, hi: int) -> None:

@@ -118,11 +118,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.engine.step()
         return loss
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's: gradients that accumulate between micro-batches are dropped.  After
-        the last backward of a step the parameters hold none (they went to the host)."""
-        super().zero_grad(set_to_none=set_to_none)
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """The global L2 norm of this step's gradients (all ranks) as a tensor, and
         clip them to max_norm in the coming step(); call it after the last backward."""
