@@ -206,6 +206,110 @@ static void zo_lion_scalar(float *p, float *m, const void *g, int gk,
     }
 }
 
+
+/* ---------------------------------------------------------------- compact state (bf16 moments) */
+/*
+ * state_dtype="bf16": m and v are bf16 words, read as fp32 (exact) and rounded
+ * back after the update.  Round-to-nearest freezes v: with beta2 = 0.999 it
+ * moves by ~0.1% a step, below bf16's half ulp (0.39%), so a stored v that
+ * should grow or decay stays put.  Stochastic rounding adds 16 random bits
+ * below the kept ones before truncating, so the stored value is unbiased.
+ * The bits come from a counter-based hash of (key, element index): the key
+ * is derived from the step, the index is the element's place in the whole
+ * model, so the result depends on neither the thread count nor the sharding.
+ *
+ * The exact master (rem != NULL): the fp32 master is never stored whole.  Its
+ * high 16 bits, rounded (ties away from zero), are the bf16 weights the
+ * update writes anyway; rem keeps its low 16 bits.  Joining them gives the
+ * same fp32 bits back: H = hi - (rem >= 0x8000) undoes the rounding.  Ties
+ * away from zero (not to even) is what makes every fp32 value reachable from
+ * one (hi, rem) pair; it differs from round-to-nearest-even only when the low
+ * half is exactly 0x8000, by one bf16 ulp.
+ */
+enum zo_rounding { ZO_ROUND_NEAREST = 0, ZO_ROUND_STOCHASTIC = 1 };
+
+typedef struct {
+    uint16_t *m, *v;       /* bf16 moments (v is NULL for Lion) */
+    uint16_t *rem;         /* low halves of the fp32 master, or NULL: the master is p (fp32) */
+    const uint16_t *hi;    /* with rem: the master's high halves (the last update's bf16 weights) */
+    uint32_t key;          /* per-step key of the stochastic rounding */
+    uint32_t index_base;   /* model-wide index of element 0, mod 2^32 */
+    int rounding;          /* zo_rounding */
+} zo_state16;
+
+/* lowbias32 (C. Wellons): a full-avalanche 32-bit mix, four multiplies-or-shifts deep */
+static inline uint32_t zo_mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+    return x;
+}
+static inline uint32_t zo_rand32(uint32_t key, uint32_t idx) { return zo_mix32(idx * 0x9e3779b9u + key); }
+
+/* fp32 -> bf16 adding r16 (< 2^16) below the kept bits, then truncating; NaN stays a quiet NaN */
+static inline uint16_t zo_f32_to_bf16_sr(float f, uint32_t r16) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + r16) >> 16);
+}
+
+static inline float zo_join_master(uint16_t hi, uint16_t rem) {
+    uint32_t x = ((uint32_t)(uint16_t)(hi - (rem >> 15)) << 16) | rem;
+    float r;
+    memcpy(&r, &x, 4);
+    return r;
+}
+
+static inline void zo_split_master(float f, uint16_t *hi, uint16_t *rem) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    *rem = (uint16_t)(x & 0xffffu);
+    *hi = (x & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + 0x8000u) >> 16);
+}
+
+static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                             const zo_hparams *h, const zo_state16 *s) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float pi = s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+        float mi, vi, denom;
+        gi = gi + h->l2 * pi;
+        mi = h->beta1 * zo_bf16_to_f32(s->m[i]) + h->one_minus_beta1 * gi;
+        vi = h->beta2 * zo_bf16_to_f32(s->v[i]) + h->one_minus_beta2 * (gi * gi);
+        denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
+        float p0 = pi;
+        if (h->decoupled) pi = pi * h->decay;
+        pi = pi - h->step_size * (mi / denom);
+        if (s->rounding == ZO_ROUND_STOCHASTIC) {
+            uint32_t r = zo_rand32(s->key, s->index_base + (uint32_t)i);
+            s->m[i] = zo_f32_to_bf16_sr(mi, r & 0xffffu);
+            s->v[i] = zo_f32_to_bf16_sr(vi, r >> 16);
+        } else {
+            s->m[i] = zo_f32_to_bf16(mi);
+            s->v[i] = zo_f32_to_bf16(vi);
+        }
+        if (s->rem) {
+            zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
+        } else {
+            p[i] = pi;
+            zo_store_out(out, ok, i, h->predict != 0.0f ? pi + h->predict * (pi - p0) : pi);
+        }
+    }
+}
+
+/* the exact master's high halves for [lo, hi): master -> (hi, rem), as an update would
+ * leave them (INIT and LOAD) */
+static void zo_split_chunk(const float *src, uint16_t *hi16, uint16_t *rem, int64_t lo, int64_t hi) {
+    int64_t i;
+    for (i = lo; i < hi; i++) zo_split_master(src[i], hi16 + i, rem + i);
+}
+
+static void zo_join_chunk(const uint16_t *hi16, const uint16_t *rem, float *dst, int64_t lo, int64_t hi) {
+    int64_t i;
+    for (i = lo; i < hi; i++) dst[i] = zo_join_master(hi16[i], rem[i]);
+}
+
 /* ---------------------------------------------------------------- x86 vector paths */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define ZO_HAVE_X86 1
@@ -314,6 +418,92 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_lion_body(
     zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
 }
 
+
+/* ---- compact state, AVX-512: 16 lanes (the AVX2 body's operations, wider) */
+static inline ZO_T512 __m512i zo512_load_u16(const uint16_t *a, int64_t i) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i)));
+}
+static inline ZO_T512 void zo512_store_u16(uint16_t *a, int64_t i, __m512i x) {
+    _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
+}
+static inline ZO_T512 __m512i zo512_round_add(__m512i x, __m512i add) {
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, add), 16);
+    __m512i q = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_mov_epi32(r, nan, q);
+}
+static inline ZO_T512 __m512i zo512_rne_add(__m512i x) {
+    return _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)),
+                            _mm512_set1_epi32(0x7fff));
+}
+static inline ZO_T512 __m512i zo512_mix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+        const zo_hparams *h, const zo_state16 *s) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i low = _mm512_set1_epi32(0xffff);
+    const __m512i gold = _mm512_set1_epi32((int)0x9e3779b9u), key = _mm512_set1_epi32((int)s->key);
+    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
+        __m512 pi, mi, vi, denom, p0;
+        __m512i mb, vb;
+        if (s->rem) {
+            __m512i r16 = zo512_load_u16(s->rem, i);
+            __m512i h16 = _mm512_sub_epi32(zo512_load_u16(s->hi, i), _mm512_srli_epi32(r16, 15));
+            pi = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h16, low), 16), r16));
+        } else {
+            pi = _mm512_loadu_ps(p + i);
+        }
+        gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_castsi512_ps(_mm512_slli_epi32(zo512_load_u16(s->m, i), 16))),
+                           _mm512_mul_ps(omb1, gi));
+        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_castsi512_ps(_mm512_slli_epi32(zo512_load_u16(s->v, i), 16))),
+                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+        denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
+        p0 = pi;
+        if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
+        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
+        mb = _mm512_castps_si512(mi);
+        vb = _mm512_castps_si512(vi);
+        if (sr) {
+            __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)), lanes);
+            __m512i r = zo512_mix32(_mm512_add_epi32(_mm512_mullo_epi32(idx, gold), key));
+            mb = zo512_round_add(mb, _mm512_and_si512(r, low));
+            vb = zo512_round_add(vb, _mm512_srli_epi32(r, 16));
+        } else {
+            mb = zo512_round_add(mb, zo512_rne_add(mb));
+            vb = zo512_round_add(vb, zo512_rne_add(vb));
+        }
+        zo512_store_u16(s->m, i, mb);
+        zo512_store_u16(s->v, i, vb);
+        if (s->rem) {
+            __m512i x = _mm512_castps_si512(pi);
+            zo512_store_u16(s->rem, i, _mm512_and_si512(x, low));
+            zo512_store_u16((uint16_t *)out, i, zo512_round_add(x, _mm512_set1_epi32(0x8000)));
+        } else {
+            _mm512_storeu_ps(p + i, pi);
+            zo512_store_out(out, ok, i, h->predict != 0.0f
+                            ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
+        }
+    }
+    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+}
+
 /* ---- AVX2 + F16C: 8 lanes */
 static inline ZO_T256 __m256 zo256_load_grad(const void *g, int gk, int64_t i) {
     if (gk == ZO_F16)
@@ -418,6 +608,96 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_lion_body(
     zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
 }
 
+
+/* ---- compact state, AVX2: 8 lanes.  Integer ops on the bit patterns, the same as the
+ * scalar helpers above, so the paths agree bitwise. */
+static inline ZO_T256 __m256i zo256_load_u16(const uint16_t *a, int64_t i) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i)));
+}
+static inline ZO_T256 void zo256_store_u16(uint16_t *a, int64_t i, __m256i x) {
+    /* 8 x u32 (all < 65536) -> 8 x u16 in order */
+    __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
+    _mm_storeu_si128((__m128i *)(a + i), _mm256_castsi256_si128(pk));
+}
+static inline ZO_T256 __m256i zo256_isnan(__m256i x) {
+    return _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+}
+/* fp32 bits -> bf16 bits (in u32 lanes) adding `add` below the kept bits; NaN stays quiet */
+static inline ZO_T256 __m256i zo256_round_add(__m256i x, __m256i add) {
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, add), 16);
+    __m256i q = _mm256_or_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(r, q, zo256_isnan(x));
+}
+static inline ZO_T256 __m256i zo256_rne_add(__m256i x) {
+    return _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1)),
+                            _mm256_set1_epi32(0x7fff));
+}
+static inline ZO_T256 __m256i zo256_mix32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bu));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+        const zo_hparams *h, const zo_state16 *s) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), low = _mm256_set1_epi32(0xffff);
+    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u), key = _mm256_set1_epi32((int)s->key);
+    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
+        __m256 pi, mi, vi, denom, p0;
+        __m256i mb, vb;
+        if (s->rem) {
+            __m256i r16 = zo256_load_u16(s->rem, i);
+            __m256i h16 = _mm256_sub_epi32(zo256_load_u16(s->hi, i), _mm256_srli_epi32(r16, 15));
+            pi = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h16, low), 16), r16));
+        } else {
+            pi = _mm256_loadu_ps(p + i);
+        }
+        gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->m, i), 16))),
+                           _mm256_mul_ps(omb1, gi));
+        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->v, i), 16))),
+                           _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
+        denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
+        p0 = pi;
+        if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
+        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
+        mb = _mm256_castps_si256(mi);
+        vb = _mm256_castps_si256(vi);
+        if (sr) {
+            __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)i)), lanes);
+            __m256i r = zo256_mix32(_mm256_add_epi32(_mm256_mullo_epi32(idx, gold), key));
+            mb = zo256_round_add(mb, _mm256_and_si256(r, low));
+            vb = zo256_round_add(vb, _mm256_srli_epi32(r, 16));
+        } else {
+            mb = zo256_round_add(mb, zo256_rne_add(mb));
+            vb = zo256_round_add(vb, zo256_rne_add(vb));
+        }
+        zo256_store_u16(s->m, i, mb);
+        zo256_store_u16(s->v, i, vb);
+        if (s->rem) {
+            __m256i x = _mm256_castps_si256(pi);
+            zo256_store_u16(s->rem, i, _mm256_and_si256(x, low));
+            zo256_store_u16((uint16_t *)out, i, zo256_round_add(x, _mm256_set1_epi32(0x8000)));
+        } else {
+            _mm256_storeu_ps(p + i, pi);
+            zo256_store_out(out, ok, i, h->predict != 0.0f
+                            ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi);
+        }
+    }
+    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+}
+
 /* Specialise each body on the (grad kind, out kind) pair: with both constant the
  * per-vector dtype branches fold away. */
 #define ZO_SPECIALISE(FN, BODY, ATTR, PARAMS, ARGS)                                  \
@@ -444,6 +724,16 @@ ZO_SPECIALISE(zo512_adagrad, zo512_adagrad_body, ZO_T512, ADAGRAD_PARAMS, (p, m,
 ZO_SPECIALISE(zo256_adagrad, zo256_adagrad_body, ZO_T256, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
 ZO_SPECIALISE(zo512_lion, zo512_lion_body, ZO_T512, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
 ZO_SPECIALISE(zo256_lion, zo256_lion_body, ZO_T256, ADAGRAD_PARAMS, (p, m, g, gk, out, ok, lo, hi, h))
+#undef ARGS_F16_F16
+#undef ARGS_BF16_BF16
+
+
+#define ADAM16_PARAMS (float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, \
+                       const zo_hparams *h, const zo_state16 *s)
+#define ARGS_F16_F16 p, g, ZO_F16, out, ZO_F16, lo, hi, h, s
+#define ARGS_BF16_BF16 p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s
+ZO_SPECIALISE(zo512_adam16, zo512_adam16_body, ZO_T512, ADAM16_PARAMS, (p, g, gk, out, ok, lo, hi, h, s))
+ZO_SPECIALISE(zo256_adam16, zo256_adam16_body, ZO_T256, ADAM16_PARAMS, (p, g, gk, out, ok, lo, hi, h, s))
 #undef ARGS_F16_F16
 #undef ARGS_BF16_BF16
 
@@ -505,6 +795,43 @@ static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint1
     if (level == ZO_AVX2) { zo256_stream(p, m, v, g, out, lo, hi); return; }
 #endif
     zo_stream_scalar(p, m, v, g, out, lo, hi);
+}
+
+/* The compact-state access pattern with trivial (integer) arithmetic: read g 2 B,
+ * m and v 2 + 2 B read and written, and either the exact master (read hi 2,
+ * read+write rem 2, write out 2: 18 B/element) or the fp32 master (read+write 4,
+ * write out 2: 20 B/element).  Plain loops: the compiler vectorises each copy
+ * for the target its attribute names. */
+#define ZO_STREAM16_BODY                                                                  \
+    int64_t i;                                                                            \
+    if (rem) {                                                                            \
+        for (i = lo; i < hi; i++) {                                                       \
+            uint16_t gi = g[i];                                                           \
+            rem[i] = (uint16_t)(rem[i] + gi); m[i] = (uint16_t)(m[i] + gi);               \
+            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(hi16[i] + gi);              \
+        }                                                                                 \
+    } else {                                                                              \
+        for (i = lo; i < hi; i++) {                                                       \
+            uint16_t gi = g[i];                                                           \
+            uint32_t pi = p[i] + gi;                                                      \
+            p[i] = pi; m[i] = (uint16_t)(m[i] + gi);                                      \
+            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(pi >> 16);                  \
+        }                                                                                 \
+    }
+#define ZO_STREAM16_PARAMS (uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v, \
+                            const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi)
+static void zo_stream16_scalar ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
+#if ZO_HAVE_X86
+static ZO_T512 void zo512_stream16 ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
+static ZO_T256 void zo256_stream16 ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
+#endif
+static void zo_stream16_chunk(int level, uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m,
+                              uint16_t *v, const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_stream16(p, rem, hi16, m, v, g, out, lo, hi); return; }
+    if (level == ZO_AVX2) { zo256_stream16(p, rem, hi16, m, v, g, out, lo, hi); return; }
+#endif
+    zo_stream16_scalar(p, rem, hi16, m, v, g, out, lo, hi);
 }
 
 /* ---------------------------------------------------------------- sum of squares */
@@ -584,6 +911,15 @@ static void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
     if (level == ZO_AVX2) { zo256_lion(p, m, g, gk, out, ok, lo, hi, h); return; }
 #endif
     zo_lion_scalar(p, m, g, gk, out, ok, lo, hi, h);
+}
+
+static void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
+                            int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
+#if ZO_HAVE_X86
+    if (level == ZO_AVX512) { zo512_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
+    if (level == ZO_AVX2) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
+#endif
+    zo_adam16_scalar(p, g, gk, out, ok, lo, hi, h, s);
 }
 
 #endif /* ZO_KERNELS_H */

@@ -64,6 +64,24 @@ cdef extern from "_kernels.h" nogil:
     void zo_cast_chunk(const float *src, unsigned short *dst, int ok, int64_t lo, int64_t hi)
     void zo_stream_chunk(int level, float *p, float *m, float *v, const unsigned short *g,
                          unsigned short *out, int64_t lo, int64_t hi)
+    cdef enum zo_rounding:
+        ZO_ROUND_NEAREST, ZO_ROUND_STOCHASTIC
+    ctypedef struct zo_state16:
+        unsigned short *m
+        unsigned short *v
+        unsigned short *rem
+        const unsigned short *hi
+        unsigned int key
+        unsigned int index_base
+        int rounding
+    void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
+                         int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s)
+    void zo_split_chunk(const float *src, unsigned short *hi16, unsigned short *rem, int64_t lo, int64_t hi)
+    void zo_join_chunk(const unsigned short *hi16, const unsigned short *rem, float *dst, int64_t lo, int64_t hi)
+    void zo_stream16_chunk(int level, unsigned int *p, unsigned short *rem, const unsigned short *hi16,
+                           unsigned short *m, unsigned short *v, const unsigned short *g, unsigned short *out,
+                           int64_t lo, int64_t hi)
+    unsigned int zo_mix32(unsigned int x)
     int ZO_PROGRESS_SHIFT
     void zo_progress_store(uint64_t *w, uint64_t v)
     uint64_t zo_progress_load(const uint64_t *w)
@@ -75,6 +93,10 @@ cdef enum Kernel:
     K_LION
     K_PROBE   # the bandwidth probe (stream_probe)
     K_CAST    # fp32 -> 16 bits, p -> o (cast_to_16)
+    K_ADAM16  # Adam with bf16 moments, fp32 or exact (hi + remainder) master (adam_step_bf16)
+    K_PROBE16 # the compact-state bandwidth probe (stream_probe_bf16)
+    K_SPLIT   # fp32 master -> (hi, rem) (split_master)
+    K_JOIN    # (hi, rem) -> fp32 master (join_master)
 
 cdef enum:
     # Elements per parallel work item.  A multiple of 16 so only the last chunk
@@ -274,6 +296,39 @@ cdef _check_lr_wd_scale(double lr, double wd):
         raise ValueError(f"lr and weight_decay must be >= 0, got lr={lr}, weight_decay={wd}")
 
 
+cdef int _adam_hparams(zo_hparams *h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale,
+                       predict) except -1:
+    """Validate Adam's hyper-parameters and fold them into the constants the loop needs."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based, for bias correction), got {step!r}")
+    cdef double dlr = _finite(lr, "lr")
+    cdef double b1 = _beta(beta1, "beta1")
+    cdef double b2 = _beta(beta2, "beta2")
+    cdef double deps = _finite(eps, "eps")
+    cdef double wd = _finite(weight_decay, "weight_decay")
+    cdef double gs = _finite(grad_scale, "grad_scale")
+    cdef double pred = _finite(predict, "predict")
+    if deps <= 0.0:
+        raise ValueError(f"eps must be > 0, got {deps}")
+    _check_lr_wd_scale(dlr, wd)
+    if pred < 0.0:
+        raise ValueError(f"predict must be >= 0, got {pred}")
+    h.predict = <float>pred
+    # Bias corrections and 1-beta in double, rounded once (torch's formula; DeepSpeed rounds 1-beta to fp32 first).
+    h.grad_scale = <float>gs
+    h.beta1 = <float>b1
+    h.one_minus_beta1 = <float>(1.0 - b1)
+    h.beta2 = <float>b2
+    h.one_minus_beta2 = <float>(1.0 - b2)
+    h.eps = <float>deps
+    h.step_size = <float>(dlr / (1.0 - b1 ** step))
+    h.inv_sqrt_bc2 = <float>(1.0 / math.sqrt(1.0 - b2 ** step))
+    h.decoupled = 1 if adamw else 0
+    h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
+    h.l2 = 0.0 if adamw else <float>wd
+    return 0
+
+
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
               step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
               adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
@@ -295,35 +350,161 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")), grad, param_out,
                             grad_dtype, out_dtype, num_threads, progress, progress_tag, progress_block,
                             progress_base)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (1-based, for bias correction), got {step!r}")
-    cdef double dlr = _finite(lr, "lr")
-    cdef double b1 = _beta(beta1, "beta1")
-    cdef double b2 = _beta(beta2, "beta2")
-    cdef double deps = _finite(eps, "eps")
-    cdef double wd = _finite(weight_decay, "weight_decay")
-    cdef double gs = _finite(grad_scale, "grad_scale")
-    cdef double pred = _finite(predict, "predict")
-    if deps <= 0.0:
-        raise ValueError(f"eps must be > 0, got {deps}")
-    _check_lr_wd_scale(dlr, wd)
-    if pred < 0.0:
-        raise ValueError(f"predict must be >= 0, got {pred}")
     cdef zo_hparams h
-    h.predict = <float>pred
-    # Bias corrections and 1-beta in double, rounded once (torch's formula; DeepSpeed rounds 1-beta to fp32 first).
-    h.grad_scale = <float>gs
-    h.beta1 = <float>b1
-    h.one_minus_beta1 = <float>(1.0 - b1)
-    h.beta2 = <float>b2
-    h.one_minus_beta2 = <float>(1.0 - b2)
-    h.eps = <float>deps
-    h.step_size = <float>(dlr / (1.0 - b1 ** step))
-    h.inv_sqrt_bc2 = <float>(1.0 / math.sqrt(1.0 - b2 ** step))
-    h.decoupled = 1 if adamw else 0
-    h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
-    h.l2 = 0.0 if adamw else <float>wd
+    _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
     _run(K_ADAM, &h, c)
+
+
+_ROUNDINGS = {"nearest": ZO_ROUND_NEAREST, "stochastic": ZO_ROUND_STOCHASTIC}
+
+
+cdef _Buf _words(obj, str name, bint writable, Py_ssize_t n):
+    """A 1-D buffer of raw 16-bit words (uint16/int16) of length n."""
+    cdef _Buf b = _get(obj, name, writable)
+    if b.itemsize != 2 or b.fmt not in ("H", "h"):
+        raise TypeError(f"{name} must hold raw 16-bit words (uint16, e.g. tensor.view(torch.int16).numpy()), "
+                        f"got buffer format {b.fmt!r}")
+    _check_len(b, name, n)
+    return b
+
+
+def rounding_key(step, seed=0):
+    """The stochastic-rounding key of update `step` (a 32-bit int): what the server
+    passes as adam_step_bf16's sr_key, so that a run's rounding depends only on
+    (seed, step, element) and a resumed run repeats it."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    cdef unsigned int s = zo_mix32(<unsigned int>(seed & 0xffffffff) ^ 0x5bd1e995u)
+    return int(zo_mix32(s + <unsigned int>(step & 0xffffffff) * 0x9e3779b9u))
+
+
+def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=None,
+                   step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
+                   rounding="stochastic", sr_key=0, index_base=0,
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """adam_step with bf16 moments (state_dtype="bf16"): the same fp32 arithmetic,
+    m and v read from and rounded back to bf16 words.
+
+    exp_avg, exp_avg_sq: uint16 words holding bf16, updated in place.
+    param: the fp32 master (float32, updated in place), or, for the exact master,
+    the uint16 low halves of the fp32 master (``master_hi`` then holds its bf16
+    high halves: the weights the last update wrote; it may be param_out itself).
+    With the exact master param_out must be bf16 and predict 0: the weights are
+    the master's high half, rounded ties-away (_kernels.h explains why).
+    rounding: "stochastic" (unbiased, keyed by sr_key and the element's model-wide
+    index index_base + i, so neither threads nor sharding change a bit) or "nearest".
+    param_out is required: the weights are the one output the caller cannot skip.
+    """
+    cdef _Buf bp = _get(param, "param", True)
+    cdef Py_ssize_t n = bp.n
+    cdef bint exact = bp.fmt in ("H", "h") and bp.itemsize == 2
+    if not exact:
+        _check_f32(bp, "param")
+    cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
+    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n)
+    cdef _Buf bg = _get(grad, "grad", False)
+    _check_len(bg, "grad", n)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
+    cdef _Buf bo = _get(param_out, "param_out", True)
+    cdef int ok = _kind_of(bo, "param_out", out_dtype, "out_dtype", False)
+    _check_len(bo, "param_out", n)
+    cdef _Buf bh = None
+    if exact:
+        if master_hi is None:
+            raise TypeError("param holds 16-bit words (the exact master's low halves): pass master_hi, the "
+                            "bf16 weights of the last update, too (or a float32 param for an fp32 master)")
+        if ok != ZO_BF16:
+            raise ValueError("the exact master is for bf16 weights: param_out must be bf16 (out_dtype='bf16'); "
+                             "fp16 weights need an fp32 master")
+        if _finite(predict, "predict") != 0.0:
+            raise ValueError("predict needs an fp32 master (the weights slot must hold the master's high half)")
+        bh = _words(master_hi, "master_hi", False, n)
+    elif master_hi is not None:
+        raise TypeError("master_hi goes with the exact master (param as 16-bit low halves); param is float32")
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {sorted(_ROUNDINGS)}, got {rounding!r}")
+    if not isinstance(sr_key, int) or isinstance(sr_key, bool) or not 0 <= sr_key < (1 << 32):
+        raise ValueError(f"sr_key must be an int in [0, 2**32), got {sr_key!r}")
+    if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
+        raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    cdef zo_hparams h
+    _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
+    cdef zo_state16 s
+    s.m = <unsigned short *>bm.view.buf
+    s.v = <unsigned short *>bv.view.buf
+    s.rem = <unsigned short *>bp.view.buf if exact else NULL
+    s.hi = <const unsigned short *>bh.view.buf if exact else NULL
+    s.key = <unsigned int>sr_key
+    s.index_base = <unsigned int>(index_base & 0xffffffff)
+    s.rounding = _ROUNDINGS[rounding]
+    cdef _Call c = _Call()
+    c.p, c.s1, c.s2, c.g, c.o = bp, None, None, bg, bo
+    c.gk, c.ok, c.n, c.nt = gk, ok, n, _threads(num_threads)
+    c.pg = _progress(progress, progress_tag, progress_block, n, progress_base)
+    _run(K_ADAM16, &h, c, &s)
+
+
+def split_master(src, master_hi, master_rem, *, num_threads=0):
+    """fp32 master -> the exact master's (bf16 high halves, low halves), as an update
+    leaves them: master_hi gets the weights (bf16 words), master_rem the low halves.
+    join_master gives src back bit for bit (NaN stays NaN)."""
+    cdef _Buf bs = _get(src, "src", False)
+    _check_f32(bs, "src")
+    cdef _Buf bh = _words(master_hi, "master_hi", True, bs.n)
+    cdef _Buf br = _words(master_rem, "master_rem", True, bs.n)
+    cdef zo_state16 s
+    s.rem = <unsigned short *>br.view.buf
+    cdef int nt = _threads(num_threads)
+    with nogil:
+        _run_range(K_SPLIT, _level, <float *>bs.view.buf, NULL, NULL, NULL, 0, bh.view.buf, ZO_BF16, 0, bs.n, nt,
+                   NULL, &s)
+
+
+def join_master(master_hi, master_rem, dst, *, num_threads=0):
+    """dst[:] = the fp32 master that (master_hi, master_rem) hold (split_master's inverse)."""
+    cdef _Buf bd = _get(dst, "dst", True)
+    _check_f32(bd, "dst")
+    cdef _Buf bh = _words(master_hi, "master_hi", False, bd.n)
+    cdef _Buf br = _words(master_rem, "master_rem", False, bd.n)
+    cdef zo_state16 s
+    s.hi = <const unsigned short *>bh.view.buf
+    s.rem = <unsigned short *>br.view.buf
+    cdef int nt = _threads(num_threads)
+    with nogil:
+        _run_range(K_JOIN, _level, <float *>bd.view.buf, NULL, NULL, NULL, 0, NULL, ZO_NONE, 0, bd.n, nt, NULL, &s)
+
+
+def stream_probe_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=None, num_threads=0):
+    """Bandwidth probe of adam_step_bf16's access pattern (the same buffers, integer
+    arithmetic): 18 B/element with the exact master, 20 with an fp32 one.  Modifies
+    its buffers."""
+    cdef _Buf bp = _get(param, "param", True)
+    cdef Py_ssize_t n = bp.n
+    cdef bint exact = master_hi is not None
+    if exact:
+        bp = _words(param, "param", True, n)
+    else:
+        _check_f32(bp, "param")
+    cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
+    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n)
+    cdef _Buf bg = _words(grad, "grad", False, n)
+    cdef _Buf bo = _words(param_out, "param_out", True, n)
+    cdef _Buf bh = _words(master_hi, "master_hi", False, n) if exact else None
+    cdef zo_state16 s
+    s.m = <unsigned short *>bm.view.buf
+    s.v = <unsigned short *>bv.view.buf
+    s.rem = <unsigned short *>bp.view.buf if exact else NULL
+    s.hi = <const unsigned short *>bh.view.buf if exact else NULL
+    cdef _Call c = _Call()
+    c.p, c.s1, c.s2, c.g, c.o = bp, None, None, bg, bo
+    c.gk, c.ok, c.n, c.nt = ZO_BF16, ZO_BF16, n, _threads(num_threads)
+    c.pg = _progress(None, 0, 0, n)
+    cdef zo_hparams h
+    h.predict = 0.0
+    _run(K_PROBE16, &h, c, &s)
 
 
 def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weight_decay=0.0,
@@ -555,7 +736,7 @@ def store_progress(progress, *, tag, done):
     zo_progress_store(<uint64_t *>b.view.buf, v)
 
 
-cdef void _run(Kernel which, zo_hparams *h, _Call c):
+cdef void _run(Kernel which, zo_hparams *h, _Call c, const zo_state16 *s=NULL):
     cdef float *p = <float *>c.p.view.buf
     cdef float *s1 = <float *>c.s1.view.buf
     cdef float *s2 = <float *>c.s2.view.buf if c.s2 is not None else NULL
@@ -582,19 +763,20 @@ cdef void _run(Kernel which, zo_hparams *h, _Call c):
         # grows from the front of the shard: the order backward frees buckets.
         while b0 < n:
             b1 = b0 + block if b0 + block < n else n
-            _run_range(which, level, p, s1, s2, g, gk, o, ok, b0, b1, nt, h)
+            _run_range(which, level, p, s1, s2, g, gk, o, ok, b0, b1, nt, h, s)
             if word != NULL:
                 zo_progress_store(word, tagbits | (base + <uint64_t>b1))
             b0 = b1
 
 
 cdef void _run_range(Kernel which, int level, float *p, float *s1, float *s2, const void *g, int gk,
-                     void *o, int ok, int64_t b0, int64_t b1, int nt, const zo_hparams *h) noexcept nogil:
+                     void *o, int ok, int64_t b0, int64_t b1, int nt, const zo_hparams *h,
+                     const zo_state16 *s=NULL) noexcept nogil:
     cdef Py_ssize_t nchunks = (b1 - b0 + CHUNK - 1) // CHUNK
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
-        _chunk(which, level, p, s1, s2, g, gk, o, ok, b0, b1, h)
+        _chunk(which, level, p, s1, s2, g, gk, o, ok, b0, b1, h, s)
         return
     # Static schedule: each thread owns a contiguous run of chunks, which keeps
     # its hardware prefetch streams long.  Elementwise, so any thread count (and
@@ -605,11 +787,12 @@ cdef void _run_range(Kernel which, int level, float *p, float *s1, float *s2, co
         hi = lo + CHUNK
         if hi > b1:
             hi = b1
-        _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h)
+        _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h, s)
 
 
 cdef inline void _chunk(Kernel which, int level, float *p, float *s1, float *s2, const void *g, int gk,
-                        void *o, int ok, int64_t lo, int64_t hi, const zo_hparams *h) noexcept nogil:
+                        void *o, int ok, int64_t lo, int64_t hi, const zo_hparams *h,
+                        const zo_state16 *s) noexcept nogil:
     if which == K_ADAM:
         zo_adam_chunk(level, p, s1, s2, g, gk, o, ok, lo, hi, h)
     elif which == K_ADAGRAD:
@@ -618,5 +801,14 @@ cdef inline void _chunk(Kernel which, int level, float *p, float *s1, float *s2,
         zo_lion_chunk(level, p, s1, g, gk, o, ok, lo, hi, h)
     elif which == K_PROBE:
         zo_stream_chunk(level, p, s1, s2, <const unsigned short *>g, <unsigned short *>o, lo, hi)
+    elif which == K_ADAM16:
+        zo_adam16_chunk(level, p, g, gk, o, ok, lo, hi, h, s)
+    elif which == K_PROBE16:
+        zo_stream16_chunk(level, <unsigned int *>p, s.rem, s.hi, s.m, s.v, <const unsigned short *>g,
+                          <unsigned short *>o, lo, hi)
+    elif which == K_SPLIT:
+        zo_split_chunk(p, <unsigned short *>o, s.rem, lo, hi)
+    elif which == K_JOIN:
+        zo_join_chunk(s.hi, s.rem, p, lo, hi)
     else:
         zo_cast_chunk(p, <unsigned short *>o, ok, lo, hi)

@@ -10,8 +10,8 @@ import hmac
 import os
 
 from . import protocol as P
-from .shard import state_bytes_per_param
 from .shm import SHM_DIR, ShardLayout
+from .state import bytes_per_param
 
 
 def read_mem_available() -> int:
@@ -51,7 +51,7 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
                                 "(ZERO_OFFLOAD_TOKEN)")
     layout = ShardLayout(numel=msg.numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
-    need = msg.numel * state_bytes_per_param(msg.optimizer) + layout.total_bytes
+    need = msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master) + layout.total_bytes
     avail = read_mem_available()
     if max_ram_fraction and need > avail * max_ram_fraction:
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "

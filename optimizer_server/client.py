@@ -50,7 +50,8 @@ class ShardClient:
                  dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
-                 weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0):
+                 weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0,
+                 state_dtype: str = "fp32", exact_master: bool = False):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -69,7 +70,7 @@ class ShardClient:
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
                         progress_block=progress_block, weight_slots=weight_slots, grad_slots=grad_slots,
-                        staging_numel=staging_numel)
+                        staging_numel=staging_numel, state_dtype=state_dtype, exact_master=exact_master)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:
@@ -264,9 +265,11 @@ class ShardClient:
         self._check_usable()
         return self._request(P.Save(session=self.session, dir=os.path.abspath(directory)), P.Ok).info
 
-    def load(self, directory: str) -> dict:
+    def load(self, directory: str, out_slot: int = 0) -> dict:
+        """LOAD a checkpoint; out_slot: the weights slot that gets its weights."""
         self._check_usable()
-        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory)), P.Ok).info
+        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory), out_slot=out_slot),
+                             P.Ok).info
 
     def stats(self) -> P.StatsOk:
         self._check_usable()

@@ -65,12 +65,14 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
 DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (config, wire, server)
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
+STATE_DTYPES = ("fp32", "bf16")            # the one list of optimizer-state dtypes (optimizer_server.state)
+COMPACT_OPTIMIZERS = ("adamw", "adam")     # the optimizers that take a state dtype other than fp32
 MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
 MAX_GROUPS = 512                       # ranges in one STEP (each 8 numbers, <= 72 B: well inside the message)
@@ -150,6 +152,8 @@ class Hello(Message):
     weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
     grad_slots: int = 1      # 2: a second gradient slot (DPU whose backward never waits for the update)
     staging_numel: int = 0   # fp32 elements of the staging window (0: DEFAULT_STAGING_NUMEL)
+    state_dtype: str = "fp32"  # the moments' dtype on the server (STATE_DTYPES)
+    exact_master: bool = False  # the fp32 master kept as the weights slot's bf16 + a 16-bit remainder
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -164,6 +168,12 @@ class Hello(Message):
                  f"staging_numel must be in [0, {MAX_NUMEL}] (0: server default), got {self.staging_numel}")
         _require(0 <= self.progress_block <= MAX_NUMEL,
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
+        _require(self.state_dtype in STATE_DTYPES, f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        _require(self.state_dtype == "fp32" or self.optimizer in COMPACT_OPTIMIZERS,
+                 f"state_dtype {self.state_dtype!r} is implemented for {COMPACT_OPTIMIZERS}, not {self.optimizer!r}: "
+                 f"use state_dtype='fp32'")
+        _require(not self.exact_master or (self.dtype == "bf16" and self.state_dtype != "fp32"),
+                 "exact_master needs bf16 weights and a compact state_dtype (fp16 weights keep an fp32 master)")
 
 
 HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
@@ -296,6 +306,10 @@ class Load(Message):
     TYPE: ClassVar[str] = "LOAD"
     session: str
     dir: str
+    out_slot: int = 0  # the weights slot that gets the loaded weights (the exact master's high halves)
+
+    def validate(self) -> None:
+        _require(0 <= self.out_slot < 2, f"out_slot must be 0 or 1, got {self.out_slot}")
 
 
 @dataclass(kw_only=True)

@@ -28,9 +28,10 @@ def readinto_exact(f, view: memoryview) -> None:
         got += k
 
 
-def read_range(files: list[Path], per_file: int, base: int, lo: int, hi: int, out: np.ndarray) -> None:
+def read_range(files: list[Path], per_file: int, base_bytes: int, lo: int, hi: int, out: np.ndarray) -> None:
     """out[:] = elements [lo, hi) of the concatenation, over files, of each file's
-    elements [base, base + per_file); zeros past the last file."""
+    per_file elements (of out's itemsize) starting at byte base_bytes; zeros past
+    the last file."""
     assert out.ndim == 1 and out.size == hi - lo and out.flags.c_contiguous
     item = out.itemsize
     view = memoryview(out).cast("B")
@@ -42,6 +43,6 @@ def read_range(files: list[Path], per_file: int, base: int, lo: int, hi: int, ou
             out[pos - lo:end - lo] = 0  # the padding of a larger world size
         else:
             with open(files[k], "rb") as f:
-                f.seek((base + pos - k * per_file) * item)
+                f.seek(base_bytes + (pos - k * per_file) * item)
                 readinto_exact(f, view[(pos - lo) * item:(end - lo) * item])
         pos = end

@@ -220,7 +220,7 @@ class OptimizerServer:
         if isinstance(msg, P.Load):
             try:
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    info = shard.load(msg.dir)
+                    info = shard.load(msg.dir, msg.out_slot)
             except (OSError, ValueError) as e:
                 return P.error(P.E_CHECKPOINT, str(e))
             return P.Ok(info=info).encode()

@@ -35,8 +35,8 @@ from cython_ext import cpu_adam
 from . import checkpoint as C
 from . import protocol as P
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir
-from .reshard import read_range
 from .shm import Segment, ShardLayout
+from .state import ShardStateArrays
 
 log = logging.getLogger("optimizer_server")
 
@@ -53,12 +53,6 @@ DEFAULT_HPARAMS = {
     "adagrad": dict(lr=1e-2, beta1=0.0, beta2=0.0, eps=1e-10, weight_decay=0.0),
     "lion": dict(lr=1e-4, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0),
 }
-STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
-                "adagrad": ("state_sum",), "lion": ("exp_avg",)}
-
-
-def state_bytes_per_param(optimizer: str) -> int:
-    return 4 * (1 + len(STATE_ARRAYS[optimizer]))
 
 
 class Shard:
@@ -78,8 +72,9 @@ class Shard:
         self.segment = segment
         self.layout = layout  # admission computed it for the segment's size
         n = self.numel
-        self.master = np.zeros(n, np.float32)
-        self.state = {name: np.zeros(n, np.float32) for name in STATE_ARRAYS[self.optimizer]}
+        self.index_base = self.rank * n  # the shard's first element in the whole model (stochastic rounding)
+        self.arrays = ShardStateArrays(self.optimizer, n, state_dtype=hello.state_dtype,
+                                       exact_master=hello.exact_master)
         self.grads = [segment.array(np.uint16, off, n) for off in self.layout.grad_offsets]
         self.weights16_slots = [segment.array(np.uint16, off, n) for off in self.layout.weights_offsets]
         self.weights16 = self.weights16_slots[0]  # INIT and LOAD write this one
@@ -99,10 +94,8 @@ class Shard:
         self.bytes_written = 0
 
     # -- helpers ---------------------------------------------------------------
-    def _write_weights16(self) -> None:
-        # in place, no temporaries: this runs while the worker still holds the
-        # user's fp32 model, the moment host memory peaks
-        cpu_adam.cast_to_16(self.master, self.weights16, out_dtype=self.dtype, num_threads=self.threads)
+    def _write_weights16(self, slot: int = 0) -> None:
+        self.arrays.write_weights(self.weights16_slots, self.dtype, self.threads, slot)
 
     def close(self) -> None:
         """Drop views, unmap and unlink the segment (the server created it)."""
@@ -111,8 +104,7 @@ class Shard:
         self.weights16_slots = []
         self.segment.close()
         self.segment.unlink()
-        self.master = None
-        self.state = {}
+        self.arrays = None
 
     # -- requests ------------------------------------------------------------
     def _check_chunk(self, what: str, offset: int, count: int) -> None:
@@ -131,13 +123,12 @@ class Shard:
                              f"(or 0 to start over), got {offset}")
         # a partial master must never be stepped on: until the last chunk, STEP is refused
         self.phase = ShardState.UNINITIALIZED
-        np.copyto(self.master[offset:offset + count], self.staging[:count])
+        self.arrays.set_master(offset, self.staging[:count], self.weights16_slots, self.threads)
         self._init_next = offset + count
         if self._init_next < self.numel:
             return
         if self._state_dirty:
-            for a in self.state.values():
-                a.fill(0.0)
+            self.arrays.clear_moments()
         # else np.zeros' pages are still untouched: the first update commits them,
         # after the worker has let go of its fp32 copy of the model
         self._state_dirty = False
@@ -178,6 +169,9 @@ class Shard:
                                  f"slot(s): send out_slot 0, or register with weight_slots=2")
         if msg.predict and self.optimizer not in ("adamw", "adam"):
             return P.E_INVALID, f"predict is implemented for adam/adamw, not {self.optimizer}"
+        if msg.predict and self.arrays.exact_master:
+            return P.E_INVALID, ("predict with the exact master: the weights slot must hold the master's high "
+                                 "half; register with exact_master=False to predict")
         if msg.groups and msg.groups[-1][0] + msg.groups[-1][1] != self.numel:
             return P.E_INVALID, (f"STEP's groups cover [0, {msg.groups[-1][0] + msg.groups[-1][1]}) but the shard has "
                                  f"{self.numel} elements: the groups' ranges must cover it")
@@ -223,6 +217,7 @@ class Shard:
         else:
             for lo, hi, h, updates in ranges:
                 self._update_range(msg, lo, hi, h, updates, gin, out, progress=True)
+        self.arrays.finish_step(msg.out_slot)
         dt = time.perf_counter() - t0
         self.steps = msg.step
         self.update_times.append(dt)
@@ -237,12 +232,11 @@ class Shard:
         """Update shard elements [lo, hi) with hyper-parameters h at Adam step `updates`
         (0: no gradient, the range stays as it is); progress: the kernel publishes its
         blocks (front to back, in shard coordinates)."""
-        sl = slice(lo, hi)
         if updates == 0:
             # no gradient this step (torch.optim skips a parameter whose .grad is None):
             # master and state stay as they are; the out slot may hold older weights
             # (two slots alternate), so it gets the master's 16 bits, then the progress
-            cpu_adam.cast_to_16(self.master[sl], out[sl], out_dtype=self.dtype, num_threads=self.threads)
+            self.arrays.keep_range(lo, hi, self.weights16_slots, msg.out_slot, self.dtype, self.threads)
             if progress:
                 cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
             return
@@ -254,26 +248,18 @@ class Shard:
                       progress_base=lo)
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
-        p, g, o = self.master[sl], gin[sl], out[sl]
-        if self.optimizer in ("adamw", "adam"):
-            cpu_adam.adam_step(p, self.state["exp_avg"][sl], self.state["exp_avg_sq"][sl], g, o,
-                               step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
-        elif self.optimizer == "adagrad":
-            cpu_adam.adagrad_step(p, self.state["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],
-                                  weight_decay=h["weight_decay"], **kw)
-        else:
-            cpu_adam.lion_step(p, self.state["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
-                               beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
+        self.arrays.update_range(lo, hi, h, updates, step=msg.step, gin=gin, slots=self.weights16_slots,
+                                 out_slot=msg.out_slot, index_base=self.index_base, kw=kw)
 
     @property
     def bytes_per_update(self) -> int:
-        """Memory traffic of one update: 28 B/param for Adam, 20 for Adagrad and Lion."""
-        return self.numel * 2 * (2 + 4 * (1 + len(self.state)))
+        """Memory traffic of one update: 28 B/param for Adam, 20 for Adagrad and Lion (fp32
+        state); 18 or 20 for Adam with bf16 state (optimizer_server.state)."""
+        return self.arrays.bytes_per_update
 
     def master_to_staging(self, offset: int, count: int) -> None:
         self._check_chunk("GET_MASTER", offset, count)
-        np.copyto(self.staging[:count], self.master[offset:offset + count])
+        self.arrays.get_master(offset, self.staging[:count], self.weights16_slots)
 
     def stats(self) -> P.StatsOk:
         ut = self.update_times
@@ -291,7 +277,7 @@ class Shard:
                 "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
                 "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
                 "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
-                "arrays": ["master", *self.state.keys()]}
+                "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
 
     def save(self, directory: str) -> dict:
         """Write master + state atomically: tmp file, fsync, rename; the manifest,
@@ -299,21 +285,18 @@ class Shard:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         bin_path, man_path = self._paths(d)
-        arrays = [self.master, *self.state.values()]
         crc = 0
 
         def write(f):
             nonlocal crc
-            for a in arrays:
-                f.write(memoryview(a))
-                crc = C.crc32_update(crc, a)
+            crc = self.arrays.write_to(f, C.crc32_update, 0, self.weights16_slots)
         atomic_write(bin_path, write)
         man = dict(self.manifest(), checksum=C.checksum_str(crc))
         atomic_write_bytes(man_path, json.dumps(man, indent=1).encode())  # the manifest is last
         fsync_dir(d)
-        return {"path": str(bin_path), "bytes": sum(a.nbytes for a in arrays), "steps": self.steps}
+        return {"path": str(bin_path), "bytes": self.arrays.saved_bytes(), "steps": self.steps}
 
-    def load(self, directory: str) -> dict:
+    def load(self, directory: str, out_slot: int = 0) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
         another (optimizer_server.reshard): every rank's manifest must agree, and
         every file read must match its checksum, before any state is touched."""
@@ -337,14 +320,16 @@ class Shard:
                 desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
                 raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
         per_file = int(mans[0]["numel"])
-        arrays = [self.master, *self.state.values()]
+        saved_dtypes = mans[0].get("array_dtypes", {})  # absent: every array fp32 (older checkpoints)
+        expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
         bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
         lo = self.rank * self.numel
+        if not 0 <= out_slot < len(self.weights16_slots):
+            raise ValueError(f"LOAD's out_slot {out_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
         for k, path in enumerate(bins):
             size = path.stat().st_size if path.exists() else -1
-            if size != len(arrays) * 4 * per_file:
-                raise ValueError(f"checkpoint {path} has {size} bytes, expected {len(arrays) * 4 * per_file} "
-                                 f"(truncated?)")
+            if size != expect:
+                raise ValueError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
             if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
                 C.verify(path, mans[k].get("checksum"))
         man = mans[0]
@@ -355,8 +340,7 @@ class Shard:
         self.phase = ShardState.UNINITIALIZED
         self._state_dirty = True
         try:
-            for i, a in enumerate(arrays):
-                read_range(bins, per_file, i * per_file, lo, lo + self.numel, a)
+            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, out_slot, self.threads)
         except OSError as e:
             raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
@@ -364,7 +348,7 @@ class Shard:
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))
         self._init_next = 0
-        self._write_weights16()
+        self._write_weights16(out_slot)
         self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
         self.phase = ShardState.READY
         return {"steps": self.steps}

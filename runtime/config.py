@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
-from optimizer_server.protocol import DTYPES, MAX_PREDICT, OPTIMIZERS
+from optimizer_server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
 
@@ -47,6 +47,12 @@ class OffloadConfig:
         as far as that forward lasts; several ranks: the first forward hook waits for
         the whole update (exact, little overlap).  Not with dpu (a choice between the
         two: dpu hides more and computes on weights one update old).
+    state_dtype: the optimizer state's dtype on the server (adam/adamw): "fp32" (default:
+        12 B/param of master, m and v, plus 4 shared) or "bf16": m and v in bf16 with
+        stochastic rounding, and with bf16 weights (and no dpu_predict) the exact
+        master, the fp32 master kept as the weights' bf16 plus a 16-bit remainder, the
+        same fp32 bits as an fp32 master: 6 B/param plus 4 shared, and an update that
+        moves 18 B/param instead of 28 (optimizer_server.state; README: which to pick).
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
         weights live in the shared segment (two slots): the server writes the next weights
@@ -96,6 +102,7 @@ class OffloadConfig:
     dpu_predict: float = 0.0
     dpu_grad_slots: int = 1
     overlap_update: bool = False
+    state_dtype: str = "fp32"
     bucket_numel: int = 1 << 24
     cpu_zero_copy: bool = True
     overlap_weights_up: bool = True
@@ -153,6 +160,14 @@ class OffloadConfig:
             raise ValueError(f"dpu_predict must be in [0, {MAX_PREDICT:g}], got {self.dpu_predict!r}")
         if self.dpu_predict and self.optimizer not in ("adamw", "adam"):
             raise ValueError(f"dpu_predict works with optimizer adamw or adam, not {self.optimizer!r}")
+        if self.state_dtype == "int8":
+            raise ValueError("state_dtype 'int8' (block-wise 8-bit moments) is not built yet: use 'bf16' "
+                             "(6 B/param of optimizer state instead of 12) or 'fp32'")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        if self.state_dtype != "fp32" and self.optimizer not in COMPACT_OPTIMIZERS:
+            raise ValueError(f"state_dtype {self.state_dtype!r} works with optimizer {' or '.join(COMPACT_OPTIMIZERS)}, "
+                             f"not {self.optimizer!r}: use state_dtype='fp32'")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
             raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
         if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= 1):
@@ -182,6 +197,13 @@ class OffloadConfig:
     def resolved_trace_dir(self) -> str:
         """trace_dir, or the launcher's $ZERO_OFFLOAD_TRACE_DIR when it is empty."""
         return self.trace_dir or os.environ.get(TRACE_DIR_ENV, "")
+
+    @property
+    def exact_master(self) -> bool:
+        """The server keeps the fp32 master as the bf16 weights plus a remainder: with a
+        compact state_dtype, where the weights slot holds the master's rounding (bf16
+        weights, no weight prediction)."""
+        return self.state_dtype != "fp32" and self.dtype == "bf16" and not self.dpu_predict
 
     def lr_at(self, update: int) -> float:
         lr = self.lr(update) if callable(self.lr) else self.lr

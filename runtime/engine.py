@@ -184,7 +184,8 @@ class OffloadEngine:
                                       hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
                                       progress_block=cfg.progress_block_numel,
                                       weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
-                                      staging_numel=cfg.staging_numel)
+                                      staging_numel=cfg.staging_numel, state_dtype=cfg.state_dtype,
+                                      exact_master=cfg.exact_master)
         if self.is_cuda:
             self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.pin_host_memory)
         gather = None
@@ -209,9 +210,15 @@ class OffloadEngine:
             for lo, hi in c.init_chunks():
                 self.flat.copy_fp32_range(torch.from_numpy(c.staging[:hi - lo]), lo0 + lo, lo0 + hi)
                 c.init_chunk(lo, hi)
-            # every rank casts the full model itself (identical on all ranks); the
-            # server's 16-bit copy of our shard rounds the same way (RNE)
-            self.flat.cast_and_bind(self.cycle.flat16)
+            if self._zero_copy and self.cfg.exact_master:
+                # the model's slot holds the server's weights, which are also the exact
+                # master's high halves: only the server writes them (optimizer_server.state)
+                self.flat.bind(self.cycle.flat16)
+            else:
+                # every rank casts the full model itself (identical on all ranks); the
+                # server's 16-bit copy of our shard rounds the same way (RNE; the exact
+                # master's ties-away rounding differs at exact ties, until the first update)
+                self.flat.cast_and_bind(self.cycle.flat16)
             self._bound = True
             # frozen parameters are never sent to the server, but the model computes with
             # them beside the trained ones: the same 16 bits, on the same device
@@ -481,8 +488,14 @@ class OffloadEngine:
             raw = self.checkpoints.read_shard(d, "device16", src, metas)
             if meta["stale"]:  # verified before the server's state is touched
                 self.checkpoints.read_shard(d, "pending16", src, metas, out=np.empty(self.flat.shard_numel, np.int16))
-            self.client.load(str(d))
-            self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
+            # the exact master: LOAD writes the weights of the newest update into the
+            # slot that will hold its high halves (the incoming one when they are still
+            # to go up, else the model's), and the engine writes no slot the server owns
+            exact, stale = self.cfg.exact_master, meta["stale"]
+            out_slot = (self.cycle.incoming_slot if stale else self.cycle.model_slot) if exact else 0
+            self.client.load(str(d), out_slot=out_slot)
+            if not (exact and self._zero_copy and not stale):
+                self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
             if self.world_size > 1:
                 self.coll.all_gather_weights(self.flat16, self.tracer)
         self.iteration = meta["iteration"]
@@ -493,7 +506,9 @@ class OffloadEngine:
         self.cycle.reset()
         if meta["stale"]:
             # nothing is in flight: the server does not touch the slot until the next STEP
-            self.checkpoints.read_shard(d, "pending16", src, metas, out=self.cycle.incoming_words().view(np.int16))
+            if not self.cfg.exact_master:  # (with it, LOAD has written these weights there)
+                self.checkpoints.read_shard(d, "pending16", src, metas,
+                                            out=self.cycle.incoming_words().view(np.int16))
             self.cycle.restore(self.updates)
         self.scaler.load_state_dict(meta["scaler"])
         self.optimizer.load_state_dict_small(meta["optimizer_proxy"])

@@ -127,7 +127,7 @@ def test_read_range_across_files_and_into_the_padding(tmp_path, lo, hi):
     n = max(0, min(hi, 24) - lo)
     expect[:n] = padded[lo:lo + n]  # past the last file: zeros (a larger world's padding)
     np.testing.assert_array_equal(out, expect)
-    read_range(files, 6, 6, lo, hi, out)  # the second array of every file
+    read_range(files, 6, 6 * 4, lo, hi, out)  # the second array of every file (base in bytes)
     np.testing.assert_array_equal(out, -expect)
 
 
