@@ -244,12 +244,15 @@ static inline uint32_t zo_mix32(uint32_t x) {
 }
 static inline uint32_t zo_rand32(uint32_t key, uint32_t idx) { return zo_mix32(idx * 0x9e3779b9u + key); }
 
-/* fp32 -> bf16 adding r16 (< 2^16) below the kept bits, then truncating; NaN stays a quiet NaN */
+
+/* fp32 -> bf16 adding r16 (< 2^16) below the kept bits, then truncating.  No NaN
+ * case (it would cost a third of the rounding): a NaN moment gets its payload from
+ * a 16-bit gradient or moment, or is the default NaN, so its top 16 bits already
+ * mark it NaN and the add never carries into them (short of an fp16 NaN with an
+ * all-ones payload; the engine never passes a non-finite gradient: it skips the step). */
 static inline uint16_t zo_f32_to_bf16_sr(float f, uint32_t r16) {
     uint32_t x;
     memcpy(&x, &f, 4);
-    if ((x & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((x >> 16) | 0x40u);
     return (uint16_t)((x + r16) >> 16);
 }
 
@@ -260,21 +263,26 @@ static inline float zo_join_master(uint16_t hi, uint16_t rem) {
     return r;
 }
 
+/* No NaN case, as in zo_f32_to_bf16_sr: a NaN master's payload comes from torch
+ * (the default NaN) or from 16-bit inputs, so the add never carries out of its
+ * low half; and whatever the payload, join gives the same 32 bits back. */
 static inline void zo_split_master(float f, uint16_t *hi, uint16_t *rem) {
     uint32_t x;
     memcpy(&x, &f, 4);
     *rem = (uint16_t)(x & 0xffffu);
-    *hi = (x & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((x >> 16) | 0x40u) : (uint16_t)((x + 0x8000u) >> 16);
+    *hi = (uint16_t)((x + 0x8000u) >> 16);
 }
 
 static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                              const zo_hparams *h, const zo_state16 *s) {
     int64_t i;
     for (i = lo; i < hi; i++) {
-        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float gi = zo_load_grad(g, gk, i);
         float pi = s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
         float mi, vi, denom;
-        gi = gi + h->l2 * pi;
+        /* x * 1 and x + 0 * p change no finite value: skipped (AdamW, no clipping) */
+        if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
+        if (h->l2 != 0.0f) gi = gi + h->l2 * pi;
         mi = h->beta1 * zo_bf16_to_f32(s->m[i]) + h->one_minus_beta1 * gi;
         vi = h->beta2 * zo_bf16_to_f32(s->v[i]) + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
@@ -282,6 +290,8 @@ static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok,
         if (h->decoupled) pi = pi * h->decay;
         pi = pi - h->step_size * (mi / denom);
         if (s->rounding == ZO_ROUND_STOCHASTIC) {
+            /* 16 random bits each: v's per-step change can be ~1/150 of its ulp, which
+             * 8 bits would round with a 40% bias (measured: the v test below) */
             uint32_t r = zo_rand32(s->key, s->index_base + (uint32_t)i);
             s->m[i] = zo_f32_to_bf16_sr(mi, r & 0xffffu);
             s->v[i] = zo_f32_to_bf16_sr(vi, r >> 16);
@@ -418,91 +428,6 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_lion_body(
     zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
 }
 
-
-/* ---- compact state, AVX-512: 16 lanes (the AVX2 body's operations, wider) */
-static inline ZO_T512 __m512i zo512_load_u16(const uint16_t *a, int64_t i) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i)));
-}
-static inline ZO_T512 void zo512_store_u16(uint16_t *a, int64_t i, __m512i x) {
-    _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
-}
-static inline ZO_T512 __m512i zo512_round_add(__m512i x, __m512i add) {
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, add), 16);
-    __m512i q = _mm512_or_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(0x40));
-    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(x, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    return _mm512_mask_mov_epi32(r, nan, q);
-}
-static inline ZO_T512 __m512i zo512_rne_add(__m512i x) {
-    return _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)),
-                            _mm512_set1_epi32(0x7fff));
-}
-static inline ZO_T512 __m512i zo512_mix32(__m512i x) {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x846ca68bu));
-    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16_body(
-        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
-        const zo_hparams *h, const zo_state16 *s) {
-    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
-    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
-    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
-    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
-    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i low = _mm512_set1_epi32(0xffff);
-    const __m512i gold = _mm512_set1_epi32((int)0x9e3779b9u), key = _mm512_set1_epi32((int)s->key);
-    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
-        __m512 pi, mi, vi, denom, p0;
-        __m512i mb, vb;
-        if (s->rem) {
-            __m512i r16 = zo512_load_u16(s->rem, i);
-            __m512i h16 = _mm512_sub_epi32(zo512_load_u16(s->hi, i), _mm512_srli_epi32(r16, 15));
-            pi = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h16, low), 16), r16));
-        } else {
-            pi = _mm512_loadu_ps(p + i);
-        }
-        gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
-        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_castsi512_ps(_mm512_slli_epi32(zo512_load_u16(s->m, i), 16))),
-                           _mm512_mul_ps(omb1, gi));
-        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_castsi512_ps(_mm512_slli_epi32(zo512_load_u16(s->v, i), 16))),
-                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
-        denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
-        p0 = pi;
-        if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
-        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
-        mb = _mm512_castps_si512(mi);
-        vb = _mm512_castps_si512(vi);
-        if (sr) {
-            __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)), lanes);
-            __m512i r = zo512_mix32(_mm512_add_epi32(_mm512_mullo_epi32(idx, gold), key));
-            mb = zo512_round_add(mb, _mm512_and_si512(r, low));
-            vb = zo512_round_add(vb, _mm512_srli_epi32(r, 16));
-        } else {
-            mb = zo512_round_add(mb, zo512_rne_add(mb));
-            vb = zo512_round_add(vb, zo512_rne_add(vb));
-        }
-        zo512_store_u16(s->m, i, mb);
-        zo512_store_u16(s->v, i, vb);
-        if (s->rem) {
-            __m512i x = _mm512_castps_si512(pi);
-            zo512_store_u16(s->rem, i, _mm512_and_si512(x, low));
-            zo512_store_u16((uint16_t *)out, i, zo512_round_add(x, _mm512_set1_epi32(0x8000)));
-        } else {
-            _mm512_storeu_ps(p + i, pi);
-            zo512_store_out(out, ok, i, h->predict != 0.0f
-                            ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
-        }
-    }
-    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
-}
 
 /* ---- AVX2 + F16C: 8 lanes */
 static inline ZO_T256 __m256 zo256_load_grad(const void *g, int gk, int64_t i) {
@@ -653,9 +578,10 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
     const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
     int64_t i = lo;
     for (; i + 8 <= hi; i += 8) {
-        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
+        __m256 gi = zo256_load_grad(g, gk, i);
         __m256 pi, mi, vi, denom, p0;
         __m256i mb, vb;
+        if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
         if (s->rem) {
             __m256i r16 = zo256_load_u16(s->rem, i);
             __m256i h16 = _mm256_sub_epi32(zo256_load_u16(s->hi, i), _mm256_srli_epi32(r16, 15));
@@ -663,7 +589,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         } else {
             pi = _mm256_loadu_ps(p + i);
         }
-        gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+        if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
         mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->m, i), 16))),
                            _mm256_mul_ps(omb1, gi));
         vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->v, i), 16))),
@@ -677,8 +603,8 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         if (sr) {
             __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)i)), lanes);
             __m256i r = zo256_mix32(_mm256_add_epi32(_mm256_mullo_epi32(idx, gold), key));
-            mb = zo256_round_add(mb, _mm256_and_si256(r, low));
-            vb = zo256_round_add(vb, _mm256_srli_epi32(r, 16));
+            mb = _mm256_srli_epi32(_mm256_add_epi32(mb, _mm256_and_si256(r, low)), 16);
+            vb = _mm256_srli_epi32(_mm256_add_epi32(vb, _mm256_srli_epi32(r, 16)), 16);
         } else {
             mb = zo256_round_add(mb, zo256_rne_add(mb));
             vb = zo256_round_add(vb, zo256_rne_add(vb));
@@ -688,7 +614,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         if (s->rem) {
             __m256i x = _mm256_castps_si256(pi);
             zo256_store_u16(s->rem, i, _mm256_and_si256(x, low));
-            zo256_store_u16((uint16_t *)out, i, zo256_round_add(x, _mm256_set1_epi32(0x8000)));
+            zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
         } else {
             _mm256_storeu_ps(p + i, pi);
             zo256_store_out(out, ok, i, h->predict != 0.0f
@@ -696,6 +622,97 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         }
     }
     zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+}
+
+
+/* The exact master with bf16 gradients, AVX2, 16 elements a turn: every array is
+ * 16-bit, so unpacking against zero widens bf16 to fp32 (and packing the high
+ * halves narrows it back) inside each 128-bit lane, with no cross-lane shuffle.
+ * The lanes then hold elements {0-3, 8-11} and {4-7, 12-15}; the arithmetic is
+ * elementwise and the random bits are keyed by each element's own index, so the
+ * order changes no bit (the scalar loop is still the reference). */
+static inline ZO_T256 __m256i zo256_quiet_round(__m256 xf, __m256i add) {
+    /* fp32 -> bf16 in u32 lanes: (x + add) >> 16, NaN -> a quiet NaN */
+    __m256i x = _mm256_castps_si256(xf);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(xf, xf, _CMP_UNORD_Q));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_andnot_si256(nan, add)), 16);
+    return _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
+        __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
+        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
+    __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
+    __m256 pi = _mm256_castsi256_ps(xb);
+    __m256 gi = _mm256_castsi256_ps(g32);
+    __m256 mi, vi, denom;
+    if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
+    if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+    mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(m32)), _mm256_mul_ps(omb1, gi));
+    vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(v32)), _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
+    denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
+    if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
+    pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
+    if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
+        *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi), _mm256_and_si256(rnd, low)), 16);
+        *v_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi), _mm256_srli_epi32(rnd, 16)), 16);
+    } else {
+        __m256i mb = _mm256_castps_si256(mi), vb = _mm256_castps_si256(vi);
+        *m_out = zo256_quiet_round(mi, zo256_rne_add(mb));
+        *v_out = zo256_quiet_round(vi, zo256_rne_add(vb));
+    }
+    *hi_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), 16);
+    *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), low);
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
+        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h, const zo_state16 *s, int sr) {
+    const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
+    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
+    /* idx * gold + key for the lanes' elements, advanced by 16 * gold a turn */
+    const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
+    const __m256i key = _mm256_set1_epi32((int)s->key);
+    int64_t i = lo;
+    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
+                                                      gold), key);
+    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
+                                                      gold), key);
+    for (; i + 16 <= hi; i += 16) {
+        __m256i G = _mm256_loadu_si256((const __m256i *)(gw + i));
+        __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
+        __m256i V = _mm256_loadu_si256((const __m256i *)(v + i));
+        __m256i R = _mm256_loadu_si256((const __m256i *)(rem + i));
+        __m256i H = _mm256_loadu_si256((const __m256i *)(hw + i));
+        __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
+        __m256i m0, v0, h0, r0, m1, v1, h1, r1;
+        zo256_adam16x_half(_mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V),
+                           _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr);
+        zo256_adam16x_half(_mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V),
+                           _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr);
+        _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
+        _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+        _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
+        _mm256_storeu_si256((__m256i *)(o + i), _mm256_packus_epi32(h0, h1));
+        klo = _mm256_add_epi32(klo, step16);
+        khi = _mm256_add_epi32(khi, step16);
+    }
+    zo_adam16_scalar(NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+}
+
+static ZO_T256 void zo256_adam16x(const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
+                                  const zo_state16 *s) {
+    if (s->rounding == ZO_ROUND_STOCHASTIC) zo256_adam16x_body(g, lo, hi, out, h, s, 1);
+    else zo256_adam16x_body(g, lo, hi, out, h, s, 0);
 }
 
 /* Specialise each body on the (grad kind, out kind) pair: with both constant the
@@ -732,7 +749,6 @@ ZO_SPECIALISE(zo256_lion, zo256_lion_body, ZO_T256, ADAGRAD_PARAMS, (p, m, g, gk
                        const zo_hparams *h, const zo_state16 *s)
 #define ARGS_F16_F16 p, g, ZO_F16, out, ZO_F16, lo, hi, h, s
 #define ARGS_BF16_BF16 p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s
-ZO_SPECIALISE(zo512_adam16, zo512_adam16_body, ZO_T512, ADAM16_PARAMS, (p, g, gk, out, ok, lo, hi, h, s))
 ZO_SPECIALISE(zo256_adam16, zo256_adam16_body, ZO_T256, ADAM16_PARAMS, (p, g, gk, out, ok, lo, hi, h, s))
 #undef ARGS_F16_F16
 #undef ARGS_BF16_BF16
@@ -822,14 +838,30 @@ static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint1
                             const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi)
 static void zo_stream16_scalar ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
 #if ZO_HAVE_X86
-static ZO_T512 void zo512_stream16 ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
-static ZO_T256 void zo256_stream16 ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
+/* out may be hi16 itself (one weights slot), which stops the compiler from
+ * vectorising the exact pattern: that loop is written out */
+static ZO_T256 void zo256_stream16_exact(uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v,
+                                         const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m256i gi = _mm256_loadu_si256((const __m256i *)(g + i));
+        __m256i h = _mm256_loadu_si256((const __m256i *)(hi16 + i));
+        _mm256_storeu_si256((__m256i *)(rem + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(rem + i)), gi));
+        _mm256_storeu_si256((__m256i *)(m + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(m + i)), gi));
+        _mm256_storeu_si256((__m256i *)(v + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(v + i)), gi));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_add_epi16(h, gi));
+    }
+    zo_stream16_scalar(NULL, rem, hi16, m, v, g, out, i, hi);
+}
+static ZO_T256 void zo256_stream16 ZO_STREAM16_PARAMS {
+    if (rem) { zo256_stream16_exact(rem, hi16, m, v, g, out, lo, hi); return; }
+    ZO_STREAM16_BODY
+}
 #endif
 static void zo_stream16_chunk(int level, uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m,
                               uint16_t *v, const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
 #if ZO_HAVE_X86
-    if (level == ZO_AVX512) { zo512_stream16(p, rem, hi16, m, v, g, out, lo, hi); return; }
-    if (level == ZO_AVX2) { zo256_stream16(p, rem, hi16, m, v, g, out, lo, hi); return; }
+    if (level >= ZO_AVX2) { zo256_stream16(p, rem, hi16, m, v, g, out, lo, hi); return; }  /* as zo_adam16_chunk */
 #endif
     zo_stream16_scalar(p, rem, hi16, m, v, g, out, lo, hi);
 }
@@ -916,8 +948,10 @@ static void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
 static void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
                             int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
 #if ZO_HAVE_X86
-    if (level == ZO_AVX512) { zo512_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
-    if (level == ZO_AVX2) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
+    /* AVX-512 runs the AVX2 bodies here: the update is memory bound at 18-20 B/param,
+     * and a 512-bit body would be code no machine of ours has run yet */
+    if (level >= ZO_AVX2 && s->rem && gk == ZO_BF16) { zo256_adam16x(g, lo, hi, out, h, s); return; }
+    if (level >= ZO_AVX2) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
 #endif
     zo_adam16_scalar(p, g, gk, out, ok, lo, hi, h, s);
 }

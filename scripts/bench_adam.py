@@ -12,6 +12,14 @@ every timed step (the real offload state lives in DRAM, not cache):
   bound  28 B/param at the bandwidth of a loop with Adam's access pattern and
          trivial arithmetic (cython_ext stream_probe) on the same buffers, in the same run
 Writes the table into BENCHMARKS.md (section "bench_adam").
+
+    python scripts/bench_adam.py --state-dtypes  # section "bench_adam_state"
+
+compares the state dtypes instead, bf16 gradients and weights (what bf16 training
+moves), each against the bound of its own access pattern in the same run:
+  fp32        adam_step: fp32 master, m, v                      28 B/param
+  bf16        adam_step_bf16: fp32 master, bf16 m, v            20 B/param
+  bf16-exact  adam_step_bf16: the exact master (weights + rem)  18 B/param
 """
 from __future__ import annotations
 
@@ -113,15 +121,89 @@ def bench(n: int, threads: int, reps: int, rng) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+STATE_BYTES = {"fp32": 28, "bf16": 20, "bf16-exact": 18}
+
+
+def bench_state(n: int, threads: int, reps: int, rng) -> dict[str, float]:
+    """Median ms of each state dtype's update and of its own bound, interleaved."""
+    p, m, v, _, _ = make_state(n, rng)
+    g = cpu_adam_words(rng.standard_normal(n, dtype=np.float32))
+    out = np.empty(n, np.uint16)
+    m16, v16 = cpu_adam_words(m), cpu_adam_words(v)
+    p2 = p.copy()
+    hi, rem = np.empty(n, np.uint16), np.empty(n, np.uint16)
+    cpu_adam.split_master(p, hi, rem)
+    m16b, v16b = m16.copy(), v16.copy()
+    kw = dict(lr=1e-4, weight_decay=0.01, num_threads=threads, grad_dtype="bf16", out_dtype="bf16")
+    runs = {
+        "fp32": lambda t: cpu_adam.adam_step(p, m, v, g, out, step=t, **kw),
+        "fp32 bound": lambda t: cpu_adam.stream_probe(p, m, v, g.view(np.float16), out.view(np.float16),
+                                                      num_threads=threads),
+        "bf16": lambda t: cpu_adam.adam_step_bf16(p2, m16, v16, g, out, step=t, sr_key=t, **kw),
+        "bf16 bound": lambda t: cpu_adam.stream_probe_bf16(p2, m16, v16, g, out, num_threads=threads),
+        # one weights slot: hi is read and written in place, as the server does
+        "bf16-exact": lambda t: cpu_adam.adam_step_bf16(rem, m16b, v16b, g, hi, master_hi=hi, step=t, sr_key=t,
+                                                        **kw),
+        "bf16-exact bound": lambda t: cpu_adam.stream_probe_bf16(rem, m16b, v16b, g, hi, master_hi=hi,
+                                                                 num_threads=threads),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for step in range(1, reps + 2):
+        for name, fn in runs.items():
+            flush_cache()
+            t0 = time.perf_counter()
+            fn(step)
+            dt = time.perf_counter() - t0
+            if step > 1:
+                times[name].append(dt)
+        # the probes add to the state: re-seat the compact one so the update never sees inf/NaN
+        cpu_adam.split_master(p, hi, rem)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def cpu_adam_words(x: np.ndarray) -> np.ndarray:
+    out = np.empty(x.size, np.uint16)
+    cpu_adam.cast_to_16(np.ascontiguousarray(x, np.float32), out, out_dtype="bf16")
+    return out
+
+
+def main_state(sizes, threads, reps, write) -> int:
+    rng = np.random.default_rng(0)
+    print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()}")
+    head = ("| N | threads | state | B/param | ms | own bound ms | % of own bound | speed-up vs fp32 state | "
+            "bound speed-up vs fp32 |")
+    rows = [head, "|" + "---|" * 9]
+    for n in sizes:
+        for t in threads:
+            r = bench_state(n, t, reps, rng)
+            for name, b in STATE_BYTES.items():
+                row = (f"| {size_label(n)} | {t} | {name} | {b} | {r[name]:.1f} | {r[name + ' bound']:.1f} | "
+                       f"{100 * r[name + ' bound'] / r[name]:.0f}% | {r['fp32'] / r[name]:.2f}x | "
+                       f"{r['fp32 bound'] / r[name + ' bound']:.2f}x |")
+                print(row, flush=True)
+                rows.append(row)
+    body = (f"## CPU Adam step by state dtype (scripts/bench_adam.py --state-dtypes)\n\n{machine_line()}; "
+            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; bf16 gradients and weights; "
+            f"median of {reps} steps, 256 MiB cache flush before each, all variants interleaved in one run. "
+            f"Each state's bound is a loop with its own access pattern and trivial arithmetic on the same "
+            f"buffers.\n\n" + "\n".join(rows) + "\n")
+    if write:
+        update_section("bench_adam_state", body)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="4M,32M,128M", help="comma-separated element counts (K/M/G suffixes)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--reps", type=int, default=7, help="timed steps per configuration (median reported)")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--state-dtypes", action="store_true", help="compare the state dtypes (section bench_adam_state)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    if args.state_dtypes:
+        return main_state(sizes, threads, args.reps, not args.no_write)
     rng = np.random.default_rng(0)
     print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()} deepspeed={'yes' if try_deepspeed() else 'no'}")
     head = ("| N | threads | bound ms | ours ms | torch fused+casts ms | ds+casts ms "
