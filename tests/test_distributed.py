@@ -38,10 +38,12 @@ def one_rank(mode, steps):
     return master, eng.stats()
 
 
-@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu", "unused-dpu"])
+@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu"])
 def test_two_ranks_match_one_rank(tmp_path, mode):
     """unused-dpu: a parameter without a gradient on every rank is left alone, one with
-    a gradient on one rank only is updated on both (DDP's rule), one never used stays."""
+    a gradient on one rank only is updated on both (DDP's rule), one never used stays.
+    bf16state-dpu: state_dtype="bf16" (the exact master; stochastic rounding keyed by
+    the model-wide index, so the shards round as one rank would)."""
     steps = 20
     p = launch(tmp_path, mode, steps)
     out, _ = p.communicate(timeout=240)
