@@ -51,7 +51,7 @@ class ShardClient:
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
                  weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0,
-                 state_dtype: str = "fp32", exact_master: bool = False):
+                 state_dtype: str = "fp32", exact_master: bool = False, frees_bytes: int = 0):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -70,7 +70,8 @@ class ShardClient:
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
                         progress_block=progress_block, weight_slots=weight_slots, grad_slots=grad_slots,
-                        staging_numel=staging_numel, state_dtype=state_dtype, exact_master=exact_master)
+                        staging_numel=staging_numel, state_dtype=state_dtype, exact_master=exact_master,
+                        frees_bytes=frees_bytes)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:

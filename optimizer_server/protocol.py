@@ -154,6 +154,7 @@ class Hello(Message):
     staging_numel: int = 0   # fp32 elements of the staging window (0: DEFAULT_STAGING_NUMEL)
     state_dtype: str = "fp32"  # the moments' dtype on the server (STATE_DTYPES)
     exact_master: bool = False  # the fp32 master kept as the weights slot's bf16 + a 16-bit remainder
+    frees_bytes: int = 0     # host bytes the worker lets go of once INIT is done (its fp32 copy of the model)
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -168,6 +169,7 @@ class Hello(Message):
                  f"staging_numel must be in [0, {MAX_NUMEL}] (0: server default), got {self.staging_numel}")
         _require(0 <= self.progress_block <= MAX_NUMEL,
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
+        _require(0 <= self.frees_bytes < 1 << 62, f"frees_bytes must be >= 0, got {self.frees_bytes}")
         _require(self.state_dtype in STATE_DTYPES, f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         _require(self.state_dtype == "fp32" or self.optimizer in COMPACT_OPTIMIZERS,
                  f"state_dtype {self.state_dtype!r} is implemented for {COMPACT_OPTIMIZERS}, not {self.optimizer!r}: "

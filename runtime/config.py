@@ -203,7 +203,7 @@ class OffloadConfig:
         """The server keeps the fp32 master as the bf16 weights plus a remainder: with a
         compact state_dtype, where the weights slot holds the master's rounding (bf16
         weights, no weight prediction)."""
-        return self.state_dtype != "fp32" and self.dtype == "bf16" and not self.dpu_predict
+        return self.state_dtype != "fp32" and self.dtype == "bf16" and not (self.dpu and self.dpu_predict)
 
     def lr_at(self, update: int) -> float:
         lr = self.lr(update) if callable(self.lr) else self.lr

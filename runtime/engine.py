@@ -179,13 +179,18 @@ class OffloadEngine:
             addr, token, proc = self._server.address, self._server.token, self._server.proc
         hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
               "weight_decay": cfg.weight_decay}
+        # host memory this worker lets go of after INIT: the fp32 trained parameters held on
+        # the CPU (each becomes a view of flat16), less flat16 itself where it is the worker's own
+        frees = sum(s.param.numel() * s.param.element_size() for s in self.flat.spans if not s.param.is_cuda)
+        if not self.is_cuda and not self._zero_copy:
+            frees = max(0, frees - 2 * self.flat.padded_numel)
         self.client = c = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
                                       numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
                                       hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
                                       progress_block=cfg.progress_block_numel,
                                       weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
                                       staging_numel=cfg.staging_numel, state_dtype=cfg.state_dtype,
-                                      exact_master=cfg.exact_master)
+                                      exact_master=cfg.exact_master, frees_bytes=frees)
         if self.is_cuda:
             self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.pin_host_memory)
         gather = None

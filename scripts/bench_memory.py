@@ -20,6 +20,8 @@ What the model states should take (B/param; the 'expected' column), the device b
   offload-sync-copy   12 + one gradient slot 2 + weights16 2, and the model's own 16-bit copy 2 = 18
   offload-dpu(-copy)  the same: DPU's next gradients wait, range by range, until the update
                       in flight has read that range of the one slot (dpu_grad_slots=2 adds 2)
+  ...-bf16state       state_dtype="bf16": the server keeps a 2 B remainder of the exact master and
+                      bf16 m, v (6 in all) instead of 12: 12 zero-copy, 12 copy (10 on a GPU machine)
 The '-copy' rows have a GPU's layout: there the model's 2 B/param live on the
 device, and the host keeps 16.  Everything above the
 expected figure is the interpreter's and allocator's (freed memory the C
@@ -42,8 +44,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 SAMPLE_INTERVAL_S = 0.002  # a sample costs ~0.1 ms (a few /proc reads): 5% of one core at most
 CHILD_TIMEOUT_S = 600.0
-VARIANTS = ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy")
-EXPECTED_B = {"baseline": 16, "offload-sync": 18, "offload-sync-copy": 18, "offload-dpu": 18, "offload-dpu-copy": 18}
+VARIANTS = ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy",
+            "offload-sync-bf16state", "offload-sync-copy-bf16state", "offload-dpu-copy-bf16state")
+EXPECTED_B = {"baseline": 16, "offload-sync": 18, "offload-sync-copy": 18, "offload-dpu": 18, "offload-dpu-copy": 18,
+              "offload-sync-bf16state": 12, "offload-sync-copy-bf16state": 12, "offload-dpu-copy-bf16state": 12}
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -135,8 +139,10 @@ def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
     from runtime.demo.baseline import DeviceMixedPrecision
     from runtime.config import OffloadConfig
     from runtime.engine import OffloadEngine
-    cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=variant.startswith("offload-dpu"), dpu_warmup_steps=1,
-                        cpu_zero_copy=not variant.endswith("-copy"), server_threads=1)
+    state = "bf16" if variant.endswith("-bf16state") else "fp32"
+    layout = variant.removesuffix("-bf16state")
+    cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=layout.startswith("offload-dpu"), dpu_warmup_steps=1,
+                        cpu_zero_copy=not layout.endswith("-copy"), server_threads=1, state_dtype=state)
     t0 = time.perf_counter()
     eng = DeviceMixedPrecision(model, cfg) if variant == "baseline" else OffloadEngine(model, cfg)
     init_peak = sampler.peak
@@ -186,13 +192,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--ds-python", default="", help="a Python with deepspeed installed: adds its column")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.layers, a.d_model, a.steps)))
         return 0
     rows = []
-    for v in VARIANTS:
+    for v in a.variants.split(","):
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
         rows.append(run_child(sys.executable, v, a))
         print(json.dumps(rows[-1]), flush=True)
     if a.ds_python:

@@ -208,3 +208,26 @@ def test_a_launched_rank_takes_its_local_gpu(monkeypatch):
     assert engine._resolve_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)
     monkeypatch.delenv("LOCAL_RANK")
     assert engine._resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 0)
+
+
+def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
+    """HELLO's host-RAM check: 12 B/param of fp32 state, 6 with bf16 state and the exact
+    master, against MemAvailable plus the fp32 model the worker lets go of after INIT."""
+    from optimizer_server import admission
+    from optimizer_server import protocol as P
+    from optimizer_server.state import bytes_per_param
+    assert bytes_per_param("adamw") == 12 and bytes_per_param("adamw", "bf16", True) == 6
+    assert bytes_per_param("adamw", "bf16", False) == 8 and bytes_per_param("lion") == 8
+    n = 1 << 30
+    monkeypatch.setattr(admission, "read_mem_available", lambda: 14 * n)
+    monkeypatch.setattr(admission, "shm_free_bytes", lambda: None)
+
+    def hello(**kw):
+        return P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=n, dtype="bf16",
+                       optimizer="adamw", **kw)
+    with pytest.raises(admission.Refused, match="state_dtype='bf16'"):  # 12 + 4 = 16 B > 0.9 * 14
+        admission.admit(hello(), token="t", max_ram_fraction=0.9)
+    admission.admit(hello(state_dtype="bf16", exact_master=True), token="t", max_ram_fraction=0.9)  # 10 B
+    with pytest.raises(admission.Refused, match="frees"):
+        admission.admit(hello(frees_bytes=2 * n), token="t", max_ram_fraction=0.9)  # 16 > 0.9 * 16
+    admission.admit(hello(frees_bytes=4 * n), token="t", max_ram_fraction=0.9)  # 16 <= 0.9 * 18
