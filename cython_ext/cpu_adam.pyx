@@ -1,6 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """Fused one-pass CPU optimizers for ZeRO-Offload: Adam/AdamW, Adagrad, Lion.
 
+``adam_step_bf16`` is Adam/AdamW with bf16 moments (stochastic rounding keyed by
+``rounding_key(step)`` and the element's model-wide index) and, given the
+remainder words and ``master_hi``, the exact master; ``split_master`` and
+``join_master`` convert between it and fp32; ``stream_probe_bf16`` is its bound.
+
 Each ``*_step`` reads the gradient (fp16, bf16 or fp32), updates the fp32 state in
 place and, when ``param_out`` is given, writes the round-to-nearest-even 16-bit
 copy of the new weights in the same pass.  The thin ``def`` wrappers validate

@@ -147,3 +147,54 @@ def test_offload_adamw_takes_state_dtype():
 def test_config_refuses_what_is_not_built(kw, word):
     with pytest.raises(ValueError, match=word):
         OffloadConfig(**kw)
+
+
+def tie_model():
+    """The test transformer with every weight's low 16 bits exactly 0x8000: where the
+    exact master's ties-away rounding and torch's round-to-nearest-even disagree."""
+    model = gpt()
+    with torch.no_grad():
+        for p in model.parameters():
+            bits = p.data.view(torch.int32)
+            bits.copy_((bits & ~0xffff) | 0x8000)
+    return model
+
+
+def fp32_params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_exact_master_holds_the_models_fp32_weights_after_set_up(zero_copy):
+    """INIT splits each fp32 weight into the weights slot and a remainder, and nothing
+    the engine writes afterwards (its own cast of the model) may touch that slot:
+    the master read back is the model's fp32 weights bit for bit, ties included."""
+    model = tie_model()
+    want = fp32_params(model)
+    with OffloadEngine(model, cfg(state_dtype="bf16", cpu_zero_copy=zero_copy)) as eng:
+        got = eng.master_state_dict()
+    for n, w in want.items():
+        assert torch.equal(got[n].view(torch.int32), w.view(torch.int32)), n
+
+
+def test_loading_a_stale_fp32_checkpoint_keeps_the_exact_master(tmp_path):
+    """DPU's checkpoint holds an update not yet on the device (pending16, rounded to
+    nearest even by the fp32-state server).  Loaded with the exact master, the
+    server's weights slot is the master's high half and the engine must not overwrite
+    it with those words: the master read back is the saved one bit for bit."""
+    model = tie_model()
+    want = fp32_params(model)  # lr 0, no decay: the master stays the initial weights
+    c = dict(lr=0.0, weight_decay=0.0, dpu=True, dpu_warmup_steps=1)
+    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="fp32", **c)) as eng:
+        train_engine(eng, gpt_batch, 3, "bf16")
+        d = eng.save_checkpoint(str(tmp_path))
+    assert (tmp_path / "latest").exists() and list(tmp_path.glob("*/pending16-*")), "the checkpoint is not stale"
+    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="bf16", **c)) as eng:
+        eng.load_checkpoint(d)
+        got = eng.master_state_dict()
+        for n, w in want.items():
+            assert torch.equal(got[n].view(torch.int32), w.view(torch.int32)), n
+        train_engine(eng, gpt_batch, 2, "bf16", start=4)
+        got = eng.master_state_dict()
+    for n, w in want.items():
+        assert torch.equal(got[n].view(torch.int32), w.view(torch.int32)), n
