@@ -643,19 +643,17 @@ static inline ZO_T256 __m256i zo256_quiet_round(__m256 xf, __m256i add) {
     return _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
 }
 
-static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
-        __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
-        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr) {
+/* Adam on 8 lanes in any order: p and g in, the new p out, m and v rounded to bf16
+ * (in u32 lanes; rnd: 16 random bits for m low, 16 for v high) */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
+        __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
+        const zo_hparams *h, int sr) {
     const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
     const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
     const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
     const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
     const __m256i low = _mm256_set1_epi32(0xffff);
-    /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
-    __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
-    __m256 pi = _mm256_castsi256_ps(xb);
-    __m256 gi = _mm256_castsi256_ps(g32);
     __m256 mi, vi, denom;
     if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
     if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
@@ -668,12 +666,21 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
         *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi), _mm256_and_si256(rnd, low)), 16);
         *v_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi), _mm256_srli_epi32(rnd, 16)), 16);
     } else {
-        __m256i mb = _mm256_castps_si256(mi), vb = _mm256_castps_si256(vi);
-        *m_out = zo256_quiet_round(mi, zo256_rne_add(mb));
-        *v_out = zo256_quiet_round(vi, zo256_rne_add(vb));
+        *m_out = zo256_quiet_round(mi, zo256_rne_add(_mm256_castps_si256(mi)));
+        *v_out = zo256_quiet_round(vi, zo256_rne_add(_mm256_castps_si256(vi)));
     }
+    return pi;
+}
+
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
+        __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
+        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr) {
+    /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
+    __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
+    __m256 pi = zo256_adam16_core(_mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, v32, rnd, m_out, v_out,
+                                  h, sr);
     *hi_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), 16);
-    *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), low);
+    *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), _mm256_set1_epi32(0xffff));
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
@@ -717,6 +724,82 @@ static ZO_T256 void zo256_adam16x(const void *g, int64_t lo, int64_t hi, void *o
                                   const zo_state16 *s) {
     if (s->rounding == ZO_ROUND_STOCHASTIC) zo256_adam16x_body(g, lo, hi, out, h, s, 1);
     else zo256_adam16x_body(g, lo, hi, out, h, s, 0);
+}
+
+
+/* The fp32 master with bf16 moments (fp16 weights, or DPU's prediction), AVX2, 16
+ * elements a turn in the same lane layout as the exact body: the 16-bit arrays
+ * unpack, and the fp32 master and fp16 values are regrouped with 128-bit permutes
+ * (lanes {0-3, 8-11} and {4-7, 12-15}). */
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h,
+        const zo_state16 *s, int sr) {
+    uint16_t *m = s->m, *v = s->v;
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
+    const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
+    const __m256i key = _mm256_set1_epi32((int)s->key);
+    const __m256 pr = _mm256_set1_ps(h->predict);
+    const int predict = h->predict != 0.0f;
+    int64_t i = lo;
+    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
+                                                      gold), key);
+    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
+                                                      gold), key);
+    for (; i + 16 <= hi; i += 16) {
+        __m256 a = _mm256_loadu_ps(p + i), b = _mm256_loadu_ps(p + i + 8);
+        __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
+        __m256 glo, ghi, qlo, qhi, olo, ohi;
+        __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
+        __m256i V = _mm256_loadu_si256((const __m256i *)(v + i));
+        __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
+        __m256i m0, v0, m1, v1;
+        if (gk == ZO_BF16) {
+            __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
+            glo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G));
+            ghi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, G));
+        } else {
+            __m256 g0 = zo256_load_grad(g, gk, i), g1 = zo256_load_grad(g, gk, i + 8);
+            glo = _mm256_permute2f128_ps(g0, g1, 0x20);
+            ghi = _mm256_permute2f128_ps(g0, g1, 0x31);
+        }
+        qlo = zo256_adam16_core(glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl,
+                                &m0, &v0, h, sr);
+        qhi = zo256_adam16_core(ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh,
+                                &m1, &v1, h, sr);
+        _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
+        _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+        _mm256_storeu_ps(p + i, _mm256_permute2f128_ps(qlo, qhi, 0x20));
+        _mm256_storeu_ps(p + i + 8, _mm256_permute2f128_ps(qlo, qhi, 0x31));
+        olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
+        ohi = predict ? _mm256_add_ps(qhi, _mm256_mul_ps(pr, _mm256_sub_ps(qhi, phi))) : qhi;
+        if (ok == ZO_BF16) {
+            __m256i xl = zo256_quiet_round(olo, zo256_rne_add(_mm256_castps_si256(olo)));
+            __m256i xh = zo256_quiet_round(ohi, zo256_rne_add(_mm256_castps_si256(ohi)));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm256_packus_epi32(xl, xh));
+        } else {
+            zo256_store_out(out, ok, i, _mm256_permute2f128_ps(olo, ohi, 0x20));
+            zo256_store_out(out, ok, i + 8, _mm256_permute2f128_ps(olo, ohi, 0x31));
+        }
+        klo = _mm256_add_epi32(klo, step16);
+        khi = _mm256_add_epi32(khi, step16);
+    }
+    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+}
+
+static ZO_T256 void zo256_adam16p(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                                  const zo_hparams *h, const zo_state16 *s) {
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC;
+    if (gk == ZO_BF16 && ok == ZO_BF16) {
+        if (sr) zo256_adam16p_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1);
+        else zo256_adam16p_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 0);
+    } else if (gk == ZO_F16 && ok == ZO_F16) {
+        if (sr) zo256_adam16p_body(p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1);
+        else zo256_adam16p_body(p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 0);
+    } else {
+        zo256_adam16p_body(p, g, gk, out, ok, lo, hi, h, s, sr);
+    }
 }
 
 /* Specialise each body on the (grad kind, out kind) pair: with both constant the
@@ -955,6 +1038,7 @@ static void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *ou
     /* AVX-512 runs the AVX2 bodies here: the update is memory bound at 18-20 B/param,
      * and a 512-bit body would be code no machine of ours has run yet */
     if (level >= ZO_AVX2 && s->rem && gk == ZO_BF16) { zo256_adam16x(g, lo, hi, out, h, s); return; }
+    if (level >= ZO_AVX2 && !s->rem && gk != ZO_F32) { zo256_adam16p(p, g, gk, out, ok, lo, hi, h, s); return; }
     if (level >= ZO_AVX2) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
 #endif
     zo_adam16_scalar(p, g, gk, out, ok, lo, hi, h, s);

@@ -185,6 +185,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+CAPACITY_HOSTS_GIB = (24, 128)
+RAM_FRACTION = 0.9  # what the server's admission lets a shard take of MemAvailable (its default)
+
+
+def capacity_table(rows: list[dict]) -> str:
+    """The largest model a host trains, from each variant's measured steady B/param:
+    RAM_FRACTION x the host's RAM over it (the CPU device: everything is host memory),
+    and from the model states alone on a GPU machine (the '-copy' layout less the
+    model's own 2 B/param, which live on the device there)."""
+    out = ["| variant | steady B/param (measured, CPU device) | params on a 24 GiB host | on a 128 GiB host "
+           "| host B/param on a GPU machine (model states) | params on 24 GiB | on 128 GiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        v = r["variant"]
+        if not v.startswith("offload") or "-copy" not in v:
+            continue
+        gpu_b = EXPECTED_B[v] - 2
+        cpu = [RAM_FRACTION * g * 2**30 / r["steady_B"] / 1e9 for g in CAPACITY_HOSTS_GIB]
+        gpu = [RAM_FRACTION * g * 2**30 / gpu_b / 1e9 for g in CAPACITY_HOSTS_GIB]
+        out.append(f"| {v} | {r['steady_B']:.1f} | {cpu[0]:.2f}B | {cpu[1]:.1f}B | {gpu_b} | {gpu[0]:.2f}B | "
+                   f"{gpu[1]:.1f}B |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -193,13 +216,17 @@ def main(argv=None) -> int:
     ap.add_argument("--ds-python", default="", help="a Python with deepspeed installed: adds its column")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    ap.add_argument("--rows", default="", help="a file of the JSON rows an earlier run printed: write its tables "
+                                                "again (with the capacity table) without measuring")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.layers, a.d_model, a.steps)))
         return 0
     rows = []
-    for v in a.variants.split(","):
+    if a.rows:
+        rows = [json.loads(line) for line in Path(a.rows).read_text().splitlines() if line.startswith("{")]
+    for v in ([] if a.rows else a.variants.split(",")):
         if v not in VARIANTS:
             raise SystemExit(f"unknown variant {v!r}; choose from {', '.join(VARIANTS)}")
         rows.append(run_child(sys.executable, v, a))
@@ -207,7 +234,10 @@ def main(argv=None) -> int:
     if a.ds_python:
         rows.append(run_child(a.ds_python, "deepspeed", a))
         print(json.dumps(rows[-1]), flush=True)
-    body = table(rows)
+    body = table(rows) + ("\n\nCapacity: the largest model each state dtype trains on a host, from the steady "
+                          f"B/param above, at the server's default admission of {RAM_FRACTION:.0%} of the RAM "
+                          "(the CPU device; and a GPU machine's host, which keeps the model states alone).\n\n"
+                          + capacity_table(rows))
     print(body)
     if not a.no_write:
         from bench_md import machine_line, update_section

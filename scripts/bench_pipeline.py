@@ -11,6 +11,12 @@ run: T_fb = forward + backward, T_cpu = the CPU path (the step: norm check,
 signal, waiting for the update, weight copy; the gradient copies run inside
 backward's hooks and are counted in T_fb).  DPU's ideal is max(T_fb, T_cpu),
 synchronous offload's is T_fb + T_cpu.  Writes BENCHMARKS.md section "bench_pipeline".
+
+    python scripts/bench_pipeline.py --state-dtypes --settings gpt2:1x2   # section "bench_pipeline_state"
+
+runs sync, DPU and overlap_update with fp32 and with bf16 optimizer state (the
+"-bf16state" variants: the exact master in sync and overlap; DPU predicts, so its
+master stays fp32 and only the moments are bf16), interleaved the same way.
 """
 from __future__ import annotations
 
@@ -69,9 +75,11 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     torch.set_num_threads(len(cores))
     torch.manual_seed(0)
     model = GPT(mc)
+    state = "bf16" if name.endswith("-bf16state") else "fp32"
+    name = name.removesuffix("-bf16state")
     dpu = name.startswith("dpu")
     overlap = name.startswith("overlap")
-    cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup,
+    cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup, state_dtype=state,
                         dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
                         cpu_zero_copy=not name.endswith(("-copy", "-after")),
                         dpu_grad_slots=2 if name == "dpu-2slots" else 1, overlap_update=overlap,
@@ -171,7 +179,11 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--section", default="bench_pipeline",
                     help="the BENCHMARKS.md section to write (a reduced run writes its own, not over the full one)")
+    ap.add_argument("--state-dtypes", action="store_true",
+                    help="sync, DPU and overlap with fp32 and bf16 optimizer state (section bench_pipeline_state)")
     a = ap.parse_args(argv)
+    if a.state_dtypes:
+        return main_state(a)
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
@@ -262,6 +274,46 @@ def main(argv=None) -> int:
     if not a.no_write:
         update_section(a.section, body.replace("## Pipeline step time", "## Pipeline step time" + (
             f" ({a.section})" if a.section != "bench_pipeline" else ""), 1))
+    return 0
+
+
+STATE_VARIANTS = ["sync", "sync-bf16state", "dpu", "dpu-bf16state", "overlap", "overlap-bf16state"]
+
+
+def main_state(a) -> int:
+    """The state dtypes' rows: each of sync, DPU, overlap with fp32 and bf16 state, interleaved."""
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+    from runtime.demo.gpt import PRESETS
+    corpus = Corpus.load(seed=0, max_bytes=8 << 20)
+    rows = []
+    for setting in a.settings.split(","):
+        model_name, shape = setting.split(":")
+        L, H, D = PRESETS[model_name]
+        bs, sl = (int(v) for v in shape.lower().split("x"))
+        mc = GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl)
+        src = Batches(corpus.train, bs, sl, seed=1)
+        batches = [src.next() for _ in range(8)]
+        times = {v: [] for v in STATE_VARIANTS}
+        order = list(STATE_VARIANTS)
+        for p in range(a.passes):
+            random.Random(p).shuffle(order)
+            for v in order:
+                times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores)
+        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        row = (f"| {model_name} {bs}x{sl} | " + " | ".join(f"{med[v]:.1f}" for v in STATE_VARIANTS) + " | "
+               + " | ".join(f"{med[k] / med[k + '-bf16state']:.2f}x" for k in ("sync", "dpu", "overlap")) + " |")
+        print(row, flush=True)
+        rows.append(row)
+    head = ("| model, batch | sync ms | sync, bf16 state ms | DPU ms | DPU, bf16 state ms | overlap ms "
+            "| overlap, bf16 state ms | sync fp32 / bf16 state | DPU fp32 / bf16 state | overlap fp32 / bf16 state |")
+    body = (f"## Pipeline step time by state dtype (scripts/bench_pipeline.py --state-dtypes)\n\n{machine_line()}; "
+            f"{a.dtype}; clip 1.0; DPU with weight prediction (so its master stays fp32: 20 B/param moved, not 18); "
+            f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core {sorted(server_cores)}, "
+            f"worker on core {sorted(worker_cores)}, one thread each.\n\n"
+            + "\n".join([head, "|" + "---|" * 10, *rows]) + "\n")
+    if not a.no_write:
+        update_section("bench_pipeline_state", body)
     return 0
 
 

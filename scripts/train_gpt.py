@@ -62,6 +62,7 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--log-json", default="", help="append one JSON line per step here")
     ap.add_argument("--eval-every", type=int, default=d.eval_every)
+    ap.add_argument("--eval-batches", type=int, default=d.eval_batches, help="validation batches per evaluation")
     ap.add_argument("--server-threads", type=int, default=d.server_threads, help="optimizer server threads")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of the worker (0: cores minus server's)")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
@@ -75,7 +76,7 @@ def parse(argv=None) -> TrainConfig:
                            clip=a.clip or None, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                            beta1=a.beta1, beta2=a.beta2, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every,
                            resume=a.resume, auto_resume=a.auto_resume, trace_dir=a.trace_dir, seed=a.seed, log_json=a.log_json,
-                           eval_every=a.eval_every, server_threads=a.server_threads, threads=threads,
+                           eval_every=a.eval_every, eval_batches=a.eval_batches, server_threads=a.server_threads, threads=threads,
                            progress=a.progress)
     except ValueError as e:
         ap.error(str(e))

@@ -192,25 +192,40 @@ def test_simd_paths_agree_with_scalar(exact, rounding, adamw, grad_scale):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{lv} {name} differs from scalar"
 
 
-@pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
-def test_fp16_gradients_with_an_fp32_master_agree_with_scalar():
-    """fp16 training keeps an fp32 master; its moments can still be bf16."""
+def test_fp16_gradients_with_an_fp32_master(level):
+    """fp16 training keeps an fp32 master; its moments can still be bf16.  Against
+    float64 Adam on the same gradients, and bitwise against the scalar path, with
+    DPU's weight prediction in the fp16 weights."""
     rng = seeded_rng()
-    n = 50_003
+    n, steps = 50_003, 30
     p0 = rng.standard_normal(n).astype(np.float32)
-    g = (rng.standard_normal(n) * 0.1).astype(np.float16)
-    res = []
-    for lv in LEVELS:
+    gs = [(rng.standard_normal(n) * 0.1).astype(np.float16) for _ in range(steps)]
+
+    def run(lv):
         prev = ca.set_simd_level(lv)
         try:
             p, m, v, out = p0.copy(), np.zeros(n, np.uint16), np.zeros(n, np.uint16), np.empty(n, np.float16)
-            for t in range(1, 4):
-                ca.adam_step_bf16(p, m, v, g, out, step=t, lr=1e-3, sr_key=t, predict=0.5)
-            res.append((p, m, v, out))
+            for t, g in enumerate(gs, 1):
+                pp = p.copy()
+                ca.adam_step_bf16(p, m, v, g, out, step=t, lr=1e-3, weight_decay=0.01, sr_key=t, predict=0.5)
+            return p, m, v, out, pp
         finally:
             ca.set_simd_level(prev)
-    for got in res[1:]:
-        for a, b in zip(res[0], got):
+    p, m, v, out, pp = run(level)
+    ref = p0.astype(np.float64)
+    mm = np.zeros(n)
+    vv = np.zeros(n)
+    for t, g in enumerate(gs, 1):  # float64 AdamW on the fp16 gradients
+        gf = g.astype(np.float64)
+        ref *= 1 - 1e-3 * 0.01
+        mm = 0.9 * mm + 0.1 * gf
+        vv = 0.999 * vv + 0.001 * gf * gf
+        ref -= 1e-3 / (1 - 0.9 ** t) * mm / (np.sqrt(vv) / np.sqrt(1 - 0.999 ** t) + 1e-8)
+    assert np.linalg.norm(p - ref) / np.linalg.norm(ref - p0) < 1e-2
+    want = (p + np.float32(0.5) * (p - pp)).astype(np.float16)  # the predicted weights, rounded once
+    assert np.mean(out != want) < 1e-3  # the kernel rounds p + 0.5 (p - p_prev) in fp32 first
+    if level != "scalar":
+        for a, b in zip(run("scalar"), (p, m, v, out, pp)):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
