@@ -62,6 +62,9 @@ CASES = {
     "lion": (mlp, mlp_batch, "bf16", dict(optimizer="lion", lr=1e-4)),
     "adagrad": (mlp, mlp_batch, "bf16", dict(optimizer="adagrad")),
     "slow-forward": (gpt, gpt_batch, "bf16", dict(slow_forward=True, clip_grad_norm=1.2)),
+    # bf16 moments and the exact master: the reversed update writes the same bytes
+    "bf16-state": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", clip_grad_norm=1.2)),
+    "bf16-state-copy": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", cpu_zero_copy=False)),
 }
 
 
