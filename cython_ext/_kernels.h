@@ -312,6 +312,35 @@ static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok,
     }
 }
 
+/* Lion with a bf16 moment (zo_lion_scalar's arithmetic; m rounded like Adam's m) */
+static void zo_lion16_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                             const zo_hparams *h, const zo_state16 *s) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        float gi = zo_load_grad(g, gk, i);
+        float pi = s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+        float mi = zo_bf16_to_f32(s->m[i]);
+        float c, mn;
+        if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
+        c = h->beta1 * mi + h->one_minus_beta1 * gi;
+        pi = pi * h->decay;
+        pi = pi - h->step_size * zo_signf(c);
+        mn = h->beta2 * mi + h->one_minus_beta2 * gi;
+        if (s->rounding == ZO_ROUND_STOCHASTIC)
+            s->m[i] = zo_f32_to_bf16_sr(mn, zo_rand32(s->key, s->index_base + (uint32_t)i) & 0xffffu);
+        else
+            s->m[i] = zo_f32_to_bf16(mn);
+        if (s->rem) zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
+        else { p[i] = pi; zo_store_out(out, ok, i, pi); }
+    }
+}
+
+static void zo_opt16_scalar(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                            const zo_hparams *h, const zo_state16 *s) {
+    if (lion) zo_lion16_scalar(p, g, gk, out, ok, lo, hi, h, s);
+    else zo_adam16_scalar(p, g, gk, out, ok, lo, hi, h, s);
+}
+
 /* the exact master's high halves for [lo, hi): master -> (hi, rem), as an update would
  * leave them (INIT and LOAD) */
 static void zo_split_chunk(const float *src, uint16_t *hi16, uint16_t *rem, int64_t lo, int64_t hi) {
@@ -672,19 +701,50 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
     return pi;
 }
 
+/* Lion on 8 lanes in any order (zo_lion16_scalar); m out as bf16 in u32 lanes */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_lion16_core(
+        __m256 gi, __m256 pi, __m256i m32, __m256i rnd, __m256i *m_out, const zo_hparams *h, int sr) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), mone = _mm256_set1_ps(-1.0f);
+    __m256 mi = _mm256_castsi256_ps(m32), c, sg, mn;
+    if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
+    c = _mm256_add_ps(_mm256_mul_ps(b1, mi), _mm256_mul_ps(omb1, gi));
+    sg = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_GT_OQ), one),
+                      _mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_LT_OQ), mone));
+    pi = _mm256_sub_ps(_mm256_mul_ps(pi, dec), _mm256_mul_ps(ss, sg));
+    mn = _mm256_add_ps(_mm256_mul_ps(b2, mi), _mm256_mul_ps(omb2, gi));
+    if (sr)
+        *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mn),
+                                                    _mm256_and_si256(rnd, _mm256_set1_epi32(0xffff))), 16);
+    else
+        *m_out = zo256_quiet_round(mn, zo256_rne_add(_mm256_castps_si256(mn)));
+    return pi;
+}
+
+/* one optimizer's update of 8 lanes: Adam (m, v) or Lion (m only; v_out untouched) */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_opt16_core(
+        int lion, __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
+        const zo_hparams *h, int sr) {
+    if (lion) return zo256_lion16_core(gi, pi, m32, rnd, m_out, h, sr);
+    return zo256_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr);
+}
+
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
-        __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
+        int lion, __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
         __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr) {
     /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
     __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
-    __m256 pi = zo256_adam16_core(_mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, v32, rnd, m_out, v_out,
-                                  h, sr);
+    __m256 pi = zo256_opt16_core(lion, _mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, v32, rnd, m_out,
+                                 v_out, h, sr);
     *hi_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), 16);
     *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), _mm256_set1_epi32(0xffff));
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
-        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h, const zo_state16 *s, int sr) {
+        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h, const zo_state16 *s, int sr) {
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
     const __m256i zero = _mm256_setzero_si256();
@@ -701,29 +761,35 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     for (; i + 16 <= hi; i += 16) {
         __m256i G = _mm256_loadu_si256((const __m256i *)(gw + i));
         __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
-        __m256i V = _mm256_loadu_si256((const __m256i *)(v + i));
+        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
         __m256i R = _mm256_loadu_si256((const __m256i *)(rem + i));
         __m256i H = _mm256_loadu_si256((const __m256i *)(hw + i));
         __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
-        __m256i m0, v0, h0, r0, m1, v1, h1, r1;
-        zo256_adam16x_half(_mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V),
-                           _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr);
-        zo256_adam16x_half(_mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V),
-                           _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr);
+        __m256i m0, v0 = zero, h0, r0, m1, v1 = zero, h1, r1;
+        zo256_adam16x_half(lion, _mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M),
+                           _mm256_unpacklo_epi16(zero, V), _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr);
+        zo256_adam16x_half(lion, _mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M),
+                           _mm256_unpackhi_epi16(zero, V), _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr);
         _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-        _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+        if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
         _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
         _mm256_storeu_si256((__m256i *)(o + i), _mm256_packus_epi32(h0, h1));
         klo = _mm256_add_epi32(klo, step16);
         khi = _mm256_add_epi32(khi, step16);
     }
-    zo_adam16_scalar(NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+    zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
-static ZO_T256 void zo256_adam16x(const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
+static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
                                   const zo_state16 *s) {
-    if (s->rounding == ZO_ROUND_STOCHASTIC) zo256_adam16x_body(g, lo, hi, out, h, s, 1);
-    else zo256_adam16x_body(g, lo, hi, out, h, s, 0);
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC;
+    if (lion) {
+        if (sr) zo256_adam16x_body(1, g, lo, hi, out, h, s, 1);
+        else zo256_adam16x_body(1, g, lo, hi, out, h, s, 0);
+    } else {
+        if (sr) zo256_adam16x_body(0, g, lo, hi, out, h, s, 1);
+        else zo256_adam16x_body(0, g, lo, hi, out, h, s, 0);
+    }
 }
 
 
@@ -732,7 +798,7 @@ static ZO_T256 void zo256_adam16x(const void *g, int64_t lo, int64_t hi, void *o
  * unpack, and the fp32 master and fp16 values are regrouped with 128-bit permutes
  * (lanes {0-3, 8-11} and {4-7, 12-15}). */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
-        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h,
+        int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h,
         const zo_state16 *s, int sr) {
     uint16_t *m = s->m, *v = s->v;
     const __m256i zero = _mm256_setzero_si256();
@@ -752,9 +818,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
         __m256 glo, ghi, qlo, qhi, olo, ohi;
         __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
-        __m256i V = _mm256_loadu_si256((const __m256i *)(v + i));
+        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
         __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
-        __m256i m0, v0, m1, v1;
+        __m256i m0, v0 = zero, m1, v1 = zero;
         if (gk == ZO_BF16) {
             __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
             glo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G));
@@ -764,12 +830,12 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
             glo = _mm256_permute2f128_ps(g0, g1, 0x20);
             ghi = _mm256_permute2f128_ps(g0, g1, 0x31);
         }
-        qlo = zo256_adam16_core(glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl,
-                                &m0, &v0, h, sr);
-        qhi = zo256_adam16_core(ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh,
-                                &m1, &v1, h, sr);
+        qlo = zo256_opt16_core(lion, glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl,
+                               &m0, &v0, h, sr);
+        qhi = zo256_opt16_core(lion, ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh,
+                               &m1, &v1, h, sr);
         _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-        _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+        if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
         _mm256_storeu_ps(p + i, _mm256_permute2f128_ps(qlo, qhi, 0x20));
         _mm256_storeu_ps(p + i + 8, _mm256_permute2f128_ps(qlo, qhi, 0x31));
         olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
@@ -785,20 +851,22 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         klo = _mm256_add_epi32(klo, step16);
         khi = _mm256_add_epi32(khi, step16);
     }
-    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+    zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
 }
 
-static ZO_T256 void zo256_adam16p(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
-                                  const zo_hparams *h, const zo_state16 *s) {
+static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
+                                  int64_t hi, const zo_hparams *h, const zo_state16 *s) {
     int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    if (gk == ZO_BF16 && ok == ZO_BF16) {
-        if (sr) zo256_adam16p_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1);
-        else zo256_adam16p_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 0);
+    if (lion) {  /* Lion is rarer: only its loop invariants are constant */
+        zo256_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr);
+    } else if (gk == ZO_BF16 && ok == ZO_BF16) {
+        if (sr) zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1);
+        else zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 0);
     } else if (gk == ZO_F16 && ok == ZO_F16) {
-        if (sr) zo256_adam16p_body(p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1);
-        else zo256_adam16p_body(p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 0);
+        if (sr) zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1);
+        else zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 0);
     } else {
-        zo256_adam16p_body(p, g, gk, out, ok, lo, hi, h, s, sr);
+        zo256_adam16p_body(0, p, g, gk, out, ok, lo, hi, h, s, sr);
     }
 }
 
@@ -1032,16 +1100,26 @@ static void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
     zo_lion_scalar(p, m, g, gk, out, ok, lo, hi, h);
 }
 
-static void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
-                            int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
+static void zo_opt16_chunk(int lion, int level, float *p, const void *g, int gk, void *out, int ok,
+                           int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
 #if ZO_HAVE_X86
     /* AVX-512 runs the AVX2 bodies here: the update is memory bound at 18-20 B/param,
      * and a 512-bit body would be code no machine of ours has run yet */
-    if (level >= ZO_AVX2 && s->rem && gk == ZO_BF16) { zo256_adam16x(g, lo, hi, out, h, s); return; }
-    if (level >= ZO_AVX2 && !s->rem && gk != ZO_F32) { zo256_adam16p(p, g, gk, out, ok, lo, hi, h, s); return; }
-    if (level >= ZO_AVX2) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
+    if (level >= ZO_AVX2 && s->rem && gk == ZO_BF16) { zo256_adam16x(lion, g, lo, hi, out, h, s); return; }
+    if (level >= ZO_AVX2 && !s->rem && gk != ZO_F32) { zo256_adam16p(lion, p, g, gk, out, ok, lo, hi, h, s); return; }
+    if (level >= ZO_AVX2 && !lion) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }
 #endif
-    zo_adam16_scalar(p, g, gk, out, ok, lo, hi, h, s);
+    zo_opt16_scalar(lion, p, g, gk, out, ok, lo, hi, h, s);
+}
+
+static void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
+                            int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
+    zo_opt16_chunk(0, level, p, g, gk, out, ok, lo, hi, h, s);
+}
+
+static void zo_lion16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
+                            int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
+    zo_opt16_chunk(1, level, p, g, gk, out, ok, lo, hi, h, s);
 }
 
 #endif /* ZO_KERNELS_H */

@@ -81,6 +81,8 @@ cdef extern from "_kernels.h" nogil:
         int rounding
     void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
                          int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s)
+    void zo_lion16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
+                         int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s)
     void zo_split_chunk(const float *src, unsigned short *hi16, unsigned short *rem, int64_t lo, int64_t hi)
     void zo_join_chunk(const unsigned short *hi16, const unsigned short *rem, float *dst, int64_t lo, int64_t hi)
     void zo_stream16_chunk(int level, unsigned int *p, unsigned short *rem, const unsigned short *hi16,
@@ -99,6 +101,7 @@ cdef enum Kernel:
     K_PROBE   # the bandwidth probe (stream_probe)
     K_CAST    # fp32 -> 16 bits, p -> o (cast_to_16)
     K_ADAM16  # Adam with bf16 moments, fp32 or exact (hi + remainder) master (adam_step_bf16)
+    K_LION16  # Lion with a bf16 moment (lion_step_bf16)
     K_PROBE16 # the compact-state bandwidth probe (stream_probe_bf16)
     K_SPLIT   # fp32 master -> (hi, rem) (split_master)
     K_JOIN    # (hi, rem) -> fp32 master (join_master)
@@ -260,7 +263,7 @@ cdef int _threads(num_threads) except -1:
 
 cdef class _Call:
     """One optimizer call's validated buffers: what every *_step checks first."""
-    cdef _Buf p, s1, s2, g, o
+    cdef _Buf p, s1, s2, g, o, bh
     cdef int gk, ok, nt
     cdef Py_ssize_t n
     cdef _Progress pg
@@ -385,31 +388,18 @@ def rounding_key(step, seed=0):
     return int(zo_mix32(s + <unsigned int>(step & 0xffffffff) * 0x9e3779b9u))
 
 
-def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=None,
-                   step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                   adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
-                   rounding="stochastic", sr_key=0, index_base=0,
-                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
-    """adam_step with bf16 moments (state_dtype="bf16"): the same fp32 arithmetic,
-    m and v read from and rounded back to bf16 words.
-
-    exp_avg, exp_avg_sq: uint16 words holding bf16, updated in place.
-    param: the fp32 master (float32, updated in place), or, for the exact master,
-    the uint16 low halves of the fp32 master (``master_hi`` then holds its bf16
-    high halves: the weights the last update wrote; it may be param_out itself).
-    With the exact master param_out must be bf16 and predict 0: the weights are
-    the master's high half, rounded ties-away (_kernels.h explains why).
-    rounding: "stochastic" (unbiased, keyed by sr_key and the element's model-wide
-    index index_base + i, so neither threads nor sharding change a bit) or "nearest".
-    param_out is required: the weights are the one output the caller cannot skip.
-    """
+cdef _Call _prepare16(param, exp_avg, exp_avg_sq, grad, param_out, master_hi, grad_dtype, out_dtype, predict,
+                      rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
+                      progress_base, zo_state16 *s):
+    """The compact-state kernels' preamble (exp_avg_sq None: Lion): every buffer and
+    keyword validated, and s filled, before anything is written."""
     cdef _Buf bp = _get(param, "param", True)
     cdef Py_ssize_t n = bp.n
     cdef bint exact = bp.fmt in ("H", "h") and bp.itemsize == 2
     if not exact:
         _check_f32(bp, "param")
     cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
-    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n)
+    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n) if exp_avg_sq is not None else None
     cdef _Buf bg = _get(grad, "grad", False)
     _check_len(bg, "grad", n)
     cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
@@ -435,21 +425,79 @@ def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=Non
         raise ValueError(f"sr_key must be an int in [0, 2**32), got {sr_key!r}")
     if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
         raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
-    cdef zo_hparams h
-    _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
-    cdef zo_state16 s
     s.m = <unsigned short *>bm.view.buf
-    s.v = <unsigned short *>bv.view.buf
+    s.v = <unsigned short *>bv.view.buf if bv is not None else NULL
     s.rem = <unsigned short *>bp.view.buf if exact else NULL
     s.hi = <const unsigned short *>bh.view.buf if exact else NULL
     s.key = <unsigned int>sr_key
     s.index_base = <unsigned int>(index_base & 0xffffffff)
     s.rounding = _ROUNDINGS[rounding]
     cdef _Call c = _Call()
-    c.p, c.s1, c.s2, c.g, c.o = bp, None, None, bg, bo
+    c.p, c.s1, c.s2, c.g, c.o = bp, bm, bv, bg, bo  # held until the call returns
     c.gk, c.ok, c.n, c.nt = gk, ok, n, _threads(num_threads)
     c.pg = _progress(progress, progress_tag, progress_block, n, progress_base)
+    c.bh = bh
+    return c
+
+
+def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=None,
+                   step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
+                   rounding="stochastic", sr_key=0, index_base=0,
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """adam_step with bf16 moments (state_dtype="bf16"): the same fp32 arithmetic,
+    m and v read from and rounded back to bf16 words.
+
+    exp_avg, exp_avg_sq: uint16 words holding bf16, updated in place.
+    param: the fp32 master (float32, updated in place), or, for the exact master,
+    the uint16 low halves of the fp32 master (``master_hi`` then holds its bf16
+    high halves: the weights the last update wrote; it may be param_out itself).
+    With the exact master param_out must be bf16 and predict 0: the weights are
+    the master's high half, rounded ties-away (_kernels.h explains why).
+    rounding: "stochastic" (unbiased, keyed by sr_key and the element's model-wide
+    index index_base + i, so neither threads nor sharding change a bit) or "nearest".
+    param_out is required: the weights are the one output the caller cannot skip.
+    """
+    cdef zo_hparams h
+    _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
+    cdef zo_state16 s
+    cdef _Call c = _prepare16(param, exp_avg, exp_avg_sq, grad, param_out, master_hi, grad_dtype, out_dtype,
+                              predict, rounding, sr_key, index_base, num_threads, progress, progress_tag,
+                              progress_block, progress_base, &s)
     _run(K_ADAM16, &h, c, &s)
+
+
+def lion_step_bf16(param, exp_avg, grad, param_out, *, master_hi=None, lr, beta1=0.9, beta2=0.99,
+                   weight_decay=0.0, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+                   rounding="stochastic", sr_key=0, index_base=0,
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """lion_step with a bf16 moment (state_dtype="bf16"): exp_avg as bf16 words, and
+    param the fp32 master or, with master_hi, the exact master's low halves (as in
+    adam_step_bf16)."""
+    cdef double dlr = _finite(lr, "lr")
+    cdef double b1 = _beta(beta1, "beta1")
+    cdef double b2 = _beta(beta2, "beta2")
+    cdef double wd = _finite(weight_decay, "weight_decay")
+    cdef double gs = _finite(grad_scale, "grad_scale")
+    _check_lr_wd_scale(dlr, wd)
+    cdef zo_state16 s
+    cdef _Call c = _prepare16(param, exp_avg, None, grad, param_out, master_hi, grad_dtype, out_dtype, 0.0,
+                              rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
+                              progress_base, &s)
+    cdef zo_hparams h
+    h.grad_scale = <float>gs
+    h.beta1 = <float>b1
+    h.one_minus_beta1 = <float>(1.0 - b1)
+    h.beta2 = <float>b2
+    h.one_minus_beta2 = <float>(1.0 - b2)
+    h.eps = 0.0
+    h.step_size = <float>dlr
+    h.inv_sqrt_bc2 = 1.0
+    h.decoupled = 1
+    h.decay = <float>(1.0 - dlr * wd)
+    h.l2 = 0.0
+    h.predict = 0.0
+    _run(K_LION16, &h, c, &s)
 
 
 def split_master(src, master_hi, master_rem, *, num_threads=0):
@@ -504,7 +552,7 @@ def stream_probe_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=
     s.rem = <unsigned short *>bp.view.buf if exact else NULL
     s.hi = <const unsigned short *>bh.view.buf if exact else NULL
     cdef _Call c = _Call()
-    c.p, c.s1, c.s2, c.g, c.o = bp, None, None, bg, bo
+    c.p, c.s1, c.s2, c.g, c.o = bp, bm, bv, bg, bo
     c.gk, c.ok, c.n, c.nt = ZO_BF16, ZO_BF16, n, _threads(num_threads)
     c.pg = _progress(None, 0, 0, n)
     cdef zo_hparams h
@@ -808,6 +856,8 @@ cdef inline void _chunk(Kernel which, int level, float *p, float *s1, float *s2,
         zo_stream_chunk(level, p, s1, s2, <const unsigned short *>g, <unsigned short *>o, lo, hi)
     elif which == K_ADAM16:
         zo_adam16_chunk(level, p, g, gk, o, ok, lo, hi, h, s)
+    elif which == K_LION16:
+        zo_lion16_chunk(level, p, g, gk, o, ok, lo, hi, h, s)
     elif which == K_PROBE16:
         zo_stream16_chunk(level, <unsigned int *>p, s.rem, s.hi, s.m, s.v, <const unsigned short *>g,
                           <unsigned short *>o, lo, hi)

@@ -72,7 +72,7 @@ DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 Mi
 DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (config, wire, server)
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
 STATE_DTYPES = ("fp32", "bf16")            # the one list of optimizer-state dtypes (optimizer_server.state)
-COMPACT_OPTIMIZERS = ("adamw", "adam")     # the optimizers that take a state dtype other than fp32
+COMPACT_OPTIMIZERS = ("adamw", "adam", "lion")  # the optimizers that take a state dtype other than fp32
 MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
 MAX_GROUPS = 512                       # ranges in one STEP (each 8 numbers, <= 72 B: well inside the message)

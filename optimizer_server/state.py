@@ -4,6 +4,7 @@ What the server holds per parameter, privately (the shared segment adds 4 B:
 one gradient slot and one weights slot, optimizer_server.shm):
 
     state_dtype  master                          moments (Adam: m, v)   private  + shared
+                                                 (Lion: m; 2 B less)
     fp32         fp32                   4 B      fp32  4 + 4 B          12 B     16 B
     bf16         exact (bf16 weights)   2 B      bf16  2 + 2 B           6 B     10 B
     bf16         fp32 (fp16 weights,    4 B      bf16  2 + 2 B           8 B     12 B
@@ -150,13 +151,17 @@ class ShardStateArrays:
         g, o = gin[sl], slots[out_slot][sl]
         st = self.moments
         if self.state_dtype == "bf16":
-            # adam/adamw only (refused at HELLO otherwise)
+            # adam, adamw and lion (refused at HELLO otherwise)
             extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
             p = self.remainder[sl] if self.exact_master else self.master[sl]
+            sr = dict(sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
+            if self.optimizer == "lion":
+                cpu_adam.lion_step_bf16(p, st["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                                        weight_decay=h["weight_decay"], **sr, **extra, **kw)
+                return
             cpu_adam.adam_step_bf16(p, st["exp_avg"][sl], st["exp_avg_sq"][sl], g, o,
                                     step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                                    weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw",
-                                    sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo,
+                                    weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **sr,
                                     **extra, **kw)
             return
         p = self.master[sl]

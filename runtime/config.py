@@ -47,7 +47,7 @@ class OffloadConfig:
         as far as that forward lasts; several ranks: the first forward hook waits for
         the whole update (exact, little overlap).  Not with dpu (a choice between the
         two: dpu hides more and computes on weights one update old).
-    state_dtype: the optimizer state's dtype on the server (adam/adamw): "fp32" (default:
+    state_dtype: the optimizer state's dtype on the server (adam/adamw/lion): "fp32" (default:
         12 B/param of master, m and v, plus 4 shared) or "bf16": m and v in bf16 with
         stochastic rounding, and with bf16 weights (and no dpu_predict) the exact
         master, the fp32 master kept as the weights' bf16 plus a 16-bit remainder, the

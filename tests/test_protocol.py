@@ -84,7 +84,7 @@ def _hello_dict(**over):
     (_raw(_hello_dict(grad_slots=3)), "grad_slots"),
     (_raw(_hello_dict(staging_numel=-1)), "staging_numel"),
     (_raw(_hello_dict(state_dtype="int8")), "state_dtype"),
-    (_raw(_hello_dict(state_dtype="bf16", optimizer="lion")), "state_dtype 'bf16' is implemented for"),
+    (_raw(_hello_dict(state_dtype="bf16", optimizer="adagrad")), "state_dtype 'bf16' is implemented for"),
     (_raw(_hello_dict(exact_master=True)), "exact_master needs bf16"),       # the sample's weights are fp16
     (_raw(_hello_dict(exact_master=1)), "'exact_master' must be a bool"),
     (_raw(_hello_dict(frees_bytes=-1)), "frees_bytes"),
