@@ -474,29 +474,12 @@ def lion_step_bf16(param, exp_avg, grad, param_out, *, master_hi=None, lr, beta1
     """lion_step with a bf16 moment (state_dtype="bf16"): exp_avg as bf16 words, and
     param the fp32 master or, with master_hi, the exact master's low halves (as in
     adam_step_bf16)."""
-    cdef double dlr = _finite(lr, "lr")
-    cdef double b1 = _beta(beta1, "beta1")
-    cdef double b2 = _beta(beta2, "beta2")
-    cdef double wd = _finite(weight_decay, "weight_decay")
-    cdef double gs = _finite(grad_scale, "grad_scale")
-    _check_lr_wd_scale(dlr, wd)
+    cdef zo_hparams h
+    _lion_hparams(&h, lr, beta1, beta2, weight_decay, grad_scale)
     cdef zo_state16 s
     cdef _Call c = _prepare16(param, exp_avg, None, grad, param_out, master_hi, grad_dtype, out_dtype, 0.0,
                               rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
                               progress_base, &s)
-    cdef zo_hparams h
-    h.grad_scale = <float>gs
-    h.beta1 = <float>b1
-    h.one_minus_beta1 = <float>(1.0 - b1)
-    h.beta2 = <float>b2
-    h.one_minus_beta2 = <float>(1.0 - b2)
-    h.eps = 0.0
-    h.step_size = <float>dlr
-    h.inv_sqrt_bc2 = 1.0
-    h.decoupled = 1
-    h.decay = <float>(1.0 - dlr * wd)
-    h.l2 = 0.0
-    h.predict = 0.0
     _run(K_LION16, &h, c, &s)
 
 
@@ -589,22 +572,14 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     _run(K_ADAGRAD, &h, c)
 
 
-def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
-              grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
-              progress=None, progress_tag=0, progress_block=0, progress_base=0):
-    """One Lion step in place (Chen et al. 2023; decoupled weight decay).
-
-    c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
-    """
-    cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"),), grad, param_out, grad_dtype, out_dtype,
-                            num_threads, progress, progress_tag, progress_block, progress_base)
+cdef int _lion_hparams(zo_hparams *h, lr, beta1, beta2, weight_decay, grad_scale) except -1:
+    """Validate Lion's hyper-parameters and fold them into the loop's constants."""
     cdef double dlr = _finite(lr, "lr")
     cdef double b1 = _beta(beta1, "beta1")
     cdef double b2 = _beta(beta2, "beta2")
     cdef double wd = _finite(weight_decay, "weight_decay")
     cdef double gs = _finite(grad_scale, "grad_scale")
     _check_lr_wd_scale(dlr, wd)
-    cdef zo_hparams h
     h.grad_scale = <float>gs
     h.beta1 = <float>b1
     h.one_minus_beta1 = <float>(1.0 - b1)
@@ -617,6 +592,20 @@ def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99
     h.decay = <float>(1.0 - dlr * wd)
     h.l2 = 0.0
     h.predict = 0.0
+    return 0
+
+
+def lion_step(param, exp_avg, grad, param_out=None, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
+              grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+              progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """One Lion step in place (Chen et al. 2023; decoupled weight decay).
+
+    c = b1*m + (1-b1)*g;  p = p*(1 - lr*wd) - lr*sign(c);  m = b2*m + (1-b2)*g.
+    """
+    cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"),), grad, param_out, grad_dtype, out_dtype,
+                            num_threads, progress, progress_tag, progress_block, progress_base)
+    cdef zo_hparams h
+    _lion_hparams(&h, lr, beta1, beta2, weight_decay, grad_scale)
     _run(K_LION, &h, c)
 
 

@@ -195,17 +195,11 @@ def main(argv=None) -> int:
         variants.append("deepspeed")
     except Exception:
         print("deepspeed not importable: its column is left out", flush=True)
-    from runtime.demo.gpt import PRESETS
     span_us = span_cost_us()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     rows, ab_rows = [], []
     for setting in a.settings.split(","):
-        model_name, shape = setting.split(":")
-        L, H, D = PRESETS[model_name]
-        bs, sl = (int(v) for v in shape.lower().split("x"))
-        mc = GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl)
-        src = Batches(corpus.train, bs, sl, seed=1)
-        batches = [src.next() for _ in range(8)]
+        model_name, bs, sl, mc, batches = load_setting(setting, corpus)
         times = {v: [] for v in variants}
         phases = []
         order = list(variants)
@@ -240,7 +234,7 @@ def main(argv=None) -> int:
               f"{med['dpu'] / med['dpu-2slots']:.2f}x | {med['overlap']:.1f} | {med['overlap-copy']:.1f} | "
               f"{med['sync-untraced'] / med['overlap']:.2f}x | {med['overlap'] / med['dpu']:.2f} | "
               f"{med['sync-copy'] / med['overlap-copy']:.2f}x |")
-        del batches, src
+        del batches
         print(row, flush=True)
         print(ab, flush=True)
         rows.append(row)
@@ -277,6 +271,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def load_setting(setting: str, corpus):
+    """MODEL:BATCHxSEQ -> (model name, batch, seq, GPTConfig, 8 fixed batches)."""
+    from runtime.demo.gpt import PRESETS
+    model_name, shape = setting.split(":")
+    L, H, D = PRESETS[model_name]
+    bs, sl = (int(v) for v in shape.lower().split("x"))
+    src = Batches(corpus.train, bs, sl, seed=1)
+    return model_name, bs, sl, GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl), [src.next() for _ in range(8)]
+
+
 STATE_VARIANTS = ["sync", "sync-bf16state", "dpu", "dpu-bf16state", "overlap", "overlap-bf16state"]
 
 
@@ -284,16 +288,10 @@ def main_state(a) -> int:
     """The state dtypes' rows: each of sync, DPU, overlap with fp32 and bf16 state, interleaved."""
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
-    from runtime.demo.gpt import PRESETS
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     rows = []
     for setting in a.settings.split(","):
-        model_name, shape = setting.split(":")
-        L, H, D = PRESETS[model_name]
-        bs, sl = (int(v) for v in shape.lower().split("x"))
-        mc = GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl)
-        src = Batches(corpus.train, bs, sl, seed=1)
-        batches = [src.next() for _ in range(8)]
+        model_name, bs, sl, mc, batches = load_setting(setting, corpus)
         times = {v: [] for v in STATE_VARIANTS}
         order = list(STATE_VARIANTS)
         for p in range(a.passes):

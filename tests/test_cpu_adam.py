@@ -9,20 +9,12 @@ import pytest
 import torch
 
 from tests.helpers import seeded_rng
+from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 
 from cython_ext import cpu_adam as ca
 
 DT16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
-LEVELS = [lv for lv in ("scalar", "avx2", "avx512")
-          if ["scalar", "avx2", "avx512"].index(lv) <= ["scalar", "avx2", "avx512"].index(ca.best_simd_level())]
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    prev = ca.set_simd_level(request.param)
-    yield request.param
-    ca.set_simd_level(prev)
 
 
 def rel(a, b):

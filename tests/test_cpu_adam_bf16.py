@@ -10,18 +10,10 @@ import pytest
 import torch
 
 from tests.helpers import seeded_rng
+from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 
 from cython_ext import cpu_adam as ca
 
-LEVELS = [lv for lv in ("scalar", "avx2", "avx512")
-          if ["scalar", "avx2", "avx512"].index(lv) <= ["scalar", "avx2", "avx512"].index(ca.best_simd_level())]
-
-
-@pytest.fixture(params=LEVELS)
-def level(request):
-    prev = ca.set_simd_level(request.param)
-    yield request.param
-    ca.set_simd_level(prev)
 
 
 def bf16_words(x) -> np.ndarray:

@@ -28,6 +28,12 @@ def test_bench_adam_tiny():
     assert row.count("|") == 10 and "% |" in row
 
 
+def test_bench_adam_state_dtypes_tiny():
+    out = run("bench_adam.py", "--state-dtypes", "--sizes", "64K", "--threads", "1", "--reps", "1", "--no-write")
+    for state in ("fp32", "bf16", "bf16-exact"):
+        assert any(line.startswith(f"| 64K | 1 | {state} |") for line in out.splitlines()), state
+
+
 def test_bench_transport_tiny():
     out = run("bench_transport.py", "--n", "50", "--numel", "64K", "--no-write")
     assert "bare ZeroMQ echo" in out and "round trip STEP" in out
@@ -37,18 +43,25 @@ def test_bench_pipeline_tiny():
     out = run("bench_pipeline.py", "--settings", "tiny:1x8", "--steps", "2", "--passes", "1", "--warm", "3",
               "--no-write")
     assert "| tiny 1x8 |" in out
+    out = run("bench_pipeline.py", "--state-dtypes", "--settings", "tiny:1x8", "--steps", "2", "--passes", "1",
+              "--warm", "3", "--no-write")
+    row = next(line for line in out.splitlines() if line.startswith("| tiny 1x8 |"))
+    assert row.count("|") == 11
 
 
 def test_bench_memory_tiny():
     out = run("bench_memory.py", "--layers", "1", "--d-model", "64", "--steps", "2", "--no-write")
-    for variant in ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy"):
+    for variant in ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy",
+                    "offload-sync-bf16state", "offload-dpu-copy-bf16state"):
         assert f"| {variant} |" in out
+    assert "params on a 24 GiB host" in out
 
 
 def test_convergence_tiny():
     out = run("convergence.py", "--model", "tiny", "--steps", "4", "--eval-every", "2", "--dpu-warmup", "2",
               "--seq-len", "16", "--batch-size", "2", "--no-write")
     assert "dpu-sim" in out and "| default | tiny |" in out
+    assert "sync-bf16state vs sync: validation gap" in out
 
 
 def test_trace_tools(tmp_path):

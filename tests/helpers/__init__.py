@@ -3,6 +3,8 @@
     seeded_rng()     a NumPy Generator seeded from the running test's id (logged)
     reference        plain-PyTorch references the engine is tested against
     models           the small models and batches the engine tests train
+    simd             the SIMD paths this CPU runs, and a fixture over them
+    state_files      the server's checkpointed arrays, each in its dtype
     dist_worker      a training worker for the multi-rank tests (run under the launcher)
     fault_worker     a training worker for the crash tests
 """
