@@ -241,12 +241,23 @@ typedef struct {
     int rounding;          /* zo_rounding */
 } zo_state16;
 
-/* lowbias32 (C. Wellons): a full-avalanche 32-bit mix, four multiplies-or-shifts deep */
+/* lowbias32 (C. Wellons): a full-avalanche 32-bit mix; it makes the per-step key
+ * (cpu_adam.rounding_key), which must look independent from step to step */
 static inline uint32_t zo_mix32(uint32_t x) {
     x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
     return x;
 }
-static inline uint32_t zo_rand32(uint32_t key, uint32_t idx) { return zo_mix32(idx * 0x9e3779b9u + key); }
+/* The element's random bits: a Weyl sequence idx * phi + key, folded once.  With the
+ * key fresh each step, every element's bits are uniform and independent from step
+ * to step, which is what unbiased rounding needs; within a step neighbouring
+ * elements get evenly spread values (a low-discrepancy sequence), which only makes
+ * the rounding errors of a block cancel better.  A full mix per element would cost
+ * ~16 vector operations per 16 elements, a sixth of the update's compute (measured:
+ * bench_adam --state-dtypes). */
+static inline uint32_t zo_rand32(uint32_t key, uint32_t idx) {
+    uint32_t x = idx * 0x9e3779b9u + key;
+    return x ^ (x >> 16);
+}
 
 
 /* fp32 -> bf16 adding r16 (< 2^16) below the kept bits, then truncating.  No NaN
@@ -590,6 +601,9 @@ static inline ZO_T256 __m256i zo256_rne_add(__m256i x) {
     return _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1)),
                             _mm256_set1_epi32(0x7fff));
 }
+static inline ZO_T256 __m256i zo256_fold(__m256i x) {  /* zo_rand32's fold */
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
 static inline ZO_T256 __m256i zo256_mix32(__m256i x) {
     x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
     x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
@@ -635,7 +649,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         vb = _mm256_castps_si256(vi);
         if (sr) {
             __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)i)), lanes);
-            __m256i r = zo256_mix32(_mm256_add_epi32(_mm256_mullo_epi32(idx, gold), key));
+            __m256i r = zo256_fold(_mm256_add_epi32(_mm256_mullo_epi32(idx, gold), key));
             mb = _mm256_srli_epi32(_mm256_add_epi32(mb, _mm256_and_si256(r, low)), 16);
             vb = _mm256_srli_epi32(_mm256_add_epi32(vb, _mm256_srli_epi32(r, 16)), 16);
         } else {
@@ -672,11 +686,20 @@ static inline ZO_T256 __m256i zo256_quiet_round(__m256 xf, __m256i add) {
     return _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
 }
 
+/* Which of the loop's optional operations run, decided once per call (the AVX2
+ * bodies take them as a constant mask, so each variant's loop has no tests):
+ * the same decisions as the scalar loop's "x * 1 and x + 0 * p are skipped". */
+enum { ZO_F_SCALE = 1, ZO_F_L2 = 2, ZO_F_DECAY = 4 };
+#define ZO_FLAG(h, f) (zo_flags_ & (f))
+static inline int zo_flags_of(const zo_hparams *h) {
+    return (h->grad_scale != 1.0f ? ZO_F_SCALE : 0) | (h->l2 != 0.0f ? ZO_F_L2 : 0) | (h->decoupled ? ZO_F_DECAY : 0);
+}
+
 /* Adam on 8 lanes in any order: p and g in, the new p out, m and v rounded to bf16
  * (in u32 lanes; rnd: 16 random bits for m low, 16 for v high) */
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
         __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
-        const zo_hparams *h, int sr) {
+        const zo_hparams *h, int sr, int zo_flags_) {
     const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
     const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
@@ -684,12 +707,12 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
     const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
     const __m256i low = _mm256_set1_epi32(0xffff);
     __m256 mi, vi, denom;
-    if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
-    if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);
+    if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
     mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(m32)), _mm256_mul_ps(omb1, gi));
     vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(v32)), _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
     denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
-    if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
+    if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, dec);
     pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
     if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
         *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi), _mm256_and_si256(rnd, low)), 16);
@@ -703,14 +726,14 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
 
 /* Lion on 8 lanes in any order (zo_lion16_scalar); m out as bf16 in u32 lanes */
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_lion16_core(
-        __m256 gi, __m256 pi, __m256i m32, __m256i rnd, __m256i *m_out, const zo_hparams *h, int sr) {
+        __m256 gi, __m256 pi, __m256i m32, __m256i rnd, __m256i *m_out, const zo_hparams *h, int sr, int zo_flags_) {
     const __m256 gs = _mm256_set1_ps(h->grad_scale);
     const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
     const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f), mone = _mm256_set1_ps(-1.0f);
     __m256 mi = _mm256_castsi256_ps(m32), c, sg, mn;
-    if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);
     c = _mm256_add_ps(_mm256_mul_ps(b1, mi), _mm256_mul_ps(omb1, gi));
     sg = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_GT_OQ), one),
                       _mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_LT_OQ), mone));
@@ -727,24 +750,28 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_lion16_core(
 /* one optimizer's update of 8 lanes: Adam (m, v) or Lion (m only; v_out untouched) */
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_opt16_core(
         int lion, __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
-        const zo_hparams *h, int sr) {
-    if (lion) return zo256_lion16_core(gi, pi, m32, rnd, m_out, h, sr);
-    return zo256_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr);
+        const zo_hparams *h, int sr, int zo_flags_) {
+    if (lion) return zo256_lion16_core(gi, pi, m32, rnd, m_out, h, sr, zo_flags_);
+    return zo256_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
         int lion, __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
-        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr) {
+        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr, int zo_flags_) {
     /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
     __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
     __m256 pi = zo256_opt16_core(lion, _mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, v32, rnd, m_out,
-                                 v_out, h, sr);
+                                 v_out, h, sr, zo_flags_);
     *hi_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), 16);
     *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), _mm256_set1_epi32(0xffff));
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
-        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h, const zo_state16 *s, int sr) {
+        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+        int zo_flags_) {
+    /* a private copy: vector stores may alias anything (__m256i is may_alias), so
+     * through hp every constant would be reloaded and re-broadcast each turn */
+    const zo_hparams hh = *hp, *h = &hh;
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
     const __m256i zero = _mm256_setzero_si256();
@@ -764,12 +791,14 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
         __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
         __m256i R = _mm256_loadu_si256((const __m256i *)(rem + i));
         __m256i H = _mm256_loadu_si256((const __m256i *)(hw + i));
-        __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
+        __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
         __m256i m0, v0 = zero, h0, r0, m1, v1 = zero, h1, r1;
         zo256_adam16x_half(lion, _mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M),
-                           _mm256_unpacklo_epi16(zero, V), _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr);
+                           _mm256_unpacklo_epi16(zero, V), _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr,
+                           zo_flags_);
         zo256_adam16x_half(lion, _mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M),
-                           _mm256_unpackhi_epi16(zero, V), _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr);
+                           _mm256_unpackhi_epi16(zero, V), _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr,
+                           zo_flags_);
         _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
         if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
         _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
@@ -782,14 +811,13 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
 
 static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
                                   const zo_state16 *s) {
-    int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    if (lion) {
-        if (sr) zo256_adam16x_body(1, g, lo, hi, out, h, s, 1);
-        else zo256_adam16x_body(1, g, lo, hi, out, h, s, 0);
-    } else {
-        if (sr) zo256_adam16x_body(0, g, lo, hi, out, h, s, 1);
-        else zo256_adam16x_body(0, g, lo, hi, out, h, s, 0);
-    }
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
+    /* constant flags for the common cases: AdamW (decay, no L2) with and without a scale */
+    if (!lion && sr && f == ZO_F_DECAY) zo256_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY);
+    else if (!lion && sr && f == (ZO_F_DECAY | ZO_F_SCALE))
+        zo256_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
+    else if (lion) zo256_adam16x_body(1, g, lo, hi, out, h, s, sr, f);
+    else zo256_adam16x_body(0, g, lo, hi, out, h, s, sr, f);
 }
 
 
@@ -798,8 +826,9 @@ static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t h
  * unpack, and the fp32 master and fp16 values are regrouped with 128-bit permutes
  * (lanes {0-3, 8-11} and {4-7, 12-15}). */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
-        int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h,
-        const zo_state16 *s, int sr) {
+        int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
+        const zo_state16 *s, int sr, int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
     uint16_t *m = s->m, *v = s->v;
     const __m256i zero = _mm256_setzero_si256();
     const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
@@ -819,7 +848,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         __m256 glo, ghi, qlo, qhi, olo, ohi;
         __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
         __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
-        __m256i rl = sr ? zo256_mix32(klo) : zero, rh = sr ? zo256_mix32(khi) : zero;
+        __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
         __m256i m0, v0 = zero, m1, v1 = zero;
         if (gk == ZO_BF16) {
             __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
@@ -831,9 +860,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
             ghi = _mm256_permute2f128_ps(g0, g1, 0x31);
         }
         qlo = zo256_opt16_core(lion, glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl,
-                               &m0, &v0, h, sr);
+                               &m0, &v0, h, sr, zo_flags_);
         qhi = zo256_opt16_core(lion, ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh,
-                               &m1, &v1, h, sr);
+                               &m1, &v1, h, sr, zo_flags_);
         _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
         if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
         _mm256_storeu_ps(p + i, _mm256_permute2f128_ps(qlo, qhi, 0x20));
@@ -856,17 +885,15 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
 
 static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
                                   int64_t hi, const zo_hparams *h, const zo_state16 *s) {
-    int sr = s->rounding == ZO_ROUND_STOCHASTIC;
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
     if (lion) {  /* Lion is rarer: only its loop invariants are constant */
-        zo256_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr);
-    } else if (gk == ZO_BF16 && ok == ZO_BF16) {
-        if (sr) zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1);
-        else zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 0);
-    } else if (gk == ZO_F16 && ok == ZO_F16) {
-        if (sr) zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1);
-        else zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 0);
+        zo256_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr, f);
+    } else if (gk == ZO_BF16 && ok == ZO_BF16 && sr) {
+        zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1, f);
+    } else if (gk == ZO_F16 && ok == ZO_F16 && sr) {
+        zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1, f);
     } else {
-        zo256_adam16p_body(0, p, g, gk, out, ok, lo, hi, h, s, sr);
+        zo256_adam16p_body(0, p, g, gk, out, ok, lo, hi, h, s, sr, f);
     }
 }
 

@@ -169,7 +169,7 @@ def test_round_to_nearest_v_stalls_and_stochastic_rounding_does_not(level):
 @pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-@pytest.mark.parametrize("adamw,grad_scale", [(True, 1.0), (False, 0.5)])
+@pytest.mark.parametrize("adamw,grad_scale", [(True, 1.0), (True, 0.5), (False, 0.5)])
 def test_simd_paths_agree_with_scalar(exact, rounding, adamw, grad_scale):
     rng = seeded_rng()
     n = 70_001
