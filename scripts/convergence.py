@@ -147,20 +147,23 @@ def write_benchmarks(docs: Path) -> None:
             + " | max \\|sync/baseline-1\\| | max \\|dpu/dpu-sim-1\\| | DPU gap vs sync "
             "| gap at each evaluation (step:%) |")
     rows = [head, "|" + "---|" * (11 + len(MAIN_RUNS))]
-    state_head = ("| tag | model | steps | peak lr | state | val sync (fp32 state) | val sync (this state) "
+    state_head = ("| tag | model | batch | steps | peak lr | state | val sync (fp32 state) | val sync (this state) "
                   "| max \\|gap\\| over evaluations | gap at each evaluation (step:%) |")
-    state_rows = [state_head, "|" + "---|" * 9]
-    machine = ""
+    state_rows = [state_head, "|" + "---|" * 10]
+    machine = state_machine = ""  # the machine line of the newest run in each table
     for f in sorted(glob.glob(str(docs / "convergence-*.json"))):
         rep = json.loads(Path(f).read_text())
-        machine = rep["machine"]
         if any(k in rep["runs"] for k in MAIN_RUNS if k != "sync"):
             rows += summary_rows(rep)
-        state_rows += state_summary_rows(rep)
+            machine = max(machine, rep["machine"])
+        more = state_summary_rows(rep)
+        if more:
+            state_rows += more
+            state_machine = max(state_machine, rep["machine"])
     body = (f"## Convergence (scripts/convergence.py)\n\n{machine}. Final validation loss of each run; the "
             f"max columns are over every evaluation. Figures: docs/convergence-TAG.png.\n\n" + "\n".join(rows) + "\n")
     update_section("convergence", body)
-    body = (f"## Convergence by state dtype (scripts/convergence.py --runs sync,sync-bf16state)\n\n{machine}. "
+    body = (f"## Convergence by state dtype (scripts/convergence.py --runs sync,sync-bf16state)\n\n{state_machine}. "
             f"Synchronous offload with the optimizer state in fp32 and in a compact dtype, same data and seed: "
             f"the validation-loss gap at every evaluation (target: within 0.5%).\n\n" + "\n".join(state_rows) + "\n")
     update_section("convergence_state", body)
@@ -174,7 +177,7 @@ def state_summary_rows(report) -> list[str]:
             continue
         gaps = [100 * (x / y - 1) for x, y in zip(runs[name]["val_loss"], runs["sync"]["val_loss"])]
         trend = " ".join(f"{s}:{g:+.2f}" for s, g in zip(runs[name]["val_step"], gaps))
-        out.append(f"| {report['tag']} | {a['model']} | {a['steps']} | {a['lr']:g} | {dt} | "
+        out.append(f"| {report['tag']} | {a['model']} | {a['batch_size']}x{a['seq_len']} | {a['steps']} | {a['lr']:g} | {dt} | "
                    f"{runs['sync']['val_loss'][-1]:.4f} | {runs[name]['val_loss'][-1]:.4f} | "
                    f"{max(abs(g) for g in gaps):.2f}% | {trend} |")
     return out
