@@ -288,12 +288,26 @@ static inline void zo_split_master(float f, uint16_t *hi, uint16_t *rem) {
     *hi = (uint16_t)((x + 0x8000u) >> 16);
 }
 
+/* The master of element i, exact (joined) or fp32; and its new value stored back with the
+ * weights: split into (weights, remainder), or kept whole with `w` rounded into out. */
+static inline float zo16_master(const float *p, const zo_state16 *s, int64_t i) {
+    return s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+}
+static inline void zo16_store(float *p, const zo_state16 *s, void *out, int ok, int64_t i, float pi, float w) {
+    if (s->rem) {
+        zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
+    } else {
+        p[i] = pi;
+        zo_store_out(out, ok, i, w);
+    }
+}
+
 static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                              const zo_hparams *h, const zo_state16 *s) {
     int64_t i;
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
-        float pi = s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+        float pi = zo16_master(p, s, i);
         float mi, vi, denom;
         /* x * 1 and x + 0 * p change no finite value: skipped (AdamW, no clipping) */
         if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
@@ -314,12 +328,7 @@ static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok,
             s->m[i] = zo_f32_to_bf16(mi);
             s->v[i] = zo_f32_to_bf16(vi);
         }
-        if (s->rem) {
-            zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
-        } else {
-            p[i] = pi;
-            zo_store_out(out, ok, i, h->predict != 0.0f ? pi + h->predict * (pi - p0) : pi);
-        }
+        zo16_store(p, s, out, ok, i, pi, h->predict != 0.0f ? pi + h->predict * (pi - p0) : pi);
     }
 }
 
@@ -329,7 +338,7 @@ static void zo_lion16_scalar(float *p, const void *g, int gk, void *out, int ok,
     int64_t i;
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
-        float pi = s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+        float pi = zo16_master(p, s, i);
         float mi = zo_bf16_to_f32(s->m[i]);
         float c, mn;
         if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
@@ -341,8 +350,7 @@ static void zo_lion16_scalar(float *p, const void *g, int gk, void *out, int ok,
             s->m[i] = zo_f32_to_bf16_sr(mn, zo_rand32(s->key, s->index_base + (uint32_t)i) & 0xffffu);
         else
             s->m[i] = zo_f32_to_bf16(mn);
-        if (s->rem) zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
-        else { p[i] = pi; zo_store_out(out, ok, i, pi); }
+        zo16_store(p, s, out, ok, i, pi, pi);
     }
 }
 
