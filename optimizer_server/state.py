@@ -43,13 +43,6 @@ STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg
 CONVERT_CHUNK = 1 << 24
 
 
-def _bf16_words(x: np.ndarray) -> np.ndarray:
-    """fp32 -> bf16 words, round to nearest even (NaN stays NaN)."""
-    out = np.empty(x.size, np.uint16)
-    cpu_adam.cast_to_16(x, out, out_dtype="bf16")
-    return out
-
-
 def _widen(w: np.ndarray) -> np.ndarray:
     return (w.astype(np.uint32) << 16).view(np.float32)
 
@@ -182,7 +175,7 @@ class ShardStateArrays:
 
     # ------------------------------------------------------------------ checkpoints
     def saved_bytes(self) -> int:
-        return sum(self.numel * (4 if dt == "fp32" else 2) for dt in self.dtypes.values())
+        return self.file_bytes(self.names, self.dtypes, self.numel)
 
     def write_to(self, f, crc_update, crc: int, slots: list) -> int:
         """Write master (fp32) then each moment (its dtype) to f; returns the CRC."""
@@ -238,7 +231,7 @@ class ShardStateArrays:
             x = piece if src_dt == "fp32" else _widen(piece)
             if want == "exact":
                 cpu_adam.split_master(np.ascontiguousarray(x), dst[a:b], self.remainder[a:b], num_threads=threads)
-            elif want == "bf16":
-                dst[a:b] = _bf16_words(np.ascontiguousarray(x))
+            elif want == "bf16":  # round to nearest even, straight into the moment
+                cpu_adam.cast_to_16(np.ascontiguousarray(x), dst[a:b], out_dtype="bf16", num_threads=threads)
             else:
                 dst[a:b] = x
