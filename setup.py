@@ -49,7 +49,7 @@ ext = Extension(
     include_dirs=["cython_ext"],
     extra_compile_args=compile_args,
     extra_link_args=link_args,
-    depends=["cython_ext/_kernels.h"],
+    depends=["cython_ext/_kernels.h", "cython_ext/_kernels_int8.h"],
 )
 
 setup(ext_modules=cythonize([ext], language_level=3))

@@ -36,6 +36,7 @@ import os
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE
 from libc.stdint cimport int64_t, uint64_t
 from libc.string cimport memcpy
+from libc.stdlib cimport malloc, free
 from cython.parallel cimport prange
 
 cdef extern from "_kernels.h" nogil:
@@ -93,6 +94,32 @@ cdef extern from "_kernels.h" nogil:
     void zo_progress_store(uint64_t *w, uint64_t v)
     uint64_t zo_progress_load(const uint64_t *w)
 
+cdef extern from "_kernels_int8.h" nogil:
+    int ZO_QBLOCK
+    ctypedef struct zo_state8:
+        unsigned char *m
+        unsigned char *v
+        float *ms
+        float *vs
+        unsigned short *rem
+        const unsigned short *hi
+        unsigned int key
+        unsigned int index_base
+        int rounding
+    ctypedef struct zo_seg8:
+        int64_t lo
+        int64_t hi
+        zo_hparams h
+        int keep
+    void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                        const zo_seg8 *segs, int nseg, const zo_state8 *s)
+    void zo8_quantize_chunk(const float *src, unsigned char *codes, float *scales, int which, int64_t lo, int64_t hi)
+    void zo8_dequantize_chunk(const unsigned char *codes, const float *scales, float *dst, int which,
+                              int64_t lo, int64_t hi)
+    void zo8_stream_chunk(int level, unsigned int *p, unsigned short *rem, const unsigned short *hi16,
+                          unsigned char *m, unsigned char *v, const unsigned short *g, unsigned short *out,
+                          int64_t lo, int64_t hi)
+
 # Which loop _run_range runs.
 cdef enum Kernel:
     K_ADAM
@@ -114,6 +141,7 @@ cdef enum:
     MIN_PARALLEL = 262144
 
 PROGRESS_SHIFT = int(ZO_PROGRESS_SHIFT)
+QBLOCK = int(ZO_QBLOCK)  # elements per int8 block (one scale per moment each)
 PROGRESS_TAG_MASK = (1 << (64 - PROGRESS_SHIFT)) - 1   # Python ints: no C overflow
 PROGRESS_DONE_MASK = (1 << PROGRESS_SHIFT) - 1
 
@@ -856,3 +884,259 @@ cdef inline void _chunk(Kernel which, int level, float *p, float *s1, float *s2,
         zo_join_chunk(s.hi, s.rem, p, lo, hi)
     else:
         zo_cast_chunk(p, <unsigned short *>o, ok, lo, hi)
+
+
+# ---------------------------------------------------------------- int8 moments (_kernels_int8.h)
+
+cdef _Buf _codes(obj, str name, bint writable, Py_ssize_t n):
+    """A 1-D buffer of 8-bit codes (uint8) of length n."""
+    cdef _Buf b = _get(obj, name, writable)
+    if b.itemsize != 1 or b.fmt not in ("B", "b"):
+        raise TypeError(f"{name} must hold 8-bit codes (uint8), got buffer format {b.fmt!r}")
+    _check_len(b, name, n)
+    return b
+
+
+cdef _Buf _scales(obj, str name, bint writable, Py_ssize_t n):
+    """The per-block scales of n elements: float32, ceil(n / QBLOCK) of them."""
+    cdef _Buf b = _get(obj, name, writable)
+    _check_f32(b, name)
+    cdef Py_ssize_t want = (n + ZO_QBLOCK - 1) // ZO_QBLOCK
+    if b.n != want:
+        raise ValueError(f"{name} has {b.n} elements but {n} elements make {want} blocks of {ZO_QBLOCK}: "
+                         f"pass one scale per block")
+    return b
+
+
+cdef class _Segs:
+    """The segments of an int8 call, as a C array the loop reads (freed with the object)."""
+    cdef zo_seg8 *a
+    cdef int n
+
+    def __dealloc__(self):
+        if self.a != NULL:
+            free(self.a)
+
+
+cdef _Segs _segments(segments, Py_ssize_t n, adamw, grad_scale, predict):
+    """[(lo, hi, hparams or None), ...] tiling [0, n), validated and folded."""
+    cdef _Segs sg = _Segs()
+    cdef Py_ssize_t k
+    cdef int64_t at = 0
+    segments = list(segments)
+    if not segments:
+        raise ValueError("segments must cover the arrays: give at least one (lo, hi, hparams)")
+    sg.a = <zo_seg8 *>malloc(len(segments) * sizeof(zo_seg8))
+    if sg.a == NULL:
+        raise MemoryError()
+    sg.n = len(segments)
+    for k, seg in enumerate(segments):
+        if not isinstance(seg, tuple) or len(seg) != 3:
+            raise TypeError(f"segments[{k}] must be a tuple (lo, hi, hparams or None), got {seg!r}")
+        lo, hi, hp = seg
+        if lo != at or not hi > lo:
+            raise ValueError(f"segments must tile [0, {n}) in order: segments[{k}] is [{lo}, {hi}), expected to "
+                             f"start at {at} and be non-empty")
+        at = hi
+        sg.a[k].lo = lo
+        sg.a[k].hi = hi
+        sg.a[k].keep = 1 if hp is None else 0
+        if hp is None:
+            sg.a[k].h.predict = 0.0
+            continue
+        unknown = set(hp) - {"step", "lr", "beta1", "beta2", "eps", "weight_decay"}
+        if unknown or "step" not in hp or "lr" not in hp:
+            raise ValueError(f"segments[{k}]'s hparams need step and lr (and may give beta1, beta2, eps, "
+                             f"weight_decay), got {sorted(hp)}")
+        _adam_hparams(&sg.a[k].h, hp["step"], hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.999),
+                      hp.get("eps", 1e-8), hp.get("weight_decay", 0.0), adamw, grad_scale, predict)
+    if at != n:
+        raise ValueError(f"segments cover [0, {at}) but the arrays have {n} elements")
+    return sg
+
+
+def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, grad, param_out, *,
+                   master_hi=None, step=None, lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                   segments=None, adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+                   predict=0.0, rounding="stochastic", sr_key=0, index_base=0,
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """adam_step with block-wise 8-bit moments (state_dtype="int8", _kernels_int8.h
+    draws the codes): the same fp32 arithmetic, m and v decoded from their codes and
+    encoded back with each block's new scale.
+
+    exp_avg (signed code), exp_avg_sq: uint8 codes; exp_avg_scale, exp_avg_sq_scale:
+    float32, one per block of QBLOCK elements counted from element 0 (so a slice
+    must start on a block).  param, master_hi, rounding, sr_key, index_base: as in
+    adam_step_bf16.  step, lr, beta1, beta2, eps, weight_decay: one set for every
+    element, or segments=[(lo, hi, dict(step=..., lr=..., ...) or None), ...]
+    tiling [0, n): a set per run (param groups); None keeps the run (no gradient
+    this step: master and moments stay, param_out gets the weights).  A block with
+    kept and updated elements re-encodes the kept ones with its new scale.
+    progress_block is rounded up to whole blocks.
+    """
+    cdef _Buf bp = _get(param, "param", True)
+    cdef Py_ssize_t n = bp.n
+    cdef bint exact = bp.fmt in ("H", "h") and bp.itemsize == 2
+    if not exact:
+        _check_f32(bp, "param")
+    cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
+    cdef _Buf bv = _codes(exp_avg_sq, "exp_avg_sq", True, n)
+    cdef _Buf bms = _scales(exp_avg_scale, "exp_avg_scale", True, n)
+    cdef _Buf bvs = _scales(exp_avg_sq_scale, "exp_avg_sq_scale", True, n)
+    cdef _Buf bg = _get(grad, "grad", False)
+    _check_len(bg, "grad", n)
+    cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
+    cdef _Buf bo = _get(param_out, "param_out", True)
+    cdef int ok = _kind_of(bo, "param_out", out_dtype, "out_dtype", False)
+    _check_len(bo, "param_out", n)
+    cdef _Buf bh = None
+    if exact:
+        if master_hi is None:
+            raise TypeError("param holds 16-bit words (the exact master's low halves): pass master_hi, the "
+                            "bf16 weights of the last update, too (or a float32 param for an fp32 master)")
+        if ok != ZO_BF16:
+            raise ValueError("the exact master is for bf16 weights: param_out must be bf16 (out_dtype='bf16'); "
+                             "fp16 weights need an fp32 master")
+        if _finite(predict, "predict") != 0.0:
+            raise ValueError("predict needs an fp32 master (the weights slot must hold the master's high half)")
+        bh = _words(master_hi, "master_hi", False, n)
+    elif master_hi is not None:
+        raise TypeError("master_hi goes with the exact master (param as 16-bit low halves); param is float32")
+    if segments is None:
+        if step is None or lr is None:
+            raise TypeError("adam_step_int8 needs step and lr (or segments)")
+        segments = [(0, n, dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay))] if n else []
+    elif step is not None or lr is not None:
+        raise TypeError("give step and lr, or segments with their own, not both")
+    if rounding not in _ROUNDINGS:
+        raise ValueError(f"rounding must be one of {sorted(_ROUNDINGS)}, got {rounding!r}")
+    if not isinstance(sr_key, int) or isinstance(sr_key, bool) or not 0 <= sr_key < (1 << 32):
+        raise ValueError(f"sr_key must be an int in [0, 2**32), got {sr_key!r}")
+    if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
+        raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    cdef _Progress pg = _progress(progress, progress_tag, progress_block, n, progress_base)
+    cdef int nt = _threads(num_threads)
+    if n == 0:
+        if pg.word != NULL:
+            zo_progress_store(pg.word, pg.tagbits | pg.base)
+        return
+    cdef _Segs sg = _segments(segments, n, adamw, grad_scale, predict)
+    cdef zo_state8 s
+    s.m = <unsigned char *>bm.view.buf
+    s.v = <unsigned char *>bv.view.buf
+    s.ms = <float *>bms.view.buf
+    s.vs = <float *>bvs.view.buf
+    s.rem = <unsigned short *>bp.view.buf if exact else NULL
+    s.hi = <const unsigned short *>bh.view.buf if exact else NULL
+    s.key = <unsigned int>sr_key
+    s.index_base = <unsigned int>(index_base & 0xffffffff)
+    s.rounding = _ROUNDINGS[rounding]
+    cdef float *p = NULL if exact else <float *>bp.view.buf
+    cdef const void *g = bg.view.buf
+    cdef void *o = bo.view.buf
+    cdef int level = _level
+    cdef uint64_t *word = pg.word
+    cdef uint64_t tagbits = pg.tagbits
+    cdef uint64_t base = pg.base
+    # whole blocks per progress step, so a block's scale is never split across two
+    cdef int64_t block = ((pg.block + ZO_QBLOCK - 1) // ZO_QBLOCK) * ZO_QBLOCK if word != NULL else n
+    cdef int64_t b0 = 0
+    cdef int64_t b1
+    with nogil:
+        while b0 < n:
+            b1 = b0 + block if b0 + block < n else n
+            _run8_range(level, p, g, gk, o, ok, b0, b1, nt, sg.a, sg.n, &s)
+            if word != NULL:
+                zo_progress_store(word, tagbits | (base + <uint64_t>b1))
+            b0 = b1
+
+
+cdef void _run8_range(int level, float *p, const void *g, int gk, void *o, int ok, int64_t b0, int64_t b1,
+                      int nt, const zo_seg8 *segs, int nseg, const zo_state8 *s) noexcept nogil:
+    """_run_range for the int8 kernel: CHUNK is a multiple of QBLOCK, so every chunk
+    holds whole blocks and threads never share one."""
+    cdef Py_ssize_t nchunks = (b1 - b0 + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        zo_adam8_chunk(level, p, g, gk, o, ok, b0, b1, segs, nseg, s)
+        return
+    for c in prange(nchunks, num_threads=nt, schedule="static"):
+        lo = b0 + c * CHUNK
+        hi = lo + CHUNK
+        if hi > b1:
+            hi = b1
+        zo_adam8_chunk(level, p, g, gk, o, ok, lo, hi, segs, nseg, s)
+
+
+_MOMENTS8 = {"exp_avg": 0, "exp_avg_sq": 1}
+
+
+def quantize_int8(src, codes, scales, *, moment):
+    """fp32 moments -> int8 codes and block scales, rounded to nearest (a checkpoint
+    converted to state_dtype="int8" on load).  moment: "exp_avg" (signed code) or
+    "exp_avg_sq".  src starts on a block."""
+    if moment not in _MOMENTS8:
+        raise ValueError(f"moment must be one of {sorted(_MOMENTS8)}, got {moment!r}")
+    cdef _Buf bs = _get(src, "src", False)
+    _check_f32(bs, "src")
+    cdef _Buf bc = _codes(codes, "codes", True, bs.n)
+    cdef _Buf bsc = _scales(scales, "scales", True, bs.n)
+    cdef int which = _MOMENTS8[moment]
+    with nogil:
+        zo8_quantize_chunk(<const float *>bs.view.buf, <unsigned char *>bc.view.buf, <float *>bsc.view.buf,
+                           which, 0, bs.n)
+
+
+def dequantize_int8(codes, scales, dst, *, moment):
+    """dst[:] = the fp32 moments that int8 codes and block scales hold (exact: what
+    the update itself reads)."""
+    if moment not in _MOMENTS8:
+        raise ValueError(f"moment must be one of {sorted(_MOMENTS8)}, got {moment!r}")
+    cdef _Buf bd = _get(dst, "dst", True)
+    _check_f32(bd, "dst")
+    cdef _Buf bc = _codes(codes, "codes", False, bd.n)
+    cdef _Buf bsc = _scales(scales, "scales", False, bd.n)
+    cdef int which = _MOMENTS8[moment]
+    with nogil:
+        zo8_dequantize_chunk(<const unsigned char *>bc.view.buf, <const float *>bsc.view.buf,
+                             <float *>bd.view.buf, which, 0, bd.n)
+
+
+def stream_probe_int8(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=None, num_threads=0):
+    """Bandwidth probe of adam_step_int8's access pattern (integer arithmetic on the
+    same buffers): 14 B/element with the exact master, 16 with an fp32 one.
+    Modifies its buffers."""
+    cdef _Buf bp = _get(param, "param", True)
+    cdef Py_ssize_t n = bp.n
+    cdef bint exact = master_hi is not None
+    if exact:
+        bp = _words(param, "param", True, n)
+    else:
+        _check_f32(bp, "param")
+    cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
+    cdef _Buf bv = _codes(exp_avg_sq, "exp_avg_sq", True, n)
+    cdef _Buf bg = _words(grad, "grad", False, n)
+    cdef _Buf bo = _words(param_out, "param_out", True, n)
+    cdef _Buf bh = _words(master_hi, "master_hi", False, n) if exact else None
+    cdef unsigned int *p = NULL if exact else <unsigned int *>bp.view.buf
+    cdef unsigned short *rem = <unsigned short *>bp.view.buf if exact else NULL
+    cdef const unsigned short *hi16 = <const unsigned short *>bh.view.buf if exact else NULL
+    cdef unsigned char *m = <unsigned char *>bm.view.buf
+    cdef unsigned char *v = <unsigned char *>bv.view.buf
+    cdef const unsigned short *g = <const unsigned short *>bg.view.buf
+    cdef unsigned short *o = <unsigned short *>bo.view.buf
+    cdef int nt = _threads(num_threads)
+    cdef int level = _level
+    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef Py_ssize_t c
+    cdef int64_t lo, hi
+    if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
+        with nogil:
+            zo8_stream_chunk(level, p, rem, hi16, m, v, g, o, 0, n)
+        return
+    for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
+        lo = c * CHUNK
+        hi = lo + CHUNK if lo + CHUNK < n else n
+        zo8_stream_chunk(level, p, rem, hi16, m, v, g, o, lo, hi)

@@ -51,13 +51,18 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
                                 "(ZERO_OFFLOAD_TOKEN)")
     layout = ShardLayout(numel=msg.numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
-    need = msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master) + layout.total_bytes
+    need = int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
     # the worker's fp32 model is resident now and goes once INIT has cast it (frees_bytes):
     # what the shard may count on is what is free after that
     avail = read_mem_available() + msg.frees_bytes
     if max_ram_fraction and need > avail * max_ram_fraction:
-        smaller = ("state_dtype='bf16' (6 B/param of optimizer state instead of 12), "
-                   if msg.state_dtype == "fp32" and msg.optimizer in P.COMPACT_OPTIMIZERS else "")
+        smaller = ""
+        if msg.state_dtype == "fp32" and msg.optimizer in P.INT8_OPTIMIZERS:
+            smaller = "state_dtype='bf16' or 'int8' (6 or 4 B/param of optimizer state instead of 12), "
+        elif msg.state_dtype == "fp32" and msg.optimizer in P.COMPACT_OPTIMIZERS:
+            smaller = "state_dtype='bf16' (6 B/param of optimizer state instead of 12), "
+        elif msg.state_dtype == "bf16" and msg.optimizer in P.INT8_OPTIMIZERS:
+            smaller = "state_dtype='int8' (4 B/param of optimizer state instead of 6), "
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
                                     f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
                                     f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up; "

@@ -205,7 +205,9 @@ class Shard:
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         self._state_dirty = True
         t0 = time.perf_counter()
-        if msg.reverse:
+        if self.arrays.state_dtype == "int8":
+            self._step_blocks(msg, ranges, gin)
+        elif msg.reverse:
             # back to front, one progress block per call, each published as "done from the
             # end"; an elementwise update gives the same bytes in any order and split
             B = self.progress_block
@@ -226,6 +228,25 @@ class Shard:
         self.bytes_read += self.bytes_per_update // 2    # 16-bit grad + fp32 state
         self.bytes_written += self.bytes_per_update // 2  # fp32 state + 16-bit weights
         return dt
+
+    def _step_blocks(self, msg: P.Step, ranges: list, gin) -> None:
+        """The int8 update: whole blocks, one kernel call for the shard (front to back,
+        the kernel publishing its progress) or, reversed, one per progress block from
+        the end; each call gets every range's hyper-parameters (None: kept)."""
+        segs = [(lo, hi, None if updates == 0 else dict(h, updates=updates)) for lo, hi, h, updates in ranges]
+        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads,
+                  predict=msg.predict)
+        run = dict(step=msg.step, gin=gin, slots=self.weights16_slots, out_slot=msg.out_slot,
+                   index_base=self.index_base)
+        if not msg.reverse:
+            kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block)
+            self.arrays.update_blocks(0, self.numel, segs, kw=kw, **run)
+            return
+        B = -(-self.progress_block // P.QBLOCK)  # blocks per publication
+        for k in range(-(-self.numel // P.QBLOCK), 0, -B):
+            a, b = max(0, k - B) * P.QBLOCK, min(self.numel, k * P.QBLOCK)
+            self.arrays.update_blocks(a, b, segs, kw=kw, **run)
+            cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
 
     def _update_range(self, msg: P.Step, lo: int, hi: int, h: dict, updates: int, gin, out, *,
                       progress: bool) -> None:

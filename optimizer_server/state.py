@@ -9,6 +9,9 @@ one gradient slot and one weights slot, optimizer_server.shm):
     bf16         exact (bf16 weights)   2 B      bf16  2 + 2 B           6 B     10 B
     bf16         fp32 (fp16 weights,    4 B      bf16  2 + 2 B           8 B     12 B
                  or DPU prediction)
+    int8         exact                  2 B      int8  1 + 1 B           4 B      8 B
+                                                 + a scale per 256: 0.03 B  (4.03)   (8.03)
+    int8         fp32                   4 B      int8  1 + 1 B (+0.03)   6 B     10 B
 
 The exact master (``exact_master``): the fp32 master is its high 16 bits, which
 are the bf16 weights the update writes into the weights slot anyway, plus a
@@ -22,10 +25,17 @@ last STEP wrote (after INIT, slot 0; after LOAD, the slot LOAD names).
 bf16 moments are rounded stochastically, keyed by (step, model-wide element
 index): deterministic, and independent of threads and of the sharding.
 
+int8 moments (adam/adamw) are codes in blocks of QBLOCK = 256 elements with one
+fp32 scale per block and moment (cython_ext/_kernels_int8.h draws the codes).
+A block's scale depends on all of its elements, so an update handles whole
+blocks: one kernel call over the shard whose segments carry each range's
+hyper-parameters (update_blocks), and shards start on a block (HELLO refuses
+an int8 shard of another length when there are several ranks).
+
 Checkpoints hold the master as fp32 whatever the state dtype (joined chunk by
-chunk), and the moments in their state dtype; a checkpoint of another state
-dtype converts on load (fp32 -> bf16 rounds to nearest: that loses precision;
-bf16 -> fp32 is exact).
+chunk), and the moments in their state dtype, each int8 moment's scales after
+all the arrays; a checkpoint of another state dtype converts on load (down,
+fp32 -> bf16 -> int8, rounds to nearest: that loses precision; up is exact).
 """
 from __future__ import annotations
 
@@ -33,8 +43,11 @@ import numpy as np
 
 from cython_ext import cpu_adam
 
-from .protocol import COMPACT_OPTIMIZERS, STATE_DTYPES
+from .protocol import COMPACT_OPTIMIZERS, INT8_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
+
+assert QBLOCK == cpu_adam.QBLOCK, "protocol.QBLOCK and the int8 kernel's block disagree"
+ITEM_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
                 "adagrad": ("state_sum",), "lion": ("exp_avg",)}
@@ -47,12 +60,18 @@ def _widen(w: np.ndarray) -> np.ndarray:
     return (w.astype(np.uint32) << 16).view(np.float32)
 
 
-def bytes_per_param(optimizer: str, state_dtype: str = "fp32", exact_master: bool = False) -> int:
+def nblocks(numel: int) -> int:
+    """int8 blocks (scales per moment) of numel elements."""
+    return (numel + QBLOCK - 1) // QBLOCK
+
+
+def bytes_per_param(optimizer: str, state_dtype: str = "fp32", exact_master: bool = False) -> float:
     """The server's private bytes per parameter (the table above)."""
     n = len(STATE_ARRAYS[optimizer])
     if state_dtype == "fp32":
         return 4 * (1 + n)
-    return (2 if exact_master else 4) + 2 * n
+    extra = n * 4 / QBLOCK if state_dtype == "int8" else 0
+    return (2 if exact_master else 4) + ITEM_BYTES[state_dtype] * n + extra
 
 
 class ShardStateArrays:
@@ -61,17 +80,21 @@ class ShardStateArrays:
     def __init__(self, optimizer: str, numel: int, *, state_dtype: str, exact_master: bool, seed: int = 0):
         assert state_dtype in STATE_DTYPES
         assert state_dtype == "fp32" or optimizer in COMPACT_OPTIMIZERS, "refused at HELLO"
+        assert state_dtype != "int8" or optimizer in INT8_OPTIMIZERS, "refused at HELLO"
         assert not exact_master or state_dtype != "fp32", "refused at HELLO"
         self.optimizer = optimizer
         self.numel = numel
         self.state_dtype = state_dtype
         self.exact_master = exact_master
         self.seed = seed
-        mdt = np.float32 if state_dtype == "fp32" else np.uint16
+        mdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.uint8}[state_dtype]
         # np.zeros: pages stay untouched until the first update writes them
         self.master = None if exact_master else np.zeros(numel, np.float32)
         self.remainder = np.zeros(numel, np.uint16) if exact_master else None
         self.moments = {name: np.zeros(numel, mdt) for name in STATE_ARRAYS[optimizer]}
+        # int8: each moment's per-block scales (all zero: every code decodes to 0)
+        self.scales = ({name: np.zeros(nblocks(numel), np.float32) for name in self.moments}
+                       if state_dtype == "int8" else {})
         self.hi_slot = 0
 
     @property
@@ -90,10 +113,10 @@ class ShardStateArrays:
         if self.state_dtype == "fp32":
             return self.numel * 2 * (2 + 4 * (1 + len(self.moments)))
         master = 6 if self.exact_master else 8  # hi in + rem in/out, or p in/out
-        return self.numel * (2 + master + 4 * len(self.moments) + 2)
+        return self.numel * (2 + master + 2 * ITEM_BYTES[self.state_dtype] * len(self.moments) + 2)
 
     def clear_moments(self) -> None:
-        for a in self.moments.values():
+        for a in (*self.moments.values(), *self.scales.values()):
             a.fill(0)
 
     # ------------------------------------------------------------------ master in and out
@@ -169,16 +192,41 @@ class ShardStateArrays:
             cpu_adam.lion_step(p, st["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
                                beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
 
+    def update_blocks(self, lo: int, hi: int, segments: list, *, step: int, gin, slots: list, out_slot: int,
+                      index_base: int, kw: dict) -> None:
+        """int8: one kernel call over whole blocks [lo, hi) (lo on a block; hi on one or
+        the shard's end).  segments: (a, b, hparams with "updates", or None to keep) in
+        shard coordinates, covering [lo, hi).  kw: as update_range's."""
+        assert self.state_dtype == "int8" and lo % QBLOCK == 0 and (hi % QBLOCK == 0 or hi == self.numel)
+        sl = slice(lo, hi)
+        bl = slice(lo // QBLOCK, nblocks(hi))
+        segs = []
+        for a, b, h in segments:
+            a, b = max(a, lo) - lo, min(b, hi) - lo
+            if b > a:
+                segs.append((a, b, None if h is None else dict(
+                    step=h["updates"], lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                    weight_decay=h["weight_decay"])))
+        extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
+        p = self.remainder[sl] if self.exact_master else self.master[sl]
+        m, v = self.moments["exp_avg"], self.moments["exp_avg_sq"]
+        ms, vs = self.scales["exp_avg"], self.scales["exp_avg_sq"]
+        cpu_adam.adam_step_int8(p, m[sl], v[sl], ms[bl], vs[bl], gin[sl], slots[out_slot][sl], segments=segs,
+                                adamw=self.optimizer == "adamw", sr_key=cpu_adam.rounding_key(step, self.seed),
+                                index_base=index_base + lo, **extra, **kw)
+
     def finish_step(self, out_slot: int) -> None:
         """After a STEP: the slot it wrote holds the exact master's high halves."""
         self.hi_slot = out_slot
 
     # ------------------------------------------------------------------ checkpoints
+    # A shard file: master (fp32), each moment (its dtype), then each int8 moment's
+    # block scales (fp32, nblocks(per_file) of them).
     def saved_bytes(self) -> int:
         return self.file_bytes(self.names, self.dtypes, self.numel)
 
     def write_to(self, f, crc_update, crc: int, slots: list) -> int:
-        """Write master (fp32) then each moment (its dtype) to f; returns the CRC."""
+        """Write master (fp32), each moment (its dtype), then the scales; returns the CRC."""
         if self.exact_master:
             buf = np.empty(min(CONVERT_CHUNK, self.numel), np.float32)
             for a in range(0, self.numel, CONVERT_CHUNK):
@@ -190,48 +238,89 @@ class ShardStateArrays:
         else:
             f.write(memoryview(self.master))
             crc = crc_update(crc, self.master)
-        for a in self.moments.values():
+        for a in (*self.moments.values(), *self.scales.values()):
             f.write(memoryview(a))
             crc = crc_update(crc, a)
         return crc
 
     @staticmethod
     def file_bytes(names: list, dtypes: dict, per_file: int) -> int:
-        return sum(per_file * (4 if dtypes.get(n, "fp32") == "fp32" else 2) for n in names)
+        total = 0
+        for n in names:
+            dt = dtypes.get(n, "fp32")
+            total += per_file * ITEM_BYTES[dt] + (4 * nblocks(per_file) if dt == "int8" else 0)
+        return total
 
     def read_from(self, bins: list, per_file: int, dtypes: dict, lo: int, slots: list, load_slot: int,
                   threads: int) -> None:
         """Read this shard's range [lo, lo + numel) of a checkpoint whose arrays have
         `dtypes` (converting where they differ from this shard's); straight into the
         state where the dtypes agree, through one bounded buffer where they do not."""
-        base = 0
         n = self.numel
+        base = 0
+        bases = {}
+        for name in self.names:  # where each array (then each int8 array's scales) starts
+            bases[name] = base
+            base += per_file * ITEM_BYTES[dtypes.get(name, "fp32")]
+        for name in self.names:
+            if dtypes.get(name, "fp32") == "int8":
+                bases[name + ".scale"] = base
+                base += 4 * nblocks(per_file)
         for name in self.names:
             src_dt = dtypes.get(name, "fp32")
-            item = 4 if src_dt == "fp32" else 2
+            src = _Source(bins, per_file, bases[name], bases.get(name + ".scale"), src_dt, name)
             if name == "master" and self.exact_master:
                 self.hi_slot = load_slot
-                self._read_converted(bins, per_file, base, item, lo, src_dt, "exact", slots[load_slot], threads)
-            else:
-                dst = self.master if name == "master" else self.moments[name]
-                want = "fp32" if name == "master" else self.state_dtype
-                if want == src_dt:
-                    read_range(bins, per_file, base, lo, lo + n, dst)
-                else:
-                    self._read_converted(bins, per_file, base, item, lo, src_dt, want, dst, threads)
-            base += per_file * item
+                self._read_converted(src, lo, "exact", slots[load_slot], threads)
+                continue
+            dst = self.master if name == "master" else self.moments[name]
+            want = "fp32" if name == "master" else self.state_dtype
+            if want != src_dt:
+                self._read_converted(src, lo, want, dst, threads, self.scales.get(name))
+                continue
+            read_range(bins, per_file, src.base, lo, lo + n, dst)
+            if want == "int8":  # lo is on a block (HELLO), and so is every file's start
+                read_range(bins, nblocks(per_file), src.scale_base, lo // QBLOCK, lo // QBLOCK + nblocks(n),
+                           self.scales[name])
 
-    def _read_converted(self, bins, per_file, base, item, lo, src_dt, want, dst, threads) -> None:
+    def _read_converted(self, src: "_Source", lo: int, want: str, dst, threads: int, scales=None) -> None:
+        """Read src's range [lo, lo + numel) piece by piece, as fp32, into dst in `want`:
+        "exact" (the master split into weights slot dst and the remainder), "fp32",
+        "bf16" or "int8" (rounded to nearest, with `scales`)."""
         n = self.numel
-        buf = np.empty(min(CONVERT_CHUNK, max(n, 1)), np.float32 if item == 4 else np.uint16)
-        for a in range(0, n, CONVERT_CHUNK):
+        buf = np.empty(min(CONVERT_CHUNK, max(n, 1)), np.float32)
+        for a in range(0, n, CONVERT_CHUNK):  # CONVERT_CHUNK is a multiple of QBLOCK
             b = min(n, a + CONVERT_CHUNK)
-            piece = buf[:b - a]
-            read_range(bins, per_file, base, lo + a, lo + b, piece)
-            x = piece if src_dt == "fp32" else _widen(piece)
+            x = buf[:b - a] if want != "fp32" else dst[a:b]
+            src.read_fp32(lo + a, lo + b, x)
             if want == "exact":
-                cpu_adam.split_master(np.ascontiguousarray(x), dst[a:b], self.remainder[a:b], num_threads=threads)
+                cpu_adam.split_master(x, dst[a:b], self.remainder[a:b], num_threads=threads)
             elif want == "bf16":  # round to nearest even, straight into the moment
-                cpu_adam.cast_to_16(np.ascontiguousarray(x), dst[a:b], out_dtype="bf16", num_threads=threads)
-            else:
-                dst[a:b] = x
+                cpu_adam.cast_to_16(x, dst[a:b], out_dtype="bf16", num_threads=threads)
+            elif want == "int8":
+                cpu_adam.quantize_int8(x, dst[a:b], scales[a // QBLOCK:nblocks(b)], moment=src.name)
+
+
+class _Source:
+    """One array of a checkpoint, read as fp32 whatever its dtype."""
+
+    def __init__(self, bins, per_file, base, scale_base, dtype, name):
+        self.bins, self.per_file, self.base, self.scale_base = bins, per_file, base, scale_base
+        self.dtype, self.name = dtype, name
+
+    def read_fp32(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """out[:] = elements [lo, hi) as fp32 (lo on a block when the array is int8)."""
+        if self.dtype == "fp32":
+            read_range(self.bins, self.per_file, self.base, lo, hi, out)
+            return
+        if self.dtype == "bf16":
+            w = np.empty(hi - lo, np.uint16)
+            read_range(self.bins, self.per_file, self.base, lo, hi, w)
+            out[:] = _widen(w)
+            return
+        assert lo % QBLOCK == 0
+        codes = np.empty(hi - lo, np.uint8)
+        sc = np.empty(nblocks(hi - lo), np.float32)
+        read_range(self.bins, self.per_file, self.base, lo, hi, codes)
+        read_range(self.bins, nblocks(self.per_file), self.scale_base, lo // QBLOCK, lo // QBLOCK + sc.size, sc)
+        cpu_adam.dequantize_int8(codes, sc, out, moment=self.name)

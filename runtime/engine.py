@@ -43,7 +43,7 @@ import torch.distributed as dist
 from optimizer_server import checkpoint as ckpt_format
 from optimizer_server.client import ShardClient
 from optimizer_server.errors import OptimizerServerError
-from optimizer_server.protocol import MAX_GROUPS
+from optimizer_server.protocol import MAX_GROUPS, QBLOCK
 from optimizer_server.tracing import Tracer
 
 from . import clipping, distributed, host_memory
@@ -120,7 +120,8 @@ class OffloadEngine:
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
         group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
-        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of)
+        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of,
+                               shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1)
         S = self.flat.shard_numel
         self.shard_lo, self.shard_hi = self.flat.shard_range(self.rank)
         self._names = _state_dict_names(model)  # for master_state_dict()

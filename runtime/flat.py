@@ -7,6 +7,7 @@ and its copy to the host overlaps the rest of backward.
 
     flat16 (device):  [ p_last | ... | p_1 | p_0 | pad ]     numel padded to a
                       |<- bucket 0 ->|<- bucket 1 ->| ...     multiple of world_size
+                                                              (x 256 with int8 state)
                       |<-- shard rank 0 -->|<-- shard rank 1 -->|
 """
 from __future__ import annotations
@@ -49,11 +50,13 @@ class FlatParams:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int,
-                 groups: list[int] | None = None):
+                 groups: list[int] | None = None, shard_multiple: int = 1):
         """groups[i]: the param group of params[i] (None: one group).  Each group's
         parameters lie together, in one contiguous range (group_ranges), so an update
         is one kernel call per group; inside a group, and for the groups' order, the
-        layout stays reverse registration order (the group of the last parameter first)."""
+        layout stays reverse registration order (the group of the last parameter first).
+        shard_multiple: with several ranks, each shard's length is a multiple of it (int8
+        state: its blocks of 256 must not straddle two ranks); the padding grows to fit."""
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.params = params
@@ -85,7 +88,8 @@ class FlatParams:
             off += n
         self.numel = off
         self.world_size = world_size
-        self.padded_numel = (off + world_size - 1) // world_size * world_size
+        unit = world_size * (shard_multiple if world_size > 1 else 1)
+        self.padded_numel = (off + unit - 1) // unit * unit
         self.shard_numel = self.padded_numel // world_size
         self.by_param = {id(s.param): s for s in self.spans}
 

@@ -151,7 +151,7 @@ def test_offload_adamw_takes_state_dtype():
 
 
 @pytest.mark.parametrize("kw,word", [
-    (dict(state_dtype="int8"), "bf16"),
+    (dict(state_dtype="int8", optimizer="lion"), "bf16"),
     (dict(state_dtype="fp64"), "state_dtype"),
     (dict(state_dtype="bf16", optimizer="adagrad"), "adagrad"),
 ])

@@ -6,10 +6,14 @@ from pathlib import Path
 
 import numpy as np
 
+QBLOCK = 256  # elements per int8 block (optimizer_server.protocol.QBLOCK)
+
 
 def shard_arrays(checkpoint: str | Path) -> dict[str, np.ndarray]:
     """{"r{rank}.{array}": values} of a checkpoint directory (step-N), fp32 arrays as
-    float32 and bf16 arrays as raw uint16 words (the manifest's array_dtypes)."""
+    float32, bf16 arrays as raw uint16 words and int8 arrays as uint8 codes (the
+    manifest's array_dtypes), each int8 array's block scales as "r{rank}.{array}.scale"
+    (float32; they follow all the arrays in the file)."""
     d = Path(checkpoint)
     out = {}
     for man_path in sorted(d.glob("shard-r*-of-*.json")):
@@ -17,11 +21,17 @@ def shard_arrays(checkpoint: str | Path) -> dict[str, np.ndarray]:
         raw = man_path.with_suffix(".bin").read_bytes()
         n, pos = man["numel"], 0
         dtypes = man.get("array_dtypes", {})
+        kinds = {"fp32": np.float32, "bf16": np.uint16, "int8": np.uint8}
         for name in man["arrays"]:
-            dt = np.float32 if dtypes.get(name, "fp32") == "fp32" else np.uint16
+            dt = kinds[dtypes.get(name, "fp32")]
             size = n * np.dtype(dt).itemsize
             out[f"r{man['rank']}.{name}"] = np.frombuffer(raw[pos:pos + size], dt).copy()
             pos += size
+        for name in man["arrays"]:
+            if dtypes.get(name) == "int8":
+                size = 4 * ((n + QBLOCK - 1) // QBLOCK)
+                out[f"r{man['rank']}.{name}.scale"] = np.frombuffer(raw[pos:pos + size], np.float32).copy()
+                pos += size
         assert pos == len(raw), f"{man_path}: {len(raw) - pos} bytes past the arrays"
     return out
 
