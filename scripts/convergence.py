@@ -10,6 +10,7 @@ Trains the same GPT on the same data and seed five ways:
   dpu-sim    plain-PyTorch simulation of the DPU schedule (the ZeRO-Offload paper's schedule)
   overlap    offload with overlap_update (must equal sync at every evaluation: it says so)
   sync-bf16state  offload, synchronous, state_dtype="bf16" (bf16 moments, the exact master)
+  sync-int8state  offload, synchronous, state_dtype="int8" (block-wise 8-bit moments, the exact master)
 prints the validation losses at each evaluation, writes the curves as
 docs/convergence-TAG.png and the numbers as docs/convergence-TAG.json, and
 rewrites the "convergence" section of BENCHMARKS.md from all docs/convergence-*.json.
@@ -37,10 +38,11 @@ RUNS = {
     "overlap": dict(offload=True, dpu=False, overlap_update=True),
     "dpu-sim": dict(offload=False, dpu=True, simulate_dpu=True),
     "sync-bf16state": dict(offload=True, dpu=False, state_dtype="bf16"),
+    "sync-int8state": dict(offload=True, dpu=False, state_dtype="int8"),
 }
 # the main table's value columns (the state dtypes have a table of their own)
 MAIN_RUNS = ("baseline", "sync", "dpu", "dpu-sim", "overlap")
-STATE_RUNS = {"bf16": "sync-bf16state"}
+STATE_RUNS = {"bf16": "sync-bf16state", "int8": "sync-int8state"}
 
 
 def main(argv=None) -> int:
@@ -163,7 +165,8 @@ def write_benchmarks(docs: Path) -> None:
     body = (f"## Convergence (scripts/convergence.py)\n\n{machine}. Final validation loss of each run; the "
             f"max columns are over every evaluation. Figures: docs/convergence-TAG.png.\n\n" + "\n".join(rows) + "\n")
     update_section("convergence", body)
-    body = (f"## Convergence by state dtype (scripts/convergence.py --runs sync,sync-bf16state)\n\n{state_machine}. "
+    body = (f"## Convergence by state dtype (scripts/convergence.py --runs sync,sync-bf16state,sync-int8state)\n\n"
+            f"{state_machine}. "
             f"Synchronous offload with the optimizer state in fp32 and in a compact dtype, same data and seed: "
             f"the validation-loss gap at every evaluation (target: within 0.5%).\n\n" + "\n".join(state_rows) + "\n")
     update_section("convergence_state", body)

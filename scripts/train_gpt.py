@@ -39,9 +39,9 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--dpu-warmup", type=int, default=d.dpu_warmup, help="synchronous steps before DPU")
     ap.add_argument("--dpu-predict", type=float, default=d.dpu_predict,
                     help="weight prediction under DPU (0: plain DPU as in the paper)")
-    ap.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16"],
-                    help="optimizer state on the host: bf16 moments and the exact master, 10 B/param instead of 16 "
-                         "(the exact master needs --dtype bf16 and --dpu-predict 0 or --no-dpu)")
+    ap.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16", "int8"],
+                    help="optimizer state on the host: bf16 moments and the exact master, 10 B/param instead of 16; "
+                         "int8 moments, 8 B/param (the exact master needs --dtype bf16 and --dpu-predict 0 or --no-dpu)")
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="baseline: fp32 master + torch AdamW on the device")
     ap.add_argument("--grad-accum", type=int, default=d.grad_accum)

@@ -35,7 +35,8 @@ class TrainConfig:
     overlap_update: the engine's overlap_update (bitwise sync, the update during the
         next forward); with dpu=False.
     state_dtype: the engine's state_dtype ("bf16": 6 B/param of optimizer state on the
-        host instead of 12, the exact master where the weights are bf16 and dpu_predict 0).
+        host instead of 12, the exact master where the weights are bf16 and dpu_predict 0;
+        "int8": 4 B/param, block-wise 8-bit moments).
     offload: False runs the baseline (fp32 master + torch AdamW on the device);
         with simulate_dpu the baseline follows the DPU schedule in plain PyTorch.
     threads: torch intra-op threads of this worker (0 = leave torch's default).
