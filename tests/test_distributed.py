@@ -38,12 +38,13 @@ def one_rank(mode, steps):
     return master, eng.stats()
 
 
-@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu"])
+@pytest.mark.parametrize("mode", ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu", "groups-int8state-dpu"])
 def test_two_ranks_match_one_rank(tmp_path, mode):
     """unused-dpu: a parameter without a gradient on every rank is left alone, one with
     a gradient on one rank only is updated on both (DDP's rule), one never used stays.
     bf16state-dpu: state_dtype="bf16" (the exact master; stochastic rounding keyed by
-    the model-wide index, so the shards round as one rank would)."""
+    the model-wide index, so the shards round as one rank would).  int8state: the flat
+    space padded so each shard is whole blocks of 256, param groups across the cut."""
     steps = 20
     p = launch(tmp_path, mode, steps)
     out, _ = p.communicate(timeout=240)
@@ -54,11 +55,16 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
         master = torch.cat([v.reshape(-1) for v in res["master"].values()])
-        # bf16 gradients averaged across ranks round differently from one rank's
-        assert rel_err(master - p0, ref - p0) < 2e-2, r
+        # bf16 gradients averaged across ranks round differently from one rank's (and
+        # int8's stochastic rounding then draws differently: measured 2.0e-2)
+        err = rel_err(master - p0, ref - p0)
+        print(f"rank {r}: displacement rel err against one rank {err:.2e}")
+        assert err < (6e-2 if "int8" in mode else 2e-2), r
         st = res["stats"]
-        assert st["world_size"] == 2 and st["shard_numel"] == n // 2
-        assert st["bytes_to_host"] == st["bytes_to_device"] == 2 * (n // 2) * steps
+        S = -(-n // 512) * 256 if "int8" in mode else n // 2
+        assert st["world_size"] == 2 and st["shard_numel"] == S
+        real = min(n, (r + 1) * S) - r * S  # no gradient is copied down for the padding past the model
+        assert st["bytes_to_host"] == 2 * real * steps and st["bytes_to_device"] == 2 * S * steps
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for k in a["w16"]:
         assert torch.equal(a["w16"][k], b["w16"][k])  # all-gather: every rank holds the same weights

@@ -65,6 +65,9 @@ CASES = {
     # bf16 moments and the exact master: the reversed update writes the same bytes
     "bf16-state": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", clip_grad_norm=1.2)),
     "bf16-state-copy": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", cpu_zero_copy=False)),
+    # int8 moments: the reversed update runs whole blocks, one call per published block
+    "int8-state-groups": (gpt, gpt_batch, "bf16", dict(state_dtype="int8", clip_grad_norm=1.2, groups=two_groups)),
+    "int8-state-fp16": (mlp, mlp_batch, "fp16", dict(state_dtype="int8", accum=2, inject_at=5)),
 }
 
 

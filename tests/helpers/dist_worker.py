@@ -75,7 +75,7 @@ def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
                          dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
                          overlap_update=mode.startswith("overlap"), clip_grad_norm=1.0 if "clip" in mode else None,
-                         state_dtype="bf16" if "bf16state" in mode else "fp32",
+                         state_dtype="bf16" if "bf16state" in mode else "int8" if "int8state" in mode else "fp32",
                          progress_block_numel=256,  # many published blocks per shard: partial copies
                          staging_numel=500)  # the initial shard and master_state_dict in chunks
 
