@@ -22,6 +22,8 @@ What the model states should take (B/param; the 'expected' column), the device b
                       in flight has read that range of the one slot (dpu_grad_slots=2 adds 2)
   ...-bf16state       state_dtype="bf16": the server keeps a 2 B remainder of the exact master and
                       bf16 m, v (6 in all) instead of 12: 12 zero-copy, 12 copy (10 on a GPU machine)
+  ...-int8state       state_dtype="int8": the remainder and int8 m, v with a scale per 256 (4.03):
+                      10.03 (8.03 on a GPU machine)
 The '-copy' rows have a GPU's layout: there the model's 2 B/param live on the
 device, and the host keeps 16.  Everything above the
 expected figure is the interpreter's and allocator's (freed memory the C
@@ -45,9 +47,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SAMPLE_INTERVAL_S = 0.002  # a sample costs ~0.1 ms (a few /proc reads): 5% of one core at most
 CHILD_TIMEOUT_S = 600.0
 VARIANTS = ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy",
-            "offload-sync-bf16state", "offload-sync-copy-bf16state", "offload-dpu-copy-bf16state")
+            "offload-sync-bf16state", "offload-sync-copy-bf16state", "offload-dpu-copy-bf16state",
+            "offload-sync-int8state", "offload-sync-copy-int8state", "offload-dpu-copy-int8state")
 EXPECTED_B = {"baseline": 16, "offload-sync": 18, "offload-sync-copy": 18, "offload-dpu": 18, "offload-dpu-copy": 18,
-              "offload-sync-bf16state": 12, "offload-sync-copy-bf16state": 12, "offload-dpu-copy-bf16state": 12}
+              "offload-sync-bf16state": 12, "offload-sync-copy-bf16state": 12, "offload-dpu-copy-bf16state": 12,
+              "offload-sync-int8state": 10.03, "offload-sync-copy-int8state": 10.03, "offload-dpu-copy-int8state": 10.03}
+STATE_SUFFIXES = {"-bf16state": "bf16", "-int8state": "int8"}
 
 
 def _status_kb(pid: int, key: str) -> int:
@@ -139,8 +144,10 @@ def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
     from runtime.demo.baseline import DeviceMixedPrecision
     from runtime.config import OffloadConfig
     from runtime.engine import OffloadEngine
-    state = "bf16" if variant.endswith("-bf16state") else "fp32"
-    layout = variant.removesuffix("-bf16state")
+    state, layout = "fp32", variant
+    for suffix, dt in STATE_SUFFIXES.items():
+        if variant.endswith(suffix):
+            state, layout = dt, variant.removesuffix(suffix)
     cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=layout.startswith("offload-dpu"), dpu_warmup_steps=1,
                         cpu_zero_copy=not layout.endswith("-copy"), server_threads=1, state_dtype=state)
     t0 = time.perf_counter()
@@ -203,7 +210,7 @@ def capacity_table(rows: list[dict]) -> str:
         gpu_b = EXPECTED_B[v] - 2
         cpu = [RAM_FRACTION * g * 2**30 / r["steady_B"] / 1e9 for g in CAPACITY_HOSTS_GIB]
         gpu = [RAM_FRACTION * g * 2**30 / gpu_b / 1e9 for g in CAPACITY_HOSTS_GIB]
-        out.append(f"| {v} | {r['steady_B']:.1f} | {cpu[0]:.2f}B | {cpu[1]:.1f}B | {gpu_b} | {gpu[0]:.2f}B | "
+        out.append(f"| {v} | {r['steady_B']:.1f} | {cpu[0]:.2f}B | {cpu[1]:.1f}B | {gpu_b:g} | {gpu[0]:.2f}B | "
                    f"{gpu[1]:.1f}B |")
     return "\n".join(out)
 

@@ -14,9 +14,10 @@ synchronous offload's is T_fb + T_cpu.  Writes BENCHMARKS.md section "bench_pipe
 
     python scripts/bench_pipeline.py --state-dtypes --settings gpt2:1x2   # section "bench_pipeline_state"
 
-runs sync, DPU and overlap_update with fp32 and with bf16 optimizer state (the
-"-bf16state" variants: the exact master in sync and overlap; DPU predicts, so its
-master stays fp32 and only the moments are bf16), interleaved the same way.
+runs sync, DPU and overlap_update with fp32, bf16 and int8 optimizer state (the
+"-bf16state" and "-int8state" variants: the exact master in sync and overlap; DPU
+predicts, so its master stays fp32 and only the moments are compact), interleaved
+the same way.
 """
 from __future__ import annotations
 
@@ -75,8 +76,10 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     torch.set_num_threads(len(cores))
     torch.manual_seed(0)
     model = GPT(mc)
-    state = "bf16" if name.endswith("-bf16state") else "fp32"
-    name = name.removesuffix("-bf16state")
+    state = "fp32"
+    for dt in ("bf16", "int8"):
+        if name.endswith(f"-{dt}state"):
+            state, name = dt, name.removesuffix(f"-{dt}state")
     dpu = name.startswith("dpu")
     overlap = name.startswith("overlap")
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup, state_dtype=state,
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
     ap.add_argument("--section", default="bench_pipeline",
                     help="the BENCHMARKS.md section to write (a reduced run writes its own, not over the full one)")
     ap.add_argument("--state-dtypes", action="store_true",
-                    help="sync, DPU and overlap with fp32 and bf16 optimizer state (section bench_pipeline_state)")
+                    help="sync, DPU and overlap with fp32, bf16 and int8 optimizer state (section bench_pipeline_state)")
     a = ap.parse_args(argv)
     if a.state_dtypes:
         return main_state(a)
@@ -281,11 +284,13 @@ def load_setting(setting: str, corpus):
     return model_name, bs, sl, GPTConfig(n_layer=L, n_head=H, d_model=D, seq_len=sl), [src.next() for _ in range(8)]
 
 
-STATE_VARIANTS = ["sync", "sync-bf16state", "dpu", "dpu-bf16state", "overlap", "overlap-bf16state"]
+STATE_MODES = ("sync", "dpu", "overlap")
+STATE_DTYPES = ("fp32", "bf16", "int8")
+STATE_VARIANTS = [m if dt == "fp32" else f"{m}-{dt}state" for m in STATE_MODES for dt in STATE_DTYPES]
 
 
 def main_state(a) -> int:
-    """The state dtypes' rows: each of sync, DPU, overlap with fp32 and bf16 state, interleaved."""
+    """The state dtypes' rows: each of sync, DPU, overlap with fp32, bf16 and int8 state, interleaved."""
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
@@ -299,17 +304,19 @@ def main_state(a) -> int:
             for v in order:
                 times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores)
         med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
-        row = (f"| {model_name} {bs}x{sl} | " + " | ".join(f"{med[v]:.1f}" for v in STATE_VARIANTS) + " | "
-               + " | ".join(f"{med[k] / med[k + '-bf16state']:.2f}x" for k in ("sync", "dpu", "overlap")) + " |")
-        print(row, flush=True)
-        rows.append(row)
-    head = ("| model, batch | sync ms | sync, bf16 state ms | DPU ms | DPU, bf16 state ms | overlap ms "
-            "| overlap, bf16 state ms | sync fp32 / bf16 state | DPU fp32 / bf16 state | overlap fp32 / bf16 state |")
+        for m in STATE_MODES:
+            ms = [med[m if dt == "fp32" else f"{m}-{dt}state"] for dt in STATE_DTYPES]
+            row = (f"| {model_name} {bs}x{sl} | {m} | " + " | ".join(f"{x:.1f}" for x in ms) + " | "
+                   + " | ".join(f"{ms[0] / x:.2f}x" for x in ms[1:]) + " |")
+            print(row, flush=True)
+            rows.append(row)
+    head = ("| model, batch | mode | fp32 state ms | bf16 state ms | int8 state ms | fp32 / bf16 state "
+            "| fp32 / int8 state |")
     body = (f"## Pipeline step time by state dtype (scripts/bench_pipeline.py --state-dtypes)\n\n{machine_line()}; "
-            f"{a.dtype}; clip 1.0; DPU with weight prediction (so its master stays fp32: 20 B/param moved, not 18); "
-            f"median of {a.steps} x {a.passes} interleaved steps per variant; server on core {sorted(server_cores)}, "
-            f"worker on core {sorted(worker_cores)}, one thread each.\n\n"
-            + "\n".join([head, "|" + "---|" * 10, *rows]) + "\n")
+            f"{a.dtype}; clip 1.0; DPU with weight prediction (so its master stays fp32: 20 and 16 B/param moved, "
+            f"not 18 and 14); median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
+            f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
+            + "\n".join([head, "|" + "---|" * 7, *rows]) + "\n")
     if not a.no_write:
         update_section("bench_pipeline_state", body)
     return 0

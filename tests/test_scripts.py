@@ -30,7 +30,7 @@ def test_bench_adam_tiny():
 
 def test_bench_adam_state_dtypes_tiny():
     out = run("bench_adam.py", "--state-dtypes", "--sizes", "64K", "--threads", "1", "--reps", "1", "--no-write")
-    for state in ("fp32", "bf16", "bf16-exact"):
+    for state in ("fp32", "bf16", "bf16-exact", "int8", "int8-exact"):
         assert any(line.startswith(f"| 64K | 1 | {state} |") for line in out.splitlines()), state
 
 
@@ -45,14 +45,16 @@ def test_bench_pipeline_tiny():
     assert "| tiny 1x8 |" in out
     out = run("bench_pipeline.py", "--state-dtypes", "--settings", "tiny:1x8", "--steps", "2", "--passes", "1",
               "--warm", "3", "--no-write")
-    row = next(line for line in out.splitlines() if line.startswith("| tiny 1x8 |"))
-    assert row.count("|") == 11
+    for mode in ("sync", "dpu", "overlap"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| tiny 1x8 | {mode} |"))
+        assert row.count("|") == 8
 
 
 def test_bench_memory_tiny():
     out = run("bench_memory.py", "--layers", "1", "--d-model", "64", "--steps", "2", "--no-write")
     for variant in ("baseline", "offload-sync", "offload-sync-copy", "offload-dpu", "offload-dpu-copy",
-                    "offload-sync-bf16state", "offload-dpu-copy-bf16state"):
+                    "offload-sync-bf16state", "offload-dpu-copy-bf16state", "offload-sync-int8state",
+                    "offload-dpu-copy-int8state"):
         assert f"| {variant} |" in out
     assert "params on a 24 GiB host" in out
 
@@ -62,6 +64,7 @@ def test_convergence_tiny():
               "--seq-len", "16", "--batch-size", "2", "--no-write")
     assert "dpu-sim" in out and "| default | tiny |" in out
     assert "sync-bf16state vs sync: validation gap" in out
+    assert "sync-int8state vs sync: validation gap" in out
 
 
 def test_trace_tools(tmp_path):
