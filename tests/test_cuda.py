@@ -174,3 +174,24 @@ def test_device_memory_of_a_25m_model_is_the_16_bit_weights():
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         assert held <= 2 * eng.flat.padded_numel * 1.05 + (4 << 20), held / n
+
+
+@pytest.mark.parametrize("sd,dpu", [("bf16", None), ("bf16", 3), ("int8", None), ("int8", 3)])
+def test_cuda_compact_state_matches_the_cpu_device(sd, dpu):
+    """The compact state on a GPU: the exact master's weights slot is copied up and never
+    written by the engine; int8 shards are whole blocks.  Against the same run with the
+    CPU as the device (the kernels and the server are the same; only the forward and
+    backward run elsewhere, so the gradients differ by their matmuls' rounding)."""
+    from tests.helpers.models import flat_master
+    res = {}
+    for device in ("cpu", "cuda"):
+        model = gpt()
+        p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        cfg = OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16", server_threads=1, state_dtype=sd,
+                            dpu=dpu is not None, dpu_warmup_steps=dpu or 1)
+        with OffloadEngine(model.to(device), cfg) as eng:
+            assert eng.cfg.exact_master
+            losses = train_engine(eng, gpt_batch, 20, "bf16")
+            res[device] = (losses, flat_master(eng).cpu())
+    assert rel_err(res["cuda"][1] - p0, res["cpu"][1] - p0) < (0.3 if sd == "int8" else 0.1)
+    assert max(abs(a - b) for a, b in zip(res["cuda"][0], res["cpu"][0])) < 0.05
