@@ -272,3 +272,29 @@ def test_loading_a_stale_fp32_checkpoint_keeps_the_exact_master(tmp_path):
         got = eng.master_state_dict()
     for n, w in want.items():
         assert torch.equal(got[n].view(torch.int32), w.view(torch.int32)), n
+
+
+def test_int8_parameter_without_a_gradient_stays_while_its_block_trains(tmp_path):
+    """A parameter no forward uses (so its grad stays None) lies first in the flat space,
+    in one int8 block with parameters that train: its master and weights stay the
+    initial ones bit for bit and its moments stay zero (the kernel keeps that segment);
+    the others train as with fp32 state."""
+    def model_with_unused():
+        m = gpt()
+        m.unused = torch.nn.Linear(8, 5)  # registered last: the front of the flat space
+        return m
+    ref_losses, _, _ = train(model_with_unused(), 12, state_dtype="fp32")
+    model = model_with_unused()
+    want = model.unused.weight.detach().clone()
+    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="int8")) as eng:
+        assert eng.flat.spans[0].param is eng.model.unused.bias  # the first span: shares block 0
+        losses = train_engine(eng, gpt_batch, 12, "bf16")
+        got = eng.master_state_dict()["unused.weight"]
+        w16 = eng.model.unused.weight.detach().clone()
+        n_unused = eng.flat.spans[0].numel + eng.flat.spans[1].numel
+        state = shard_arrays(eng.save_checkpoint(str(tmp_path)))
+    assert not state["r0.exp_avg"][:n_unused].any() and not state["r0.exp_avg_sq"][:n_unused].any()
+    assert state["r0.exp_avg_sq"][n_unused:256].any()  # the rest of block 0 did train
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(w16, want.to(torch.bfloat16))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 0.08
