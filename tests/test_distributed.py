@@ -155,17 +155,19 @@ def _flat(sd):
     return torch.cat([v.reshape(-1) for v in sd.values()])
 
 
-def test_checkpoint_of_two_ranks_resumes_on_one_and_back(tmp_path):
+@pytest.mark.parametrize("state", ["", "int8state-"])
+def test_checkpoint_of_two_ranks_resumes_on_one_and_back(tmp_path, state):
     """A DPU checkpoint (an update landed, not yet on the device) saved by 2 ranks
     loads on 1 rank: master, m, v, device and pending weights bitwise as saved, and
     the next steps match the 2 ranks' own continuation.  Saved again by that rank,
-    it loads on 2 ranks bitwise."""
-    p = launch(tmp_path, "save-dpu", 7)
+    it loads on 2 ranks bitwise.  int8state: the 2 ranks' shards are padded to whole
+    blocks, the one rank's is not; the blocks' scales are read across the files."""
+    p = launch(tmp_path, f"save-{state}dpu", 7)
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
     saved = torch.load(tmp_path / "rank0.pt")
     model = make_model()
-    with OffloadEngine(model, config("load-dpu")) as eng:
+    with OffloadEngine(model, config(f"load-{state}dpu")) as eng:
         eng.load_checkpoint(str(tmp_path / "ckpt"))
         assert eng.iteration == 7 and eng.cycle.landed  # DPU: update 7 landed, its weights still pending
         assert torch.equal(_flat(eng.master_state_dict()), _flat(saved["master"]))
@@ -180,15 +182,16 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_back(tmp_path):
         eng.save_checkpoint(str(tmp_path / "ckpt1"))
         w_one = {k: v.detach().clone() for k, v in model.state_dict().items()}
     # the 2 ranks' own continuation from the same checkpoint
-    p = launch(tmp_path, "load-dpu", 3)
+    p = launch(tmp_path, f"load-{state}dpu", 3)
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
     two = _flat(torch.load(tmp_path / "rank0.pt")["master"])
-    assert rel_err(one - p0, two - p0) < 2e-2  # bf16 gradients averaged across ranks round differently
+    # bf16 gradients averaged across ranks round differently (and int8 then draws differently)
+    assert rel_err(one - p0, two - p0) < (6e-2 if state else 2e-2)
     # and back: the 1-rank checkpoint on 2 ranks
     os.replace(tmp_path / "ckpt", tmp_path / "ckpt2")
     os.replace(tmp_path / "ckpt1", tmp_path / "ckpt")
-    p = launch(tmp_path, "load-dpu", 0)
+    p = launch(tmp_path, f"load-{state}dpu", 0)
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out
     for r in range(2):

@@ -218,6 +218,7 @@ def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
     from optimizer_server.state import bytes_per_param
     assert bytes_per_param("adamw") == 12 and bytes_per_param("adamw", "bf16", True) == 6
     assert bytes_per_param("adamw", "bf16", False) == 8 and bytes_per_param("lion") == 8
+    assert bytes_per_param("adamw", "int8", True) == 4 + 8 / 256  # codes, remainder, a scale per 256 each
     n = 1 << 30
     monkeypatch.setattr(admission, "read_mem_available", lambda: 14 * n)
     monkeypatch.setattr(admission, "shm_free_bytes", lambda: None)
@@ -231,3 +232,7 @@ def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
     with pytest.raises(admission.Refused, match="frees"):
         admission.admit(hello(frees_bytes=2 * n), token="t", max_ram_fraction=0.9)  # 16 > 0.9 * 16
     admission.admit(hello(frees_bytes=4 * n), token="t", max_ram_fraction=0.9)  # 16 <= 0.9 * 18
+    monkeypatch.setattr(admission, "read_mem_available", lambda: 9 * n)
+    with pytest.raises(admission.Refused, match="state_dtype='int8'"):  # bf16: 10 B > 0.9 * 9, names int8
+        admission.admit(hello(state_dtype="bf16", exact_master=True), token="t", max_ram_fraction=0.9)
+    admission.admit(hello(state_dtype="int8", exact_master=True), token="t", max_ram_fraction=0.9)  # 8.03 B
