@@ -416,55 +416,94 @@ def rounding_key(step, seed=0):
     return int(zo_mix32(s + <unsigned int>(step & 0xffffffff) * 0x9e3779b9u))
 
 
-cdef _Call _prepare16(param, exp_avg, exp_avg_sq, grad, param_out, master_hi, grad_dtype, out_dtype, predict,
-                      rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
-                      progress_base, zo_state16 *s):
-    """The compact-state kernels' preamble (exp_avg_sq None: Lion): every buffer and
-    keyword validated, and s filled, before anything is written."""
-    cdef _Buf bp = _get(param, "param", True)
-    cdef Py_ssize_t n = bp.n
-    cdef bint exact = bp.fmt in ("H", "h") and bp.itemsize == 2
-    if not exact:
-        _check_f32(bp, "param")
-    cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
-    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n) if exp_avg_sq is not None else None
-    cdef _Buf bg = _get(grad, "grad", False)
-    _check_len(bg, "grad", n)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
-    cdef _Buf bo = _get(param_out, "param_out", True)
-    cdef int ok = _kind_of(bo, "param_out", out_dtype, "out_dtype", False)
-    _check_len(bo, "param_out", n)
-    cdef _Buf bh = None
-    if exact:
+cdef class _Compact:
+    """The buffers every compact-state kernel takes, validated: the master (float32, or
+    the exact master's uint16 low halves with master_hi, its high halves), the gradient
+    and the weights out, of one length."""
+    cdef _Buf p, g, o, bh
+    cdef int gk, ok
+    cdef Py_ssize_t n
+    cdef bint exact
+
+
+cdef _Compact _compact(param, grad, param_out, master_hi, grad_dtype, out_dtype, predict):
+    cdef _Compact c = _Compact()
+    c.p = _get(param, "param", True)
+    c.n = c.p.n
+    c.exact = c.p.fmt in ("H", "h") and c.p.itemsize == 2
+    if not c.exact:
+        _check_f32(c.p, "param")
+    c.g = _get(grad, "grad", False)
+    _check_len(c.g, "grad", c.n)
+    c.gk = _kind_of(c.g, "grad", grad_dtype, "grad_dtype", True)
+    c.o = _get(param_out, "param_out", True)
+    c.ok = _kind_of(c.o, "param_out", out_dtype, "out_dtype", False)
+    _check_len(c.o, "param_out", c.n)
+    c.bh = None
+    if c.exact:
         if master_hi is None:
             raise TypeError("param holds 16-bit words (the exact master's low halves): pass master_hi, the "
                             "bf16 weights of the last update, too (or a float32 param for an fp32 master)")
-        if ok != ZO_BF16:
+        if c.ok != ZO_BF16:
             raise ValueError("the exact master is for bf16 weights: param_out must be bf16 (out_dtype='bf16'); "
                              "fp16 weights need an fp32 master")
         if _finite(predict, "predict") != 0.0:
             raise ValueError("predict needs an fp32 master (the weights slot must hold the master's high half)")
-        bh = _words(master_hi, "master_hi", False, n)
+        c.bh = _words(master_hi, "master_hi", False, c.n)
     elif master_hi is not None:
         raise TypeError("master_hi goes with the exact master (param as 16-bit low halves); param is float32")
+    return c
+
+
+cdef _Compact _probe_buffers(param, grad, param_out, master_hi):
+    """A bandwidth probe's master (float32, or with master_hi 16-bit words), gradient
+    and weights (16-bit words), of one length."""
+    cdef _Compact c = _Compact()
+    c.p = _get(param, "param", True)
+    c.n = c.p.n
+    c.exact = master_hi is not None
+    if c.exact:
+        c.p = _words(param, "param", True, c.n)
+    else:
+        _check_f32(c.p, "param")
+    c.g = _words(grad, "grad", False, c.n)
+    c.o = _words(param_out, "param_out", True, c.n)
+    c.bh = _words(master_hi, "master_hi", False, c.n) if c.exact else None
+    return c
+
+
+cdef _check_rounding(rounding, sr_key, index_base):
+    """The stochastic rounding's keywords (adam_step_bf16 says what they mean)."""
     if rounding not in _ROUNDINGS:
         raise ValueError(f"rounding must be one of {sorted(_ROUNDINGS)}, got {rounding!r}")
     if not isinstance(sr_key, int) or isinstance(sr_key, bool) or not 0 <= sr_key < (1 << 32):
         raise ValueError(f"sr_key must be an int in [0, 2**32), got {sr_key!r}")
     if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
         raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+
+
+cdef _Call _prepare16(param, exp_avg, exp_avg_sq, grad, param_out, master_hi, grad_dtype, out_dtype, predict,
+                      rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
+                      progress_base, zo_state16 *s):
+    """The bf16-state kernels' preamble (exp_avg_sq None: Lion): every buffer and
+    keyword validated, and s filled, before anything is written."""
+    cdef _Compact cp = _compact(param, grad, param_out, master_hi, grad_dtype, out_dtype, predict)
+    cdef Py_ssize_t n = cp.n
+    cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
+    cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n) if exp_avg_sq is not None else None
+    _check_rounding(rounding, sr_key, index_base)
     s.m = <unsigned short *>bm.view.buf
     s.v = <unsigned short *>bv.view.buf if bv is not None else NULL
-    s.rem = <unsigned short *>bp.view.buf if exact else NULL
-    s.hi = <const unsigned short *>bh.view.buf if exact else NULL
+    s.rem = <unsigned short *>cp.p.view.buf if cp.exact else NULL
+    s.hi = <const unsigned short *>cp.bh.view.buf if cp.exact else NULL
     s.key = <unsigned int>sr_key
     s.index_base = <unsigned int>(index_base & 0xffffffff)
     s.rounding = _ROUNDINGS[rounding]
     cdef _Call c = _Call()
-    c.p, c.s1, c.s2, c.g, c.o = bp, bm, bv, bg, bo  # held until the call returns
-    c.gk, c.ok, c.n, c.nt = gk, ok, n, _threads(num_threads)
+    c.p, c.s1, c.s2, c.g, c.o = cp.p, bm, bv, cp.g, cp.o  # held until the call returns
+    c.gk, c.ok, c.n, c.nt = cp.gk, cp.ok, n, _threads(num_threads)
     c.pg = _progress(progress, progress_tag, progress_block, n, progress_base)
-    c.bh = bh
+    c.bh = cp.bh
     return c
 
 
@@ -545,18 +584,15 @@ def stream_probe_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=
     """Bandwidth probe of adam_step_bf16's access pattern (the same buffers, integer
     arithmetic): 18 B/element with the exact master, 20 with an fp32 one.  Modifies
     its buffers."""
-    cdef _Buf bp = _get(param, "param", True)
-    cdef Py_ssize_t n = bp.n
-    cdef bint exact = master_hi is not None
-    if exact:
-        bp = _words(param, "param", True, n)
-    else:
-        _check_f32(bp, "param")
+    cdef _Compact cp = _probe_buffers(param, grad, param_out, master_hi)
+    cdef Py_ssize_t n = cp.n
+    cdef bint exact = cp.exact
+    cdef _Buf bp = cp.p
     cdef _Buf bm = _words(exp_avg, "exp_avg", True, n)
     cdef _Buf bv = _words(exp_avg_sq, "exp_avg_sq", True, n)
-    cdef _Buf bg = _words(grad, "grad", False, n)
-    cdef _Buf bo = _words(param_out, "param_out", True, n)
-    cdef _Buf bh = _words(master_hi, "master_hi", False, n) if exact else None
+    cdef _Buf bg = cp.g
+    cdef _Buf bo = cp.o
+    cdef _Buf bh = cp.bh
     cdef zo_state16 s
     s.m = <unsigned short *>bm.view.buf
     s.v = <unsigned short *>bv.view.buf
@@ -974,34 +1010,12 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
     kept and updated elements re-encodes the kept ones with its new scale.
     progress_block is rounded up to whole blocks.
     """
-    cdef _Buf bp = _get(param, "param", True)
-    cdef Py_ssize_t n = bp.n
-    cdef bint exact = bp.fmt in ("H", "h") and bp.itemsize == 2
-    if not exact:
-        _check_f32(bp, "param")
+    cdef _Compact cp = _compact(param, grad, param_out, master_hi, grad_dtype, out_dtype, predict)
+    cdef Py_ssize_t n = cp.n
     cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
     cdef _Buf bv = _codes(exp_avg_sq, "exp_avg_sq", True, n)
     cdef _Buf bms = _scales(exp_avg_scale, "exp_avg_scale", True, n)
     cdef _Buf bvs = _scales(exp_avg_sq_scale, "exp_avg_sq_scale", True, n)
-    cdef _Buf bg = _get(grad, "grad", False)
-    _check_len(bg, "grad", n)
-    cdef int gk = _kind_of(bg, "grad", grad_dtype, "grad_dtype", True)
-    cdef _Buf bo = _get(param_out, "param_out", True)
-    cdef int ok = _kind_of(bo, "param_out", out_dtype, "out_dtype", False)
-    _check_len(bo, "param_out", n)
-    cdef _Buf bh = None
-    if exact:
-        if master_hi is None:
-            raise TypeError("param holds 16-bit words (the exact master's low halves): pass master_hi, the "
-                            "bf16 weights of the last update, too (or a float32 param for an fp32 master)")
-        if ok != ZO_BF16:
-            raise ValueError("the exact master is for bf16 weights: param_out must be bf16 (out_dtype='bf16'); "
-                             "fp16 weights need an fp32 master")
-        if _finite(predict, "predict") != 0.0:
-            raise ValueError("predict needs an fp32 master (the weights slot must hold the master's high half)")
-        bh = _words(master_hi, "master_hi", False, n)
-    elif master_hi is not None:
-        raise TypeError("master_hi goes with the exact master (param as 16-bit low halves); param is float32")
     if segments is None:
         if step is None or lr is None:
             raise TypeError("adam_step_int8 needs step and lr (or segments)")
@@ -1009,12 +1023,7 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
                                 weight_decay=weight_decay))] if n else []
     elif step is not None or lr is not None:
         raise TypeError("give step and lr, or segments with their own, not both")
-    if rounding not in _ROUNDINGS:
-        raise ValueError(f"rounding must be one of {sorted(_ROUNDINGS)}, got {rounding!r}")
-    if not isinstance(sr_key, int) or isinstance(sr_key, bool) or not 0 <= sr_key < (1 << 32):
-        raise ValueError(f"sr_key must be an int in [0, 2**32), got {sr_key!r}")
-    if not isinstance(index_base, int) or isinstance(index_base, bool) or index_base < 0:
-        raise ValueError(f"index_base must be an int >= 0, got {index_base!r}")
+    _check_rounding(rounding, sr_key, index_base)
     cdef _Progress pg = _progress(progress, progress_tag, progress_block, n, progress_base)
     cdef int nt = _threads(num_threads)
     if n == 0:
@@ -1027,14 +1036,16 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
     s.v = <unsigned char *>bv.view.buf
     s.ms = <float *>bms.view.buf
     s.vs = <float *>bvs.view.buf
-    s.rem = <unsigned short *>bp.view.buf if exact else NULL
-    s.hi = <const unsigned short *>bh.view.buf if exact else NULL
+    s.rem = <unsigned short *>cp.p.view.buf if cp.exact else NULL
+    s.hi = <const unsigned short *>cp.bh.view.buf if cp.exact else NULL
     s.key = <unsigned int>sr_key
     s.index_base = <unsigned int>(index_base & 0xffffffff)
     s.rounding = _ROUNDINGS[rounding]
-    cdef float *p = NULL if exact else <float *>bp.view.buf
-    cdef const void *g = bg.view.buf
-    cdef void *o = bo.view.buf
+    cdef float *p = NULL if cp.exact else <float *>cp.p.view.buf
+    cdef const void *g = cp.g.view.buf
+    cdef void *o = cp.o.view.buf
+    cdef int gk = cp.gk
+    cdef int ok = cp.ok
     cdef int level = _level
     cdef uint64_t *word = pg.word
     cdef uint64_t tagbits = pg.tagbits
@@ -1108,25 +1119,17 @@ def stream_probe_int8(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=
     """Bandwidth probe of adam_step_int8's access pattern (integer arithmetic on the
     same buffers): 14 B/element with the exact master, 16 with an fp32 one.
     Modifies its buffers."""
-    cdef _Buf bp = _get(param, "param", True)
-    cdef Py_ssize_t n = bp.n
-    cdef bint exact = master_hi is not None
-    if exact:
-        bp = _words(param, "param", True, n)
-    else:
-        _check_f32(bp, "param")
+    cdef _Compact cp = _probe_buffers(param, grad, param_out, master_hi)
+    cdef Py_ssize_t n = cp.n
     cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
     cdef _Buf bv = _codes(exp_avg_sq, "exp_avg_sq", True, n)
-    cdef _Buf bg = _words(grad, "grad", False, n)
-    cdef _Buf bo = _words(param_out, "param_out", True, n)
-    cdef _Buf bh = _words(master_hi, "master_hi", False, n) if exact else None
-    cdef unsigned int *p = NULL if exact else <unsigned int *>bp.view.buf
-    cdef unsigned short *rem = <unsigned short *>bp.view.buf if exact else NULL
-    cdef const unsigned short *hi16 = <const unsigned short *>bh.view.buf if exact else NULL
+    cdef unsigned int *p = NULL if cp.exact else <unsigned int *>cp.p.view.buf
+    cdef unsigned short *rem = <unsigned short *>cp.p.view.buf if cp.exact else NULL
+    cdef const unsigned short *hi16 = <const unsigned short *>cp.bh.view.buf if cp.exact else NULL
     cdef unsigned char *m = <unsigned char *>bm.view.buf
     cdef unsigned char *v = <unsigned char *>bv.view.buf
-    cdef const unsigned short *g = <const unsigned short *>bg.view.buf
-    cdef unsigned short *o = <unsigned short *>bo.view.buf
+    cdef const unsigned short *g = <const unsigned short *>cp.g.view.buf
+    cdef unsigned short *o = <unsigned short *>cp.o.view.buf
     cdef int nt = _threads(num_threads)
     cdef int level = _level
     cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK

@@ -64,8 +64,8 @@ class ShardLayout:
     gradient slot, one weights slot) = 16; +2 for a second gradient slot, +2 for a
     second weights slot (which spares the CPU worker its own copy of the model).
     With state_dtype="bf16" and the exact master the private part is 6, so 10 in
-    all: the weights slot then also holds the master's high halves, and only the
-    server writes it (optimizer_server.state).
+    all (int8: 4.03, so 8.03): the weights slot then also holds the master's high
+    halves, and only the server writes it (optimizer_server.state).
     """
 
     numel: int

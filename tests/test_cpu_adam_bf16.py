@@ -7,23 +7,12 @@ never change a bit; bad calls refused before anything is written.
 """
 import numpy as np
 import pytest
-import torch
 
 from tests.helpers import seeded_rng
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
+from tests.helpers.words import adamw_f64, bf16_words, widen
 
 from cython_ext import cpu_adam as ca
-
-
-
-def bf16_words(x) -> np.ndarray:
-    """fp32 -> bf16 words, round to nearest even (torch's cast)."""
-    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16)
-    return t.view(torch.int16).numpy().view(np.uint16).copy()
-
-
-def widen(w: np.ndarray) -> np.ndarray:
-    return (w.astype(np.uint32) << 16).view(np.float32)
 
 
 def grads(rng, n, steps, scale=0.1):
@@ -65,20 +54,6 @@ def run_bf16(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
         return (p, m, v, out, seen) if record else (p, m, v, out)
     finally:
         ca.set_simd_level(prev)
-
-
-def adam_f64(p0, gs, *, lr=1e-3, wd=0.01, b1=0.9, b2=0.999, eps=1e-8):
-    """AdamW in float64 (torch's formula) on the same gradients: the reference."""
-    p = p0.astype(np.float64)
-    m = np.zeros_like(p)
-    v = np.zeros_like(p)
-    for t, g in enumerate(gs, 1):
-        gf = widen(g).astype(np.float64)
-        p *= 1 - lr * wd
-        m = b1 * m + (1 - b1) * gf
-        v = b2 * v + (1 - b2) * gf * gf
-        p -= lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
-    return p, m, v
 
 
 @pytest.mark.parametrize("n,index_base", [(1, 0), (15, 3), (17, 0), (1000, 5), (100_003, 2**32 - 7)])
@@ -132,7 +107,7 @@ def test_bf16_moments_track_adam_in_float64(level, rounding):
     p0 = rng.standard_normal(n).astype(np.float32)
     gs = grads(rng, n, 200)
     p, m, v, _ = run_bf16(p0, gs, exact=True, level=level, rounding=rounding)
-    rp, rm, rv = adam_f64(p0, gs)
+    rp, rm, rv = adamw_f64(p0, gs)
     err = np.linalg.norm(p - rp) / np.linalg.norm(rp - p0)
     print(f"displacement rel err {err:.2e}")
     assert err < 1e-2
@@ -204,15 +179,7 @@ def test_fp16_gradients_with_an_fp32_master(level):
         finally:
             ca.set_simd_level(prev)
     p, m, v, out, pp = run(level)
-    ref = p0.astype(np.float64)
-    mm = np.zeros(n)
-    vv = np.zeros(n)
-    for t, g in enumerate(gs, 1):  # float64 AdamW on the fp16 gradients
-        gf = g.astype(np.float64)
-        ref *= 1 - 1e-3 * 0.01
-        mm = 0.9 * mm + 0.1 * gf
-        vv = 0.999 * vv + 0.001 * gf * gf
-        ref -= 1e-3 / (1 - 0.9 ** t) * mm / (np.sqrt(vv) / np.sqrt(1 - 0.999 ** t) + 1e-8)
+    ref, _, _ = adamw_f64(p0, gs)  # float64 AdamW on the fp16 gradients
     assert np.linalg.norm(p - ref) / np.linalg.norm(ref - p0) < 1e-2
     want = (p + np.float32(0.5) * (p - pp)).astype(np.float16)  # the predicted weights, rounded once
     assert np.mean(out != want) < 1e-3  # the kernel rounds p + 0.5 (p - p_prev) in fp32 first

@@ -9,23 +9,14 @@ anything is written.
 """
 import numpy as np
 import pytest
-import torch
 
 from tests.helpers import seeded_rng
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
+from tests.helpers.words import adamw_f64, bf16_words, widen
 
 from cython_ext import cpu_adam as ca
 
 Q = ca.QBLOCK
-
-
-def bf16_words(x) -> np.ndarray:
-    t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(torch.bfloat16)
-    return t.view(torch.int16).numpy().view(np.uint16).copy()
-
-
-def widen(w: np.ndarray) -> np.ndarray:
-    return (w.astype(np.uint32) << 16).view(np.float32)
 
 
 def spread_grads(rng, n, steps, sigma=1.0):
@@ -74,19 +65,6 @@ def run_int8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
         ca.set_simd_level(prev)
 
 
-def adam_f64(p0, gs, *, lr=1e-3, wd=0.01, b1=0.9, b2=0.999, eps=1e-8):
-    p = p0.astype(np.float64)
-    m = np.zeros_like(p)
-    v = np.zeros_like(p)
-    for t, g in enumerate(gs, 1):
-        gf = widen(g).astype(np.float64)
-        p *= 1 - lr * wd
-        m = b1 * m + (1 - b1) * gf
-        v = b2 * v + (1 - b2) * gf * gf
-        p -= lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
-    return p, m, v
-
-
 def decoded(codes, scales, moment):
     out = np.empty(codes.size, np.float32)
     ca.dequantize_int8(codes, scales, out, moment=moment)
@@ -104,7 +82,7 @@ def test_int8_moments_track_adam_in_float64(level, rounding):
     p0 = rng.standard_normal(n).astype(np.float32)
     gs = spread_grads(rng, n, 200)
     p, m, v, ms, vs, _ = run_int8(p0, gs, exact=True, level=level, rounding=rounding)
-    rp, rm, rv = adam_f64(p0, gs)
+    rp, rm, rv = adamw_f64(p0, gs)
     err = np.linalg.norm(p - rp) / np.linalg.norm(rp - p0)
     verr = np.linalg.norm(decoded(v, vs, "exp_avg_sq") - rv) / np.linalg.norm(rv)
     merr = np.linalg.norm(decoded(m, ms, "exp_avg") - rm) / np.linalg.norm(rm)
@@ -195,14 +173,7 @@ def test_fp16_gradients_with_an_fp32_master_and_prediction(level):
         finally:
             ca.set_simd_level(prev)
     got = run(level)
-    ref = p0.astype(np.float64)
-    mm, vv = np.zeros(n), np.zeros(n)
-    for t, g in enumerate(gs, 1):
-        gf = g.astype(np.float64)
-        ref *= 1 - 1e-3 * 0.01
-        mm = 0.9 * mm + 0.1 * gf
-        vv = 0.999 * vv + 0.001 * gf * gf
-        ref -= 1e-3 / (1 - 0.9 ** t) * mm / (np.sqrt(vv) / np.sqrt(1 - 0.999 ** t) + 1e-8)
+    ref, _, _ = adamw_f64(p0, gs)  # float64 AdamW on the fp16 gradients
     err = np.linalg.norm(got[0] - ref) / np.linalg.norm(ref - p0)
     print(f"displacement rel err {err:.2e}")
     assert err < 1e-1

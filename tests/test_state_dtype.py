@@ -101,19 +101,27 @@ def test_checkpoint_resume_is_bitwise(tmp_path, sd, variant):
     assert ("r0.exp_avg_sq.scale" in state) == (sd == "int8")
 
 
-def test_checkpoint_converts_between_state_dtypes_on_load(tmp_path):
-    """fp32 state -> bf16 (moments rounded to nearest, as torch rounds; the master
-    exact) -> fp32 (moments widened exactly), and training goes on from each."""
-    model = gpt()
+def convert_fp32_checkpoint(tmp_path, model, sd):
+    """8 steps with fp32 state saved as "a", loaded with state dtype sd (the master must
+    come back bit for bit) and saved again as "b", then 4 more steps: (a's arrays, b's
+    arrays, those 4 losses)."""
     with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="fp32")) as eng:
         train_engine(eng, gpt_batch, 8, "bf16")
         a = shard_arrays(eng.save_checkpoint(str(tmp_path / "a")))
         master_a = flat_master(eng)
-    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="bf16")) as eng:
+    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype=sd)) as eng:
         eng.load_checkpoint(str(tmp_path / "a"))
         assert torch.equal(flat_master(eng), master_a)
         b = shard_arrays(eng.save_checkpoint(str(tmp_path / "b")))
         more = train_engine(eng, gpt_batch, 4, "bf16", start=9)
+    return a, b, more
+
+
+def test_checkpoint_converts_between_state_dtypes_on_load(tmp_path):
+    """fp32 state -> bf16 (moments rounded to nearest, as torch rounds; the master
+    exact) -> fp32 (moments widened exactly), and training goes on from each."""
+    model = gpt()
+    a, b, more = convert_fp32_checkpoint(tmp_path, model, "bf16")
     for name in ("exp_avg", "exp_avg_sq"):
         want = torch.from_numpy(a[f"r0.{name}"]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         assert np.array_equal(b[f"r0.{name}"], want), name
@@ -149,15 +157,7 @@ def test_checkpoint_converts_to_and_from_int8_on_load(tmp_path):
     training goes on from each.  The reference for the decoded values: the codes and
     scales the int8 checkpoint itself holds, decoded by float64 arithmetic."""
     model = gpt()
-    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="fp32")) as eng:
-        train_engine(eng, gpt_batch, 8, "bf16")
-        a = shard_arrays(eng.save_checkpoint(str(tmp_path / "a")))
-        master_a = flat_master(eng)
-    with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="int8")) as eng:
-        eng.load_checkpoint(str(tmp_path / "a"))
-        assert torch.equal(flat_master(eng), master_a)
-        b = shard_arrays(eng.save_checkpoint(str(tmp_path / "b")))
-        more = train_engine(eng, gpt_batch, 4, "bf16", start=9)
+    a, b, more = convert_fp32_checkpoint(tmp_path, model, "int8")
     for name in ("exp_avg", "exp_avg_sq"):
         codes, scales = int8_of(a[f"r0.{name}"], name)
         assert np.array_equal(b[f"r0.{name}"], codes) and np.array_equal(b[f"r0.{name}.scale"], scales), name
