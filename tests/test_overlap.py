@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runtime import OffloadConfig, OffloadEngine
+from runtime.demo.gpt import GPT, GPTConfig
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, train_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,12 +88,21 @@ def test_overlap_is_bitwise_sync(tmp_path, case):
     assert over[4]["updates"] == sync[4]["updates"]
 
 
+def wide_gpt():
+    """The test transformer 8x wider (1.6M parameters): its scalar update takes ~10 ms,
+    far longer than the worker's gap between one step() and the next forward, so the
+    forward catches up with the update whatever else the machine is doing (with the
+    40K-parameter one, a loaded machine's gap outlasted the whole update)."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=256, seq_len=16))
+
+
 def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypatch):
     """The scalar kernel (several times slower): the forward's hooks must wait for their
     weights, and the result is still sync's."""
     monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "scalar")
-    sync = run(tmp_path, gpt, gpt_batch, "bf16", False, clip_grad_norm=1.2)
-    over = run(tmp_path, gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2)
+    sync = run(tmp_path, wide_gpt, gpt_batch, "bf16", False, clip_grad_norm=1.2)
+    over = run(tmp_path, wide_gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2)
     assert over[0] == sync[0] and over[2] == sync[2]
     assert over[4]["overlap_wait_s"] > 0
 
