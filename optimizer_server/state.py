@@ -244,12 +244,22 @@ class ShardStateArrays:
         return crc
 
     @staticmethod
+    def file_layout(names: list, dtypes: dict, per_file: int) -> tuple[dict, int]:
+        """Where each array of a shard file starts ("NAME.scale": an int8 array's scales,
+        after all the arrays), and the file's length in bytes."""
+        at, pos = {}, 0
+        for name in names:
+            at[name] = pos
+            pos += per_file * ITEM_BYTES[dtypes.get(name, "fp32")]
+        for name in names:
+            if dtypes.get(name, "fp32") == "int8":
+                at[name + ".scale"] = pos
+                pos += 4 * nblocks(per_file)
+        return at, pos
+
+    @staticmethod
     def file_bytes(names: list, dtypes: dict, per_file: int) -> int:
-        total = 0
-        for n in names:
-            dt = dtypes.get(n, "fp32")
-            total += per_file * ITEM_BYTES[dt] + (4 * nblocks(per_file) if dt == "int8" else 0)
-        return total
+        return ShardStateArrays.file_layout(names, dtypes, per_file)[1]
 
     def read_from(self, bins: list, per_file: int, dtypes: dict, lo: int, slots: list, load_slot: int,
                   threads: int) -> None:
@@ -257,15 +267,7 @@ class ShardStateArrays:
         `dtypes` (converting where they differ from this shard's); straight into the
         state where the dtypes agree, through one bounded buffer where they do not."""
         n = self.numel
-        base = 0
-        bases = {}
-        for name in self.names:  # where each array (then each int8 array's scales) starts
-            bases[name] = base
-            base += per_file * ITEM_BYTES[dtypes.get(name, "fp32")]
-        for name in self.names:
-            if dtypes.get(name, "fp32") == "int8":
-                bases[name + ".scale"] = base
-                base += 4 * nblocks(per_file)
+        bases, _ = self.file_layout(self.names, dtypes, per_file)
         for name in self.names:
             src_dt = dtypes.get(name, "fp32")
             src = _Source(bins, per_file, bases[name], bases.get(name + ".scale"), src_dt, name)
