@@ -51,7 +51,8 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
                                 "(ZERO_OFFLOAD_TOKEN)")
     layout = ShardLayout(numel=msg.numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
-    need = int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
+    need = (int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
+            + msg.undo_log_bytes)  # the undo log may fill entirely
     # the worker's fp32 model is resident now and goes once INIT has cast it (frees_bytes):
     # what the shard may count on is what is free after that
     avail = read_mem_available() + msg.frees_bytes
@@ -66,7 +67,8 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
                                     f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
                                     f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up; "
-                                    f"use {smaller}more ranks/nodes or a smaller model (where RAM grows as it is "
+                                    f"use {smaller}{'a smaller undo_log_bytes, ' if msg.undo_log_bytes else ''}"
+                                    f"more ranks/nodes or a smaller model (where RAM grows as it is "
                                     f"used, as in some VMs, ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this check off)")
     free = shm_free_bytes()
     if free is not None and layout.total_bytes > free:

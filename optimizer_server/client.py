@@ -51,7 +51,8 @@ class ShardClient:
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
                  heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
                  weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0,
-                 state_dtype: str = "fp32", exact_master: bool = False, frees_bytes: int = 0):
+                 state_dtype: str = "fp32", exact_master: bool = False, frees_bytes: int = 0,
+                 undo_log_bytes: int = 0):
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -71,7 +72,7 @@ class ShardClient:
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
                         progress_block=progress_block, weight_slots=weight_slots, grad_slots=grad_slots,
                         staging_numel=staging_numel, state_dtype=state_dtype, exact_master=exact_master,
-                        frees_bytes=frees_bytes)
+                        frees_bytes=frees_bytes, undo_log_bytes=undo_log_bytes)
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:
@@ -208,6 +209,18 @@ class ShardClient:
                                predict=float(predict), out_slot=out_slot, groups=list(groups or []),
                                reverse=bool(reverse)).encode())
         self._inflight = step
+
+    def speculate(self, step: int, slot: int, lr: float, grad_scale: float, hparams: dict | None, *, upto: int,
+                  predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False) -> None:
+        """SPECULATE (one-way, never answered): the gradients of [0, upto) are final in
+        `slot`, and these are the values step_async is expected to send."""
+        self._check_usable()
+        if self._inflight is not None:
+            raise OptimizerServerError(f"SPECULATE while step {self._inflight} is in flight", code=P.E_ORDER)
+        self._sock.send(P.Speculate(session=self.session, step=step, slot=slot, lr=float(lr),
+                                    grad_scale=float(grad_scale), hparams=dict(hparams or {}),
+                                    predict=float(predict), out_slot=out_slot, groups=list(groups or []),
+                                    reverse=bool(reverse), upto=int(upto)).encode())
 
     def wait_done(self, timeout_s: float | None = None) -> P.Done:
         self._check_usable()

@@ -20,6 +20,8 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
                                         --->    update on a worker thread
                                         (progress word: weights16 final up to here)
                                         <---  DONE(step, update_s)    (weights16 ready)
+      SPECULATE(session, step, ..., upto) --->  (no reply)  grads [0, upto) are in the slot: the
+                                                server may update them now, undo-logged (below)
       SKIP(session, step)               --->  OK        (overflow: state untouched)
       GET_MASTER(session, offset, count) ---> OK        (master[o:o+c] copied into staging)
       SAVE(session, dir) / LOAD(...)    --->  OK
@@ -52,6 +54,16 @@ own lr, betas, eps and weight decay).
 Version 6 gave each STEP.groups range its own Adam step count (`updates`, the
 bias correction's t), 0 meaning the range got no gradient this step and stays
 exactly as it is (torch.optim skips a parameter whose .grad is None).
+Version 10 added speculation: SPECULATE (one-way, never answered) carries the STEP the
+worker expects to send, assuming no clipping and no overflow, and `upto`: the gradients of
+shard elements [0, upto) are final in the slot.  The server may update them at once,
+saving first what it overwrites in an undo log of HELLO.undo_log_bytes (optimizer_server.undo).
+The STEP that follows settles it: where its values equal the assumption over what was
+speculated, that part is kept and only the rest is updated; otherwise the undo log is
+restored first and the whole STEP runs.  Any other request that touches the state (SKIP,
+GET_MASTER, SAVE, LOAD, INIT, BYE) restores it first.  DONE.speculated / rolled_back say
+which happened; a SPECULATE the server cannot use is dropped and counted
+(STATS_OK.speculate_dropped, last_drop_reason), since a hint has nobody to answer.
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
@@ -65,7 +77,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -157,6 +169,7 @@ class Hello(Message):
     state_dtype: str = "fp32"  # the moments' dtype on the server (STATE_DTYPES)
     exact_master: bool = False  # the fp32 master kept as the weights slot's bf16 + a 16-bit remainder
     frees_bytes: int = 0     # host bytes the worker lets go of once INIT is done (its fp32 copy of the model)
+    undo_log_bytes: int = 0  # capacity of the shard's undo log for SPECULATE (0: no speculation)
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")
@@ -172,6 +185,7 @@ class Hello(Message):
         _require(0 <= self.progress_block <= MAX_NUMEL,
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
         _require(0 <= self.frees_bytes < 1 << 62, f"frees_bytes must be >= 0, got {self.frees_bytes}")
+        _require(0 <= self.undo_log_bytes < 1 << 62, f"undo_log_bytes must be >= 0, got {self.undo_log_bytes}")
         _require(self.state_dtype in STATE_DTYPES, f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         _require(self.state_dtype == "fp32" or self.optimizer in COMPACT_OPTIMIZERS,
                  f"state_dtype {self.state_dtype!r} is implemented for {COMPACT_OPTIMIZERS}, not {self.optimizer!r}: "
@@ -281,10 +295,25 @@ class Step(Message):
 
 
 @dataclass(kw_only=True)
+class Speculate(Step):
+    """One-way: the STEP the worker expects to send (its fields), and that the gradients
+    of shard elements [0, upto) are final in `slot`.  Never answered (see the module
+    docstring); each one repeats the whole assumption, so the server keeps no partial one."""
+    TYPE: ClassVar[str] = "SPECULATE"
+    upto: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        _require(0 <= self.upto <= MAX_NUMEL, f"upto must be in [0, {MAX_NUMEL}], got {self.upto}")
+
+
+@dataclass(kw_only=True)
 class Done(Message):
     TYPE: ClassVar[str] = "DONE"
     step: int
     update_s: float
+    speculated: int = 0    # elements updated during backward (SPECULATE) and kept
+    rolled_back: int = 0   # elements speculated, then restored from the undo log and redone
 
 
 @dataclass(kw_only=True)
@@ -340,6 +369,8 @@ class StatsOk(Message):
     bytes_written: int
     threads: int
     simd: str
+    speculate_dropped: int = 0  # SPECULATE messages the server could not use (a hint is not answered)
+    last_drop_reason: str = ""
 
 
 @dataclass(kw_only=True)
@@ -386,7 +417,7 @@ class Error(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloOk, Init, Step, Done, Skip, GetMaster, Save, Load,
+    cls.TYPE: cls for cls in (Hello, HelloOk, Init, Step, Speculate, Done, Skip, GetMaster, Save, Load,
                               Stats, StatsOk, Heartbeat, HeartbeatOk, Bye, Ok, Error)
 }
 

@@ -38,6 +38,7 @@ from .tracing import Tracer
 log = logging.getLogger("optimizer_server")
 
 POLL_INTERVAL_MS = 50            # how often the loop looks at signals and heartbeats
+SETTLE_TIMEOUT_S = 120.0         # bound on the speculative pieces queued before a rollback
 SHUTDOWN_UPDATE_WAIT_S = 30.0    # bound on finishing the update in flight at exit
 
 
@@ -206,8 +207,16 @@ class OptimizerServer:
             return P.HeartbeatOk(server_pid=os.getpid()).encode()
         if isinstance(msg, P.Stats):
             return shard.stats().encode()
+        if isinstance(msg, P.Speculate):  # before STEP's case: SPECULATE is a Step with `upto`
+            self._speculate(session, shard, msg)
+            return None  # a hint: never answered
         if shard.busy:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
+        if shard.speculating and not isinstance(msg, (P.Step, P.Bye)):
+            # what the request reads or replaces must not hold speculated values
+            why = self._settle(session, shard)
+            if why is not None:
+                return P.error(P.E_INTERNAL, why)
         if isinstance(msg, P.Bye):
             self._drop(session, "said BYE", logging.INFO)
             return P.Ok().encode()
@@ -287,6 +296,31 @@ class OptimizerServer:
                          progress_offset=layout.progress_offset,
                          server_pid=os.getpid()).encode()
 
+    # ------------------------------------------------------------------ speculation
+    def _speculate(self, session: str, shard: Shard, msg: P.Speculate) -> None:
+        piece = shard.accept_speculation(msg)
+        if isinstance(piece, str):
+            shard.drop_speculation(piece)
+            log.debug("rank %d: SPECULATE %d dropped: %s", shard.rank, msg.step, piece)
+        elif piece is not None:
+            self.executors[session].submit(self._traced_speculate, shard, msg.step, *piece)
+
+    def _traced_speculate(self, shard: Shard, step: int, a: int, b: int) -> None:
+        with self.tracer.span("speculate", rank=shard.rank, step=step, lo=a, hi=b):
+            shard.speculate(a, b)
+
+    def _settle(self, session: str, shard: Shard) -> str | None:
+        """Roll a speculation back on the update thread (after its queued pieces) and wait
+        for it; why it failed, or None."""
+        def rollback():
+            with self.tracer.span("rollback", rank=shard.rank):
+                return shard.rollback()
+        try:
+            self.executors[session].submit(rollback).result(timeout=SETTLE_TIMEOUT_S)
+        except Exception as e:  # the bound, or the update thread's own error
+            return f"rolling back a speculation failed: {type(e).__name__}: {e}"
+        return None
+
     # ------------------------------------------------------------------ updates
     def _traced_step(self, shard: Shard, msg: P.Step) -> float:
         with self.tracer.span("update", rank=shard.rank, step=msg.step, bytes=shard.bytes_per_update,
@@ -297,7 +331,9 @@ class OptimizerServer:
         # runs on the update thread: queue the reply, wake the socket thread
         exc = fut.exception()
         if exc is None:
-            reply = P.Done(step=step, update_s=fut.result()).encode()
+            shard = self.shards.get(session)
+            spec = (shard.last_speculated, shard.last_rolled_back) if shard is not None else (0, 0)
+            reply = P.Done(step=step, update_s=fut.result(), speculated=spec[0], rolled_back=spec[1]).encode()
         else:
             reply = P.error(P.E_INTERNAL, f"update of step {step} failed: {type(exc).__name__}: {exc}")
         with self.results_lock:

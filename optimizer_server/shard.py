@@ -3,9 +3,9 @@
 The master weights and m/v live in the server's private memory; only the
 gradients and the 16-bit weights are shared (optimizer_server.shm).  The update
 runs on a thread of its own (the kernel releases the GIL), so the methods that
-touch state are called either from that thread (step) or from the socket
-thread while the shard is READY (init, get_master, save, load): the state is
-the lock.
+touch state are called either from that thread (step, speculate, rollback) or
+from the socket thread while the shard is READY (init, get_master, save, load):
+the state is the lock.
 
 States (ShardState) and what moves between them:
 
@@ -13,12 +13,29 @@ States (ShardState) and what moves between them:
     UNINITIALIZED   INIT's last chunk, or a LOAD that reads  READY
     READY           an INIT chunk that is not the last       UNINITIALIZED (a partial master)
     READY           a LOAD that fails midway                 UNINITIALIZED (a mixed master)
-    READY           accept_step (STEP in order)              UPDATING
+    READY           accept_speculation (a usable SPECULATE)  SPECULATING
+    SPECULATING     accept_speculation (more of the same)    SPECULATING
+    READY,          accept_step (STEP in order)              UPDATING   (the update thread first keeps
+      SPECULATING                                                         or rolls back what was speculated)
     UPDATING        finish_update (the thread is done)       READY
+    SPECULATING     rollback (before SKIP, GET_MASTER, SAVE,  READY      (the undo log restored)
+                      LOAD, INIT: the server settles first)
     READY           skip (SKIP in order)                     READY (skipped + 1)
 
-Only READY takes STEP, SKIP, GET_MASTER and SAVE; UPDATING takes nothing but
-HEARTBEAT and STATS (the server answers the rest with E_ORDER).
+Only READY takes STEP, SKIP, GET_MASTER and SAVE (SPECULATING too, settled first);
+UPDATING takes nothing but HEARTBEAT and STATS (the server answers the rest with
+E_ORDER, and drops a SPECULATE).
+
+Speculation (SPECULATE, protocol v10): the worker says the gradients of [0, upto)
+are final and sends the STEP it expects, assuming no clipping and no overflow.  The
+update thread saves what an update of the next piece writes in the undo log
+(optimizer_server.undo), then updates it with the assumed values; it stops where
+the log is full.  The STEP settles it (``_settle``): if its values over the
+speculated prefix equal the assumed ones (the same grad_scale, slots, prediction and
+per-range hyper-parameters and step counts), the prefix is kept and only the rest is
+updated; otherwise the log is restored and the whole STEP runs.  Either way the
+bytes are those of a STEP alone: the update is elementwise (int8: blockwise, and the
+speculated prefix ends on a block), so splitting it changes nothing.
 """
 from __future__ import annotations
 
@@ -37,6 +54,7 @@ from . import protocol as P
 from .atomic import atomic_write, atomic_write_bytes, fsync_dir
 from .shm import Segment, ShardLayout
 from .state import ShardStateArrays
+from .undo import UndoLog
 
 log = logging.getLogger("optimizer_server")
 
@@ -45,6 +63,20 @@ class ShardState(enum.Enum):
     UNINITIALIZED = "uninitialized"  # no complete master: STEP is refused
     READY = "ready"                  # idle, state complete
     UPDATING = "updating"            # a STEP runs on the shard's thread
+    SPECULATING = "speculating"      # SPECULATE accepted: speculative pieces queued or in the undo log
+
+
+class Speculation:
+    """What the shard speculated for one step: the assumed STEP's values, how far
+    pieces were queued (socket thread) and done (update thread)."""
+
+    def __init__(self, msg: P.Speculate, key: tuple):
+        self.msg = msg
+        self.step = msg.step
+        self.key = key      # Shard._step_key of the assumption
+        self.queued = 0     # [0, queued) handed to the update thread
+        self.done = 0       # [0, done) updated, its old bytes in the undo log
+        self.full = False   # the undo log could not take the next piece: no more this step
 
 
 DEFAULT_HPARAMS = {
@@ -92,6 +124,12 @@ class Shard:
         self.update_times: list[float] = []
         self.bytes_read = 0
         self.bytes_written = 0
+        self.undo = UndoLog(hello.undo_log_bytes) if hello.undo_log_bytes else None
+        self.spec: Speculation | None = None
+        self.speculate_dropped = 0
+        self.last_drop_reason = ""
+        self.last_speculated = 0   # the last STEP's: elements kept from speculation
+        self.last_rolled_back = 0  # ... and elements restored and redone
 
     # -- helpers ---------------------------------------------------------------
     def _write_weights16(self, slot: int = 0) -> None:
@@ -155,9 +193,20 @@ class Shard:
                     f"checkpoint) first")
         return None
 
+    @property
+    def speculating(self) -> bool:
+        return self.phase is ShardState.SPECULATING
+
     def accept_step(self, msg: P.Step) -> tuple[str, str] | None:
         """Check a STEP against this shard; (error code, message) to refuse it, else
         None and the shard is UPDATING until finish_update."""
+        refused = self._step_refusal(msg)
+        if refused is not None:
+            return refused
+        self.phase = ShardState.UPDATING
+        return None
+
+    def _step_refusal(self, msg: P.Step) -> tuple[str, str] | None:
         if msg.step != self.steps + 1:
             return P.E_ORDER, (f"STEP {msg.step} out of order: the shard has done {self.steps} update(s), so "
                                f"the next is {self.steps + 1}")
@@ -175,8 +224,100 @@ class Shard:
         if msg.groups and msg.groups[-1][0] + msg.groups[-1][1] != self.numel:
             return P.E_INVALID, (f"STEP's groups cover [0, {msg.groups[-1][0] + msg.groups[-1][1]}) but the shard has "
                                  f"{self.numel} elements: the groups' ranges must cover it")
-        self.phase = ShardState.UPDATING
         return None
+
+    # -- speculation -------------------------------------------------------------
+    def accept_speculation(self, msg: P.Speculate) -> tuple[int, int] | str | None:
+        """Socket thread: the piece [a, b) of a usable SPECULATE to hand to the update
+        thread (``speculate``), None if it adds nothing, or why it is dropped."""
+        if self.undo is None:
+            return "this shard has no undo log (HELLO.undo_log_bytes = 0)"
+        if self.phase not in (ShardState.READY, ShardState.SPECULATING):
+            return f"SPECULATE while the shard is {self.phase.value}"
+        refused = self._step_refusal(msg)
+        if refused is not None:
+            return refused[1]
+        key = self._step_key(msg)
+        if self.spec is None:
+            self.spec = Speculation(msg, key)
+            self.phase = ShardState.SPECULATING
+        elif self.spec.step != msg.step or self.spec.key != key:
+            return "SPECULATE's assumption differs from the one this step already speculated on"
+        b = min(msg.upto, self.numel)
+        if self.arrays.state_dtype == "int8" and b < self.numel:
+            b -= b % P.QBLOCK  # a block's scale depends on all of it: whole blocks only
+        a = self.spec.queued
+        if b <= a or self.spec.full:
+            return None
+        self.spec.queued = b
+        return a, b
+
+    def drop_speculation(self, why: str) -> None:
+        self.speculate_dropped += 1
+        self.last_drop_reason = why
+
+    def speculate(self, a: int, b: int) -> None:
+        """Update thread: update [a, b) with the assumed values, its old bytes saved first;
+        as much of it as the undo log holds (whole blocks with int8)."""
+        sp = self.spec
+        if sp is None or sp.full or a != sp.done:
+            return  # settled meanwhile, or an earlier piece did not fit
+        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
+        per = UndoLog.nbytes(writes) / (b - a)
+        room = int((self.undo.capacity - self.undo.used) / per) if per else b - a
+        if room < b - a:
+            sp.full = True
+            b = a + room
+            if self.arrays.state_dtype == "int8" and b < self.numel:
+                b -= b % P.QBLOCK
+            if b <= a:
+                return
+            writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
+            if not self.undo.save(writes):  # the scales' rounding: one block less
+                return
+        else:
+            assert self.undo.save(writes), "sized above"
+        self._state_dirty = True
+        self._run(sp.msg, self._ranges(sp.msg, persist=False), a, b, progress=False)
+        sp.done = b
+
+    def rollback(self) -> int:
+        """Update thread: undo what was speculated (before a request that reads or replaces
+        the state); returns the elements restored."""
+        sp, self.spec = self.spec, None
+        if self.phase is ShardState.SPECULATING:
+            self.phase = ShardState.READY
+        if sp is None:
+            return 0
+        self.undo.restore()
+        return sp.done
+
+    def _settle(self, msg: P.Step) -> int:
+        """Update thread, at a STEP: elements [0, start) already hold its result (kept from
+        speculation), or the speculation is rolled back and start is 0."""
+        sp, self.spec = self.spec, None
+        self.last_speculated = self.last_rolled_back = 0
+        if sp is None or sp.done == 0:
+            if sp is not None:
+                self.undo.clear()
+            return 0
+        if sp.step == msg.step and self._clipped_key(sp.key, sp.done) == self._clipped_key(self._step_key(msg), sp.done):
+            self.undo.clear()
+            self.last_speculated = sp.done
+            return sp.done
+        self.undo.restore()
+        self.last_rolled_back = sp.done
+        return 0
+
+    def _step_key(self, msg: P.Step) -> tuple:
+        """Everything of a STEP that decides the bytes an update writes, per range."""
+        return (msg.step, msg.slot, msg.out_slot, msg.grad_scale, msg.predict,
+                tuple((lo, hi, tuple(sorted(h.items())), updates) for lo, hi, h, updates in self._ranges(msg, persist=False)))
+
+    @staticmethod
+    def _clipped_key(key: tuple, n: int) -> tuple:
+        """The key over elements [0, n) only (what was speculated)."""
+        return key[:5] + (tuple((lo, min(hi, n), h, u) for lo, hi, h, u in key[5] if lo < n),)
 
     def finish_update(self) -> None:
         assert self.phase is ShardState.UPDATING
@@ -190,35 +331,31 @@ class Shard:
         self.skipped += 1
         return None
 
+    def _ranges(self, msg: P.Step, *, persist: bool) -> list:
+        """(lo, hi, hparams, updates) per range of the shard.  persist: the STEP's values
+        become the shard's (saved in the manifest); a speculation leaves them alone."""
+        h = dict(self.hparams)
+        h.update(msg.hparams)
+        h["lr"] = msg.lr
+        if persist:
+            self.hparams = h
+        if not msg.groups:
+            return [(0, self.numel, h, msg.step)]
+        if persist:
+            self.last_groups = msg.groups
+        keys = P.GROUP_FIELDS[2:7]
+        return [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:7])), int(g[7])) for g in msg.groups]
+
     def step(self, msg: P.Step) -> float:
         """Run one update from gradient slot msg.slot; returns seconds spent.  With param
         groups, one kernel call per group's range, front to back, each publishing its
-        progress in shard coordinates (progress_base)."""
-        self.hparams.update(msg.hparams)
-        self.hparams["lr"] = msg.lr
-        ranges = [(0, self.numel, self.hparams, msg.step)]
-        if msg.groups:
-            keys = P.GROUP_FIELDS[2:7]
-            ranges = [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:7])), int(g[7])) for g in msg.groups]
-            self.last_groups = msg.groups
-        # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
-        gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
+        progress in shard coordinates (progress_base).  What a speculation already did
+        for this STEP is kept (``_settle``)."""
+        ranges = self._ranges(msg, persist=True)
         self._state_dirty = True
         t0 = time.perf_counter()
-        if self.arrays.state_dtype == "int8":
-            self._step_blocks(msg, ranges, gin)
-        elif msg.reverse:
-            # back to front, one progress block per call, each published as "done from the
-            # end"; an elementwise update gives the same bytes in any order and split
-            B = self.progress_block
-            for lo, hi, h, updates in reversed(ranges):
-                for b in range(hi, lo, -B):
-                    a = max(lo, b - B)
-                    self._update_range(msg, a, b, h, updates, gin, out, progress=False)
-                    cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
-        else:
-            for lo, hi, h, updates in ranges:
-                self._update_range(msg, lo, hi, h, updates, gin, out, progress=True)
+        start = self._settle(msg)
+        self._run(msg, ranges, start, self.numel, progress=True)
         self.arrays.finish_step(msg.out_slot)
         dt = time.perf_counter() - t0
         self.steps = msg.step
@@ -229,22 +366,53 @@ class Shard:
         self.bytes_written += self.bytes_per_update // 2  # fp32 state + 16-bit weights
         return dt
 
-    def _step_blocks(self, msg: P.Step, ranges: list, gin) -> None:
-        """The int8 update: whole blocks, one kernel call for the shard (front to back,
-        the kernel publishing its progress) or, reversed, one per progress block from
-        the end; each call gets every range's hyper-parameters (None: kept)."""
-        segs = [(lo, hi, None if updates == 0 else dict(h, updates=updates)) for lo, hi, h, updates in ranges]
+    def _run(self, msg: P.Step, ranges: list, lo: int, hi: int, *, progress: bool) -> None:
+        """Update shard elements [lo, hi) (the whole shard, the part a speculation left, or a
+        speculative piece).  progress: publish as the STEP's order says; a reversed STEP
+        that starts past 0 publishes the speculated prefix with its last block."""
+        ranges = [(max(a, lo), min(b, hi), h, u) for a, b, h, u in ranges if a < hi and b > lo]
+        # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
+        gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
+        if self.arrays.state_dtype == "int8":
+            self._step_blocks(msg, ranges, gin, lo, hi, progress)
+        elif msg.reverse and progress:
+            # back to front, one progress block per call, each published as "done from the
+            # end"; an elementwise update gives the same bytes in any order and split
+            B = self.progress_block
+            for a0, b0, h, updates in reversed(ranges):
+                for b in range(b0, a0, -B):
+                    a = max(a0, b - B)
+                    self._update_range(msg, a, b, h, updates, gin, out, progress=False)
+                    cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
+        else:
+            for a, b, h, updates in ranges:
+                self._update_range(msg, a, b, h, updates, gin, out, progress=progress)
+        if progress and msg.reverse and lo > 0:
+            cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel)
+        elif progress and not msg.reverse and lo > 0 and lo == hi:
+            cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)  # all of it was speculated
+
+    def _step_blocks(self, msg: P.Step, ranges: list, gin, lo: int, hi: int, progress: bool) -> None:
+        """The int8 update of whole blocks [lo, hi): one kernel call (front to back, the
+        kernel publishing its progress) or, reversed, one per progress block from the
+        end; each call gets every range's hyper-parameters (None: kept)."""
+        segs = [(a, b, None if updates == 0 else dict(h, updates=updates)) for a, b, h, updates in ranges]
         kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads,
                   predict=msg.predict)
         run = dict(step=msg.step, gin=gin, slots=self.weights16_slots, out_slot=msg.out_slot,
                    index_base=self.index_base)
-        if not msg.reverse:
-            kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block)
-            self.arrays.update_blocks(0, self.numel, segs, kw=kw, **run)
+        if hi <= lo:
+            return
+        if not (msg.reverse and progress):
+            if progress:
+                kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,
+                          progress_base=lo)
+            self.arrays.update_blocks(lo, hi, segs, kw=kw, **run)
             return
         B = -(-self.progress_block // P.QBLOCK)  # blocks per publication
-        for k in range(-(-self.numel // P.QBLOCK), 0, -B):
-            a, b = max(0, k - B) * P.QBLOCK, min(self.numel, k * P.QBLOCK)
+        first = lo // P.QBLOCK
+        for k in range(-(-hi // P.QBLOCK), first, -B):
+            a, b = max(first, k - B) * P.QBLOCK, min(hi, k * P.QBLOCK)
             self.arrays.update_blocks(a, b, segs, kw=kw, **run)
             cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
 
@@ -286,7 +454,8 @@ class Shard:
         ut = self.update_times
         return P.StatsOk(steps=self.steps, skipped=self.skipped, last_update_s=ut[-1] if ut else 0.0,
                          mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
-                         bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level())
+                         bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
+                         speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason)
 
     # -- checkpoints -----------------------------------------------------------
     def _paths(self, d: Path) -> tuple[Path, Path]:

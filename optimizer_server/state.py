@@ -215,6 +215,18 @@ class ShardStateArrays:
                                 adamw=self.optimizer == "adamw", sr_key=cpu_adam.rounding_key(step, self.seed),
                                 index_base=index_base + lo, **extra, **kw)
 
+    def update_writes(self, lo: int, hi: int, slots: list, out_slot: int) -> list[np.ndarray]:
+        """Every array slice an update of [lo, hi) may write (what the undo log saves before
+        a speculative update): the master or remainder, each moment, the int8 scales of
+        the blocks it touches, and the out weights slot (which may be the exact master's
+        high halves).  The high halves in hi_slot are only read when out_slot differs."""
+        sl = slice(lo, hi)
+        out = [self.remainder[sl] if self.exact_master else self.master[sl]]
+        out += [a[sl] for a in self.moments.values()]
+        out += [a[lo // QBLOCK:nblocks(hi)] for a in self.scales.values()]
+        out.append(slots[out_slot][sl])
+        return out
+
     def finish_step(self, out_slot: int) -> None:
         """After a STEP: the slot it wrote holds the exact master's high halves."""
         self.hi_slot = out_slot

@@ -47,6 +47,17 @@ class OffloadConfig:
         as far as that forward lasts; several ranks: the first forward hook waits for
         the whole update (exact, little overlap).  Not with dpu (a choice between the
         two: dpu hides more and computes on weights one update old).
+    undo_log_bytes: speculation during backward (one rank; sync or overlap_update, not dpu):
+        0 (default) turns it off.  Otherwise, as each bucket's gradients land in the host
+        slot the server updates them at once, assuming no clipping and no overflow, after
+        saving what it overwrites in an undo log of at most this many bytes of host RAM
+        (14 B/param of model with fp32 state, 8 with bf16 state, 6.03 with int8: the
+        state plus the weights slot); it stops where the log is full.  step() then keeps
+        the speculated part when its values turn out as assumed, else the server puts the
+        saved bytes back and runs the whole update (a clip that fires, an overflow, an lr
+        changed after backward): bitwise the synchronous result either way.  It pays when
+        clipping rarely fires (README: which to pick); runtime.speculation backs off after
+        rollbacks.
     state_dtype: the optimizer state's dtype on the server (adam/adamw/lion): "fp32" (default:
         12 B/param of master, m and v, plus 4 shared) or "bf16": m and v in bf16 with
         stochastic rounding, and with bf16 weights (and no dpu_predict) the exact
@@ -104,6 +115,7 @@ class OffloadConfig:
     dpu_predict: float = 0.0
     dpu_grad_slots: int = 1
     overlap_update: bool = False
+    undo_log_bytes: int = 0
     state_dtype: str = "fp32"
     bucket_numel: int = 1 << 24
     cpu_zero_copy: bool = True
@@ -156,6 +168,12 @@ class OffloadConfig:
         if self.overlap_update and self.dpu:
             raise ValueError("overlap_update and dpu are two ways to hide the CPU update: choose one (overlap_update "
                              "keeps the synchronous result bit for bit; dpu hides more, on weights one update old)")
+        if not (isinstance(self.undo_log_bytes, int) and self.undo_log_bytes >= 0):
+            raise ValueError(f"undo_log_bytes must be an int >= 0 (0: no speculation), got {self.undo_log_bytes!r}")
+        if self.undo_log_bytes and self.dpu:
+            raise ValueError("undo_log_bytes (speculation during backward) and dpu do not combine: under DPU the "
+                             "server is still running the previous update while backward runs; choose dpu, or "
+                             "overlap_update with undo_log_bytes (bitwise the synchronous result)")
         if self.dpu_grad_slots not in (1, 2):
             raise ValueError(f"dpu_grad_slots must be 1 or 2, got {self.dpu_grad_slots!r}")
         if not (isinstance(self.dpu_predict, (int, float)) and 0.0 <= self.dpu_predict <= MAX_PREDICT):

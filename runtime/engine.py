@@ -16,6 +16,8 @@ The engine owns its parts and calls them; each has one concern:
 
     runtime.grads_down     gradients down (hooks, buckets, reduces, the one-slot gate, the norm)
     runtime.update_cycle   the update in flight and its weights' way to the device (phases)
+    runtime.overlap        overlap_update's forward pipeline
+    runtime.speculation    speculation during backward (undo_log_bytes)
     runtime.checkpoint     the engine's checkpoint files (optimizer_server.checkpoint: the format)
     runtime.host_memory    page-locking the shared segment, returning freed heap
     runtime.optimizer_proxy  engine.optimizer, so torch LR schedulers drive the lr
@@ -56,6 +58,7 @@ from .loss_scaler import LossScaler
 from .optimizer_proxy import ServerOptimizer
 from .overlap import ForwardPipeline
 from .profiling import marker
+from .speculation import Speculator
 from .stats import Counters
 from .update_cycle import UpdateCycle
 
@@ -117,6 +120,10 @@ class OffloadEngine:
         # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
         # DONE before the next backward anyway.
         self._grad_slots = cfg.dpu_grad_slots if cfg.dpu else 1
+        if cfg.undo_log_bytes and self.world_size > 1:
+            raise ValueError(f"undo_log_bytes={cfg.undo_log_bytes} (speculation during backward) runs on one rank: with "
+                             f"{self.world_size} ranks a shard's gradients are final only after backward's reduces; "
+                             f"set undo_log_bytes=0 (overlap_update still works)")
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
         group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
@@ -132,6 +139,7 @@ class OffloadEngine:
         self.client: ShardClient | None = None
         self.cycle: UpdateCycle | None = None
         self.pipeline: ForwardPipeline | None = None  # overlap_update
+        self.speculator: Speculator | None = None  # undo_log_bytes > 0
         self.grads: GradientsDown | None = None
         self._pinned = None
         self._hooks = []
@@ -191,7 +199,8 @@ class OffloadEngine:
                                       progress_block=cfg.progress_block_numel,
                                       weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
                                       staging_numel=cfg.staging_numel, state_dtype=cfg.state_dtype,
-                                      exact_master=cfg.exact_master, frees_bytes=frees)
+                                      exact_master=cfg.exact_master, frees_bytes=frees,
+                                      undo_log_bytes=cfg.undo_log_bytes)
         if self.is_cuda:
             self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.pin_host_memory)
         gather = None
@@ -201,9 +210,12 @@ class OffloadEngine:
                                  zero_copy=self._zero_copy, overlap_weights_up=cfg.overlap_weights_up,
                                  tracer=self.tracer, counters=self.counters, gather=gather)
         gate = SlotGate(self.cycle, enabled=self._grad_slots == 1, tracer=self.tracer, counters=self.counters)
+        if cfg.undo_log_bytes:
+            self.speculator = Speculator(self.cycle, self._expected_step, tracer=self.tracer, counters=self.counters)
         self.grads = GradientsDown(self.flat, c.grads, dtype=self.dtype, dtype_name=cfg.dtype, device=self.device,
                                    rank=self.rank, world_size=self.world_size, gate=gate, on_free=self.cycle.pump,
-                                   tracer=self.tracer, counters=self.counters, collectives=self.coll)
+                                   tracer=self.tracer, counters=self.counters, collectives=self.coll,
+                                   on_ready=self.speculator.ready if self.speculator is not None else None)
 
     def _init_weights(self) -> None:
         with self.tracer.span("init_weights"):
@@ -287,7 +299,10 @@ class OffloadEngine:
         self._micro += 1
         final = self._micro % self.cfg.grad_accumulation_steps == 0
         if final:
-            self._step_grads = self.grads.begin(self.iteration % self._grad_slots)
+            slot = self.iteration % self._grad_slots
+            if self.speculator is not None:  # before the first hook can announce a bucket
+                self.speculator.begin(self.updates + 1, slot)
+            self._step_grads = self.grads.begin(slot)
         return final
 
     def _end_pass(self) -> None:
@@ -368,12 +383,13 @@ class OffloadEngine:
         self.cycle.land(copy=True)
         if overflow:
             with self.tracer.span("skip"):
-                self.client.skip(self.updates + 1)
+                self.client.skip(self.updates + 1)  # the server rolls a speculation back first
+            if self.speculator is not None:
+                self.speculator.end(skipped=True)
             self.skipped_steps += 1
             self.scaler.update(True)
             self.last_grad_norm = float("inf")
             return
-        scale = self.scaler.scale
         norm = self._unscaled_norm(sq)
         self.last_grad_norm = norm
         clip = 1.0
@@ -382,6 +398,24 @@ class OffloadEngine:
             max_norm = clip_now if max_norm is None else min(max_norm, clip_now)
         if max_norm is not None:
             clip = min(1.0, max_norm / (norm + 1e-6))
+        k = self.updates + 1
+        args = self._step_args(used, clip, grads.slot, self.cfg.dpu_predict if delayed else 0.0)
+        with self.tracer.span("signal", step=k):
+            self.cycle.send(k, **args)
+        if self.speculator is not None:
+            self.speculator.end()
+        self.updates = k
+        self.param_updates += np.asarray(used, dtype=np.int64)
+        self.scaler.update(False)
+        self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
+        if self.pipeline is not None:
+            self.pipeline.arm(k)  # the next forward waits for it, module by module
+        elif not delayed:
+            self.cycle.land(copy=True)
+
+    def _step_args(self, used: list[bool], clip: float, slot: int, predict: float) -> dict:
+        """What STEP updates + 1 carries (UpdateCycle.send's keywords) for gradients in `slot`
+        of which `used` says, per parameter, which got one, clipped by `clip`."""
         k = self.updates + 1
         lrs = self.optimizer.lrs_for(k)
         hps = self.optimizer.step_hparams()
@@ -397,18 +431,16 @@ class OffloadEngine:
                                    f"parameters with and without a gradient, alternating), more than one STEP "
                                    f"carries ({MAX_GROUPS}): put parameters that are often unused in a param "
                                    f"group of their own")
-        with self.tracer.span("signal", step=k):
-            self.cycle.send(k, grad_slot=grads.slot, lr=lrs[0], grad_scale=clip / scale, hparams=hps[0],
-                            predict=self.cfg.dpu_predict if delayed else 0.0, groups=groups,
-                            reverse=self.pipeline is not None and self.pipeline.per_module)
-        self.updates = k
-        self.param_updates += np.asarray(used, dtype=np.int64)
-        self.scaler.update(False)
-        self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
-        if self.pipeline is not None:
-            self.pipeline.arm(k)  # the next forward waits for it, module by module
-        elif not delayed:
-            self.cycle.land(copy=True)
+        return dict(grad_slot=slot, lr=lrs[0], grad_scale=clip / self.scaler.scale, hparams=hps[0],
+                    predict=predict, groups=groups, reverse=self.pipeline is not None and self.pipeline.per_module)
+
+    def _expected_step(self, slot: int) -> dict | None:
+        """runtime.speculation: the STEP this step sends if every parameter gets a gradient,
+        no clip fires and nothing overflows (the server checks each of these at STEP)."""
+        try:
+            return self._step_args([True] * len(self.flat.spans), 1.0, slot, 0.0)
+        except (RuntimeError, ValueError):
+            return None  # step() will say what is wrong
 
     def synchronize(self, copy_weights: bool = False) -> None:
         """Wait for the update in flight.  With copy_weights the device gets the
@@ -525,7 +557,9 @@ class OffloadEngine:
                 "loss_scale": self.scaler.scale, "bytes_to_host": c.bytes_to_host,
                 "bytes_to_device": c.bytes_to_device, "bytes_to_device_early": c.bytes_to_device_early,
                 "wait_s": c.wait_s, "grad_slot_wait_s": c.grad_slot_wait_s, "server_update_s": c.update_s,
-                "overlap_wait_s": c.overlap_wait_s,
+                "overlap_wait_s": c.overlap_wait_s, "spec_steps": c.spec_steps, "spec_kept_steps": c.spec_kept_steps,
+                "spec_rollback_steps": c.spec_rollback_steps, "spec_kept_numel": c.spec_kept_numel,
+                "spec_rolled_back_numel": c.spec_rolled_back_numel,
                 "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 

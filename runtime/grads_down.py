@@ -17,6 +17,13 @@ alone); step() drops it.  Topologies:
   GlooStep          several CPU ranks: each complete bucket's fp32 all-reduce starts
                     asynchronously and is waited for at the end of backward.
 
+Speculation (runtime.speculation): ``on_ready(n)`` hears that the gradients of shard
+elements [0, n) are final in the host slot, as the prefix of complete buckets grows
+during backward (on CUDA, once the copy stream's event for each bucket has passed; one
+rank only).  Buckets that finish() completes (unused parameters, gradients of earlier
+micro-batches) are not announced: their step counts are not the ones speculation
+assumes.
+
 The one-slot gate (SlotGate): with one gradient slot under DPU, step t+1's
 gradients go into the slot the update of step t still reads, so each range is
 written only once the update has published that it is past it.
@@ -78,12 +85,14 @@ class GradientsDown:
 
     def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
                  device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
-                 counters: Counters, collectives=None):
+                 counters: Counters, collectives=None, on_ready=None):
         self.flat = flat
         self.coll = collectives  # runtime.distributed.Collectives, with world_size > 1
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
         self.rank, self.world_size = rank, world_size
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
+        assert on_ready is None or world_size == 1, "speculation runs on one rank"
+        self.on_ready = on_ready
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
         self.shard_lo, self.shard_hi = flat.shard_range(rank)
@@ -140,7 +149,10 @@ class GradStep:
         self.sq_host = 0.0
         self.seen: set[int] = set()
         self.finished = False
+        self.finishing = False  # finish() runs: what it completes is not announced to on_ready
         self._totals: tuple[float, list[bool]] | None = None
+        self.events: list = [None] * len(buckets)  # CUDA + on_ready: each bucket's copy-done event
+        self.ready_front = 0  # buckets [0, ready_front) announced to on_ready
 
     def on_grad(self, p: torch.Tensor) -> None:
         s = self.d.flat.by_param[id(p)]
@@ -151,6 +163,8 @@ class GradStep:
         self.remaining[b.index] -= 1
         if self.remaining[b.index] == 0:
             self._done(b)
+        elif self.d.cuda and self.ready_front < self.front:
+            self._announce()  # a bucket's copy that was still running at its end may be done now
 
     def finish(self) -> None:
         """End of backward: a gradient that only earlier micro-batches produced (it sits in
@@ -207,10 +221,26 @@ class GradStep:
         d.on_free(min(max(free - d.shard_lo, 0), d.flat.shard_numel))
         if not self.ordered:
             self._bucket_done(b)
+            self._announce()
             return
         while self.issued < len(bs) and self.remaining[self.issued] == 0:
             self._bucket_done(bs[self.issued])
             self.issued += 1
+
+    def _announce(self) -> None:
+        """Tell on_ready how far the host slot holds final gradients: the prefix of buckets
+        complete during backward (and, on CUDA, copied: their events have passed)."""
+        d = self.d
+        if d.on_ready is None or self.finishing:
+            return
+        bs, n = d.flat.buckets, self.ready_front
+        while n < self.front and (self.events[n] is None or self.events[n].query()):
+            n += 1
+        if n == self.ready_front:
+            return
+        self.ready_front = n
+        hi = bs[n].lo if n < len(bs) else d.flat.padded_numel
+        d.on_ready(min(max(hi - d.shard_lo, 0), d.pad_lo))  # never the padding: finish() zeroes it
 
     def _unseen(self, b: Bucket):
         return (s for s in b.params if id(s.param) not in self.seen)
@@ -320,6 +350,10 @@ class DeviceBucketStep(GradStep):
                         host.copy_(part, non_blocking=True)
                         part.record_stream(d.copy_stream)
                         d.counters.bytes_to_host += 2 * (hi - lo)
+                        if d.on_ready is not None:  # speculation: announced once the copy has run
+                            ev = torch.cuda.Event()
+                            ev.record(d.copy_stream)
+                            self.events[b.index] = ev
                 buf.record_stream(d.copy_stream)
         self.bufs[b.index] = None
 

@@ -13,3 +13,8 @@ class Counters:
     grad_slot_wait_s: float = 0.0   # backward's hooks waiting for the update to pass (one DPU slot)
     update_s: float = 0.0           # the server's own time in updates (DONE.update_s)
     overlap_wait_s: float = 0.0     # overlap_update: forward pre-hooks waiting for their weights
+    spec_steps: int = 0             # steps that sent SPECULATE (undo_log_bytes > 0)
+    spec_kept_steps: int = 0        # ... whose speculated update the server kept (DONE.speculated > 0)
+    spec_rollback_steps: int = 0    # ... that the server rolled back (DONE.rolled_back > 0, or a SKIP)
+    spec_kept_numel: int = 0        # elements updated during backward and kept
+    spec_rolled_back_numel: int = 0  # elements updated during backward, then restored and redone

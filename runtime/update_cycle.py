@@ -4,6 +4,7 @@ Phases (Phase) and the events that move between them:
 
     from                event                              to
     IDLE, ON_DEVICE     send(k): STEP k goes out           IN_FLIGHT
+    IDLE, ON_DEVICE     speculate(k): SPECULATE goes out   (the same; runtime.speculation)
     IN_FLIGHT           land(): DONE k is read             LANDED     (copy=True goes on below)
     LANDED              land(copy=True): weights on device ON_DEVICE  (tail copied, or slot swapped)
     LANDED              mark_on_device(): the caller       ON_DEVICE  (the forward pipeline copied
@@ -89,6 +90,12 @@ class UpdateCycle:
         return self.step if self.phase is Phase.IN_FLIGHT else None
 
     @property
+    def can_speculate(self) -> bool:
+        """Nothing in flight, and the incoming slot holds nothing the device still needs
+        (a checkpoint's restored update is LANDED there until the next step copies it)."""
+        return self.phase in (Phase.IDLE, Phase.ON_DEVICE)
+
+    @property
     def landed(self) -> bool:
         """An update has landed whose weights are not (all) on the device yet."""
         return self.phase is Phase.LANDED
@@ -139,6 +146,14 @@ class UpdateCycle:
         if self._up is not None:
             self._up.start()
 
+    def speculate(self, k: int, *, upto: int, grad_slot: int, lr: float, grad_scale: float, hparams: dict,
+                  predict: float, groups: list | None = None, reverse: bool = False) -> None:
+        """SPECULATE for update k (runtime.speculation): what send() is expected to carry,
+        and that the gradients of [0, upto) are final.  Nothing may be in flight."""
+        self._expect("speculate", Phase.IDLE, Phase.ON_DEVICE)
+        self.client.speculate(k, grad_slot, lr, grad_scale, hparams, upto=upto, predict=predict,
+                              out_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
+
     def pump(self, free: int, early: bool = True) -> int:
         """Copy what is both published and below `free` (shard elements) up; returns
         how far the device is.  early: overlapping backward or the update."""
@@ -161,6 +176,11 @@ class UpdateCycle:
             self.phase = Phase.LANDED
             self.counters.wait_s += time.perf_counter() - t0
             self.counters.update_s += done.update_s
+            if done.speculated or done.rolled_back:  # runtime.speculation
+                self.counters.spec_kept_steps += done.speculated > 0
+                self.counters.spec_rollback_steps += done.rolled_back > 0
+                self.counters.spec_kept_numel += done.speculated
+                self.counters.spec_rolled_back_numel += done.rolled_back
         if copy and self.phase is Phase.LANDED:
             if self.zero_copy:
                 with self.tracer.span("weights_swap"):

@@ -18,6 +18,14 @@ runs sync, DPU and overlap_update with fp32, bf16 and int8 optimizer state (the
 "-bf16state" and "-int8state" variants: the exact master in sync and overlap; DPU
 predicts, so its master stays fp32 and only the moments are compact), interleaved
 the same way.
+
+    python scripts/bench_pipeline.py --speculation --settings small-cpu:1x4   # section "bench_pipeline_speculation"
+
+runs sync, overlap_update and DPU, and overlap_update and sync with speculation during
+backward (undo_log_bytes: "-spec"), without clipping and with clip_grad_norm 1.0 (which
+fires on every step at these models' norms, so every speculation rolls back and the
+back-off takes over), with fp32 and int8 state; it also reports what share of the
+shard each step kept from speculation, and the waits that remain.
 """
 from __future__ import annotations
 
@@ -69,7 +77,8 @@ def pin(pid: int, cores: set[int]) -> None:
 WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared"}
 
 
-def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores, server_cores, trace_dir=""):
+def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores, server_cores, trace_dir="",
+                stats_out=None):
     all_cores = worker_cores | server_cores
     cores = all_cores if name in WHOLE_MACHINE else worker_cores
     pin(0, cores)
@@ -80,13 +89,20 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     for dt in ("bf16", "int8"):
         if name.endswith(f"-{dt}state"):
             state, name = dt, name.removesuffix(f"-{dt}state")
+    clip = 1.0
+    if name.endswith("-noclip"):
+        clip, name = None, name.removesuffix("-noclip")
+    undo = 0
+    if name.endswith("-spec"):  # speculation: an undo log for the whole model's state
+        undo, name = 1 << 32, name.removesuffix("-spec")
     dpu = name.startswith("dpu")
     overlap = name.startswith("overlap")
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup, state_dtype=state,
                         dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
                         cpu_zero_copy=not name.endswith(("-copy", "-after")),
                         dpu_grad_slots=2 if name == "dpu-2slots" else 1, overlap_update=overlap,
-                        server_threads=len(server_cores) or 1, clip_grad_norm=1.0, trace_dir=trace_dir)
+                        server_threads=len(server_cores) or 1, clip_grad_norm=clip, trace_dir=trace_dir,
+                        undo_log_bytes=undo)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
     offload = not name.startswith("baseline")
@@ -94,6 +110,7 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     if offload and server_cores:
         pin(eng._server.pid, server_cores if name not in WHOLE_MACHINE else all_cores)
     times = []
+    before = eng.stats() if stats_out is not None and offload else {}
     try:
         for i in range(steps + warm):
             x, y = batches[i % len(batches)]
@@ -106,7 +123,15 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
             eng.tracer.add("iteration", t0_ns, t1_ns)
             if i >= warm:
                 times.append((t1_ns - t0_ns) / 1e9)
+            if i == warm - 1 and stats_out is not None:
+                before = eng.stats()
     finally:
+        if stats_out is not None and offload:
+            after = eng.stats()
+            for k, v in after.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k in before:
+                    stats_out[k] = stats_out.get(k, 0) + v - before[k]
+            stats_out["shard_numel"] = after["shard_numel"]
         eng.close()
     return times
 
@@ -184,9 +209,14 @@ def main(argv=None) -> int:
                     help="the BENCHMARKS.md section to write (a reduced run writes its own, not over the full one)")
     ap.add_argument("--state-dtypes", action="store_true",
                     help="sync, DPU and overlap with fp32, bf16 and int8 optimizer state (section bench_pipeline_state)")
+    ap.add_argument("--speculation", action="store_true",
+                    help="sync, overlap, DPU and speculation, with and without clipping (section "
+                         "bench_pipeline_speculation)")
     a = ap.parse_args(argv)
     if a.state_dtypes:
         return main_state(a)
+    if a.speculation:
+        return main_spec(a)
     cores = sorted(os.sched_getaffinity(0))
     server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
@@ -319,6 +349,59 @@ def main_state(a) -> int:
             + "\n".join([head, "|" + "---|" * 7, *rows]) + "\n")
     if not a.no_write:
         update_section("bench_pipeline_state", body)
+    return 0
+
+
+SPEC_MODES = ("sync", "overlap", "overlap-spec", "sync-spec", "dpu")
+
+
+def main_spec(a) -> int:
+    """Speculation's rows: per state dtype and clip setting, each mode's step time, interleaved."""
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+    corpus = Corpus.load(seed=0, max_bytes=8 << 20)
+    combos = [(st, clip) for st in ("fp32", "int8") for clip in ("noclip", "clip")]
+
+    def vname(m, st, clip):
+        return m + ("-noclip" if clip == "noclip" else "") + ("" if st == "fp32" else f"-{st}state")
+    rows = []
+    for setting in a.settings.split(","):
+        model_name, bs, sl, mc, batches = load_setting(setting, corpus)
+        variants = [vname(m, st, c) for st, c in combos for m in SPEC_MODES]
+        times = {v: [] for v in variants}
+        stats = {v: {} for v in variants}
+        order = list(variants)
+        for p in range(a.passes):
+            random.Random(p).shuffle(order)
+            for v in order:
+                times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
+                                        stats_out=stats[v])
+        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        for st, clip in combos:
+            ms = {m: med[vname(m, st, clip)] for m in SPEC_MODES}
+            sp = stats[vname("overlap-spec", st, clip)]
+            n = max(1, sp.get("steps", 1))
+            kept = sp.get("spec_kept_numel", 0) / (n * sp.get("shard_numel", 1))
+            tried = sp.get("spec_steps", 0) / n
+            rolled = sp.get("spec_rollback_steps", 0) / n
+            row = (f"| {model_name} {bs}x{sl} | {st} | {'1.0' if clip == 'clip' else 'none'} | "
+                   + " | ".join(f"{ms[m]:.1f}" for m in SPEC_MODES)
+                   + f" | {ms['sync'] / ms['overlap']:.2f}x | {ms['sync'] / ms['overlap-spec']:.2f}x | "
+                   f"{ms['overlap-spec'] / ms['dpu']:.2f} | {ms['sync'] / ms['sync-spec']:.2f}x | "
+                   f"{tried:.0%} / {rolled:.0%} / {kept:.0%} | "
+                   f"{1e3 * sp.get('overlap_wait_s', 0) / n:.1f} + {1e3 * sp.get('wait_s', 0) / n:.1f} |")
+            print(row, flush=True)
+            rows.append(row)
+    head = ("| model, batch | state | clip | sync ms | overlap ms | overlap + spec ms | sync + spec ms | DPU ms "
+            "| sync / overlap | sync / (overlap + spec) | (overlap + spec) / DPU | sync / (sync + spec) "
+            "| steps speculated / rolled back / shard kept | overlap + spec: forward waits + DONE wait, ms/step |")
+    body = (f"## Pipeline step time with speculation (scripts/bench_pipeline.py --speculation)\n\n{machine_line()}; "
+            f"{a.dtype}; speculation with an undo log for the whole state; DPU with weight prediction; median of "
+            f"{a.steps} x {a.passes} interleaved steps per variant; server on core {sorted(server_cores)}, worker on "
+            f"core {sorted(worker_cores)}, one thread each.\n\n"
+            + "\n".join([head, "|" + "---|" * 14, *rows]) + "\n")
+    if not a.no_write:
+        update_section("bench_pipeline_speculation", body)
     return 0
 
 

@@ -9,6 +9,7 @@ Trains the same GPT on the same data and seed five ways:
   dpu        offload with One-Step Delayed Parameter Update
   dpu-sim    plain-PyTorch simulation of the DPU schedule (the ZeRO-Offload paper's schedule)
   overlap    offload with overlap_update (must equal sync at every evaluation: it says so)
+  overlap-spec  overlap_update with speculation during backward (undo_log_bytes; equal to sync too)
   sync-bf16state  offload, synchronous, state_dtype="bf16" (bf16 moments, the exact master)
   sync-int8state  offload, synchronous, state_dtype="int8" (block-wise 8-bit moments, the exact master)
 prints the validation losses at each evaluation, writes the curves as
@@ -36,6 +37,8 @@ RUNS = {
     "sync": dict(offload=True, dpu=False),
     "dpu": dict(offload=True, dpu=True),
     "overlap": dict(offload=True, dpu=False, overlap_update=True),
+    # speculation during backward on top (an undo log for the whole state): also bitwise sync
+    "overlap-spec": dict(offload=True, dpu=False, overlap_update=True, undo_log_bytes=1 << 32),
     "dpu-sim": dict(offload=False, dpu=True, simulate_dpu=True),
     "sync-bf16state": dict(offload=True, dpu=False, state_dtype="bf16"),
     "sync-int8state": dict(offload=True, dpu=False, state_dtype="int8"),
@@ -88,9 +91,11 @@ def main(argv=None) -> int:
         if name in results and "sync" in results:
             gaps = [x / y - 1 for x, y in zip(results[name]["val_loss"], results["sync"]["val_loss"])]
             print(f"{name} vs sync: validation gap " + " ".join(f"{100 * g:+.2f}%" for g in gaps), flush=True)
-    if "overlap" in results and "sync" in results:  # overlap_update is bitwise sync: every evaluation equal
-        same = results["overlap"]["val_loss"] == results["sync"]["val_loss"]
-        print(f"overlap vs sync: validation losses {'identical at every evaluation' if same else 'DIFFER'}",
+    for name in ("overlap", "overlap-spec"):  # bitwise sync: every evaluation equal
+        if name not in results or "sync" not in results:
+            continue
+        same = results[name]["val_loss"] == results["sync"]["val_loss"]
+        print(f"{name} vs sync: validation losses {'identical at every evaluation' if same else 'DIFFER'}",
               flush=True)
     report = {"tag": a.tag, "args": vars(a), "machine": machine_line(), "runs": results}
     rows = summary_rows(report)

@@ -34,7 +34,8 @@ def main() -> int:
                          f"bitwise those of an uninterrupted run |")
         elif k == "fuzz":
             lines.append(f"| fuzzing the control socket | {v['messages']} messages (seed {v['seed']}), "
-                         f"{v['error_replies']} error replies, server alive, shard state bitwise unchanged |")
+                         f"{v['error_replies']} error replies, {v.get('speculate_hints', 0)} SPECULATE hints (never "
+                         f"answered), server alive, shard state bitwise unchanged |")
         elif k == "soak":
             a, b = v["after_warmup"], v["end"]
             lines.append(f"| soak, {v['steps']} DPU steps in {v['seconds']:.1f} s | worker RSS {a['worker_rss_kb']} -> "

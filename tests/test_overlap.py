@@ -12,46 +12,10 @@ import torch
 
 from runtime import OffloadConfig, OffloadEngine
 from runtime.demo.gpt import GPT, GPTConfig
-from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, train_engine
+from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
+from tests.helpers.overlap_runs import assert_bitwise, run, two_groups
 
 pytestmark = pytest.mark.timeout(300)
-STEPS = 40
-
-
-def run(tmp, make, batch, dtype, overlap, accum=1, groups=None, slow_forward=False, inject_at=None, **cfg):
-    model = make()
-    kw = dict(lr=3e-3, dtype=dtype, server_threads=1, grad_accumulation_steps=accum, progress_block_numel=256,
-              overlap_update=overlap)
-    kw.update(cfg)
-    norms = []
-    hooks = []
-    if slow_forward:  # a slower device: each module's forward takes a little longer
-        hooks = [m.register_forward_pre_hook(lambda m, a: time.sleep(0.0005)) for m in model.modules()]
-    eng = OffloadEngine(model, OffloadConfig(**kw), param_groups=groups(model) if groups else None)
-    with eng:
-        losses = []
-        for t in range(1, STEPS + 1):
-            h = None
-            if inject_at == t:  # an fp16 overflow on this step: skipped, the scale halves
-                p = next(model.parameters())
-                h = p.register_hook(lambda g: torch.full_like(g, float("inf")))
-            losses += train_engine(eng, batch, 1, dtype, start=t, accum=accum)
-            norms.append(eng.last_grad_norm)
-            if h is not None:
-                h.remove()
-        d = eng.save_checkpoint(str(tmp / f"ck-{overlap}"))
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        stats = eng.stats()
-    state = b"".join(p.read_bytes() for p in sorted(Path(d).glob("*.bin")))  # master, m, v of every shard
-    for h in hooks:
-        h.remove()
-    return losses, weights, state, norms, stats
-
-
-def two_groups(model):
-    named = list(model.named_parameters())
-    return [{"params": [p for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0, "lr": 1e-3}]
 
 
 CASES = {
@@ -77,15 +41,7 @@ def test_overlap_is_bitwise_sync(tmp_path, case):
     make, batch, dtype, kw = CASES[case]
     sync = run(tmp_path, make, batch, dtype, False, **kw)
     over = run(tmp_path, make, batch, dtype, True, **kw)
-    assert over[0] == sync[0], "losses"
-    assert over[2] == sync[2], "master, m, v"
-    for k in sync[1]:
-        assert torch.equal(over[1][k], sync[1][k]), k
-    if "clip_grad_norm" in kw:  # the clip fired on some steps and not on others
-        assert min(sync[3]) < kw["clip_grad_norm"] < max(sync[3]), sync[3]
-    if "inject_at" in kw:
-        assert over[4]["skipped_steps"] == sync[4]["skipped_steps"] == 1
-    assert over[4]["updates"] == sync[4]["updates"]
+    assert_bitwise(over, sync, kw)
 
 
 def wide_gpt():

@@ -104,6 +104,11 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
     rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
     hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05)
+    # torch.optim's first step imports lazily (2.4 s measured, run alone), longer than this
+    # fixture's heartbeat timeout for a client that sends no heartbeats: take it first
+    warm = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    warm.grad = torch.zeros(1, dtype=torch.float64)
+    torch.optim.AdamW([warm]).step()
     c = MiniClient(server.address, server.token, n, staging_numel=3000, **hp)  # 4 chunks, the last short
     try:
         assert c.staging.size == 3000
@@ -137,6 +142,57 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
         assert isinstance(e, P.Error) and e.code == P.E_ORDER
     finally:
         c.close()
+
+
+def test_speculation_kept_rolled_back_and_settled_bitwise(server):
+    """SPECULATE against the same STEPs without it (a second shard): a matching STEP keeps
+    the speculated prefix, a different grad_scale rolls it back, and SKIP and GET_MASTER
+    settle a pending one first; the master and weights stay bitwise the reference's."""
+    from optimizer_server import ShardClient
+    n = 5000
+    rng = seeded_rng()
+    p0 = rng.standard_normal(n).astype(np.float32)
+    spec = ShardClient(server.address, server.token, numel=n, server_proc=server.proc, undo_log_bytes=1 << 20)
+    ref = ShardClient(server.address, server.token, numel=n, server_proc=server.proc)
+    try:
+        for c in (spec, ref):
+            c.init_weights(p0)
+        for t in range(1, 7):
+            g = rng.standard_normal(n).astype(np.float16)
+            spec.grads[0].view(np.float16)[:] = g
+            ref.grads[0].view(np.float16)[:] = g
+            actual = 0.5 if t % 2 == 0 else 1.0  # even steps: "a clip fired", the assumption was wrong
+            spec.speculate(t, 0, 1e-2, 1.0, None, upto=n // 3)
+            spec.speculate(t, 0, 1e-2, 1.0, None, upto=n)
+            d = spec.step(t, 0, 1e-2, actual)
+            ref.step(t, 0, 1e-2, actual)
+            assert (d.speculated, d.rolled_back) == ((0, n) if t % 2 == 0 else (n, 0)), (t, d)
+            np.testing.assert_array_equal(spec.weights16, ref.weights16)
+        np.testing.assert_array_equal(spec.get_master(), ref.get_master())
+        # a pending speculation: SKIP and GET_MASTER see the state as it was
+        m0, w0 = ref.get_master(), ref.weights16.copy()
+        spec.grads[0].view(np.float16)[:] = 1.0
+        spec.speculate(7, 0, 1e-2, 1.0, None, upto=n)
+        spec.skip(7)
+        np.testing.assert_array_equal(spec.get_master(), m0)
+        np.testing.assert_array_equal(spec.weights16, w0)
+        spec.speculate(7, 0, 1e-2, 1.0, None, upto=n)
+        np.testing.assert_array_equal(spec.get_master(), m0)
+        # dropped, and counted: no undo log; an assumption that changes within a step
+        ref.speculate(7, 0, 1e-2, 1.0, None, upto=n)
+        spec.speculate(7, 0, 1e-2, 1.0, None, upto=n // 2)
+        spec.speculate(7, 0, 2e-2, 1.0, None, upto=n)
+        st_ref, st_spec = ref.stats(), spec.stats()
+        assert st_ref.speculate_dropped == 1 and "undo_log_bytes" in st_ref.last_drop_reason
+        assert st_spec.speculate_dropped == 1 and "differs" in st_spec.last_drop_reason
+        d = spec.step(7, 0, 2e-2)  # the first assumption (lr 1e-2) was wrong: rolled back
+        assert (d.speculated, d.rolled_back) == (0, n // 2)
+        ref.step(7, 0, 2e-2)
+        np.testing.assert_array_equal(spec.get_master(), ref.get_master())
+        np.testing.assert_array_equal(spec.weights16, ref.weights16)
+    finally:
+        spec.close()
+        ref.close()
 
 
 def test_handshake_refusals_allocate_nothing(server):
@@ -407,6 +463,53 @@ def test_shard_state_table():
         sh.staging[:40] = 2.0
         sh.init_chunk(0, 40)  # INIT again: partial again until its last chunk
         assert sh.phase is ShardState.UNINITIALIZED
+    finally:
+        sh.close()
+
+
+def test_shard_speculation_states():
+    """The SPECULATING rows of the shard's table, on the shard alone."""
+    from optimizer_server import protocol as P
+    from optimizer_server.shard import ShardState
+    sh = _shard(undo_log_bytes=1 << 16)
+    try:
+        spec = lambda k, upto, lr=1e-3: P.Speculate(session="s", step=k, slot=0, lr=lr, upto=upto)  # noqa: E731
+        assert isinstance(sh.accept_speculation(spec(1, 50)), str)  # before INIT: dropped
+        sh.staging[:40] = 1.0
+        for lo in (0, 40, 80):
+            sh.init_chunk(lo, min(40, 100 - lo))
+        assert "out of order" in sh.accept_speculation(spec(2, 50))
+        assert sh.phase is ShardState.READY
+        assert sh.accept_speculation(spec(1, 50)) == (0, 50) and sh.phase is ShardState.SPECULATING
+        assert sh.accept_speculation(spec(1, 30)) is None       # nothing new
+        assert "differs" in sh.accept_speculation(spec(1, 90, lr=2e-3))
+        assert sh.accept_speculation(spec(1, 100)) == (50, 100)
+        sh.grads[0].view(np.float16)[:] = 0.5
+        m0 = sh.arrays.master.copy()
+        sh.speculate(0, 50)
+        assert not np.array_equal(sh.arrays.master[:50], m0[:50]) and np.array_equal(sh.arrays.master[50:], m0[50:])
+        assert sh.rollback() == 50 and sh.phase is ShardState.READY   # SKIP, GET_MASTER, ...: settled
+        np.testing.assert_array_equal(sh.arrays.master, m0)
+        assert sh.accept_speculation(spec(1, 100)) == (0, 100)
+        sh.speculate(0, 100)
+        assert sh.accept_step(P.Step(session="s", step=1, slot=0, lr=1e-3)) is None
+        assert sh.phase is ShardState.UPDATING
+        sh.step(P.Step(session="s", step=1, slot=0, lr=1e-3))
+        assert (sh.last_speculated, sh.last_rolled_back) == (100, 0) and sh.undo.empty
+        sh.finish_update()
+        assert sh.phase is ShardState.READY and sh.spec is None
+        # an undo log too small for the piece: as much as fits, then no more this step
+        small = _shard(undo_log_bytes=14 * 30)  # fp32 master, m, v and the fp16 weights: 14 B/element
+        try:
+            small.staging[:40] = 1.0
+            for lo in (0, 40, 80):
+                small.init_chunk(lo, min(40, 100 - lo))
+            assert small.accept_speculation(spec(1, 100)) == (0, 100)
+            small.speculate(0, 100)
+            assert small.spec.done == 30 and small.spec.full
+            assert small.accept_speculation(spec(1, 100)) is None
+        finally:
+            small.close()
     finally:
         sh.close()
 

@@ -34,6 +34,8 @@ class TrainConfig:
         loss cost under 2% at lr 3e-4; 0 = the paper's plain DPU).
     overlap_update: the engine's overlap_update (bitwise sync, the update during the
         next forward); with dpu=False.
+    undo_log_bytes: the engine's undo_log_bytes (speculation during backward; 0: off); with
+        dpu=False.
     state_dtype: the engine's state_dtype ("bf16": 6 B/param of optimizer state on the
         host instead of 12, the exact master where the weights are bf16 and dpu_predict 0;
         "int8": 4 B/param, block-wise 8-bit moments).
@@ -59,6 +61,7 @@ class TrainConfig:
     dpu_warmup: int = 40
     dpu_predict: float = 1.0
     overlap_update: bool = False
+    undo_log_bytes: int = 0
     state_dtype: str = "fp32"
     grad_accum: int = 1
     clip: float | None = 1.0
@@ -118,7 +121,8 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int, dev
     oc = OffloadConfig(lr=sched, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, dtype=tc.dtype,
                        clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum, dpu=tc.dpu,
                        dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict,
-                       overlap_update=tc.overlap_update, state_dtype=tc.state_dtype, server_threads=tc.server_threads, trace_dir=tc.trace_dir, device=str(device))
+                       overlap_update=tc.overlap_update, undo_log_bytes=tc.undo_log_bytes, state_dtype=tc.state_dtype,
+                       server_threads=tc.server_threads, trace_dir=tc.trace_dir, device=str(device))
     if tc.offload:
         return OffloadEngine(model, oc)
     return DeviceMixedPrecision(model.to(device), oc, simulate_dpu=tc.simulate_dpu)

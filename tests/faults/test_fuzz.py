@@ -23,7 +23,8 @@ def mutations(rng: random.Random, token: str, session: str, next_step: int):
     """Yield messages as bytes.  Never a valid STEP/INIT/LOAD of the live shard, never a
     HELLO that would register one: HELLOs carry this version (so admission's token,
     RAM and /dev/shm checks are what refuses them), with the real token only for
-    a shard larger than any machine's RAM."""
+    a shard larger than any machine's RAM.  SPECULATEs of the live shard are sent (the
+    server may run them into its undo log; they are never answered)."""
     hello = dict(version=P.PROTOCOL_VERSION, rank=0, world_size=1, dtype="fp16", optimizer="adamw")
     valid = [
         P.Step(session=session, step=next_step, slot=0, lr=1e-3).encode(),
@@ -31,6 +32,7 @@ def mutations(rng: random.Random, token: str, session: str, next_step: int):
         P.Hello(token=token, numel=2**39, **hello).encode(),
         P.Stats(session=session).encode(),
         P.Skip(session=session, step=next_step + 5).encode(),
+        P.Speculate(session=session, step=next_step, slot=0, lr=1e-3, upto=500).encode(),
     ]
     junk_values = [None, -1, -2**63, 2**64 - 1, 2**40, 1e308, float("nan"), float("inf"), "", "x" * 300, b"\x00",
                    [], {}, [1, 2], {"a": 1}, True, 3.5]
@@ -84,7 +86,8 @@ def test_fuzz_control_socket(tmp_path):
     print(f"fuzz seed {seed}")
     rng = random.Random(seed)
     with spawn(threads=1) as srv:
-        c = ShardClient(srv.address, srv.token, numel=1000, server_proc=srv.proc, grad_slots=2)
+        c = ShardClient(srv.address, srv.token, numel=1000, server_proc=srv.proc, grad_slots=2,
+                        undo_log_bytes=1 << 16)
         c.init_weights(np.random.default_rng(0).standard_normal(1000).astype(np.float32))
         c.grads[1].view(np.float16)[:] = 0.5
         c.step(1, 1, 1e-2)
@@ -94,7 +97,7 @@ def test_fuzz_control_socket(tmp_path):
         s = ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.connect(srv.address)
-        errors = sent = 0
+        errors = sent = hints = 0
         codes: dict[str, int] = {}
         gen = mutations(rng, srv.token, c.session, 2)
         try:
@@ -102,6 +105,13 @@ def test_fuzz_control_socket(tmp_path):
                 data = next(gen)
                 s.send(data)
                 sent += 1
+                try:
+                    m = P.decode(data)
+                except P.ProtocolError:
+                    m = None
+                if isinstance(m, P.Speculate) and m.session == c.session:
+                    hints += 1  # a hint of the live shard: no reply (a STEP or GET_MASTER settles it)
+                    continue
                 assert s.poll(5000), f"no reply to message {sent} (seed {seed}): {data[:80]!r}"
                 r = P.decode(s.recv())
                 if isinstance(r, P.Error):
@@ -113,7 +123,8 @@ def test_fuzz_control_socket(tmp_path):
         finally:
             s.close()
             ctx.term()
-        after = c.get_master()
+        st = c.stats()
+        after = c.get_master()  # rolls back whatever the hints speculated
         np.testing.assert_array_equal(before, after)
         c.save(str(tmp_path / "after"))
         b1 = (tmp_path / "before" / "shard-r0-of-1.bin").read_bytes()
@@ -124,4 +135,5 @@ def test_fuzz_control_socket(tmp_path):
     # every check of the server was reached, admission's included
     for code in (P.E_DECODE, P.E_VERSION, P.E_AUTH, P.E_RESOURCE, P.E_SESSION, P.E_ORDER):
         assert codes.get(code, 0) > 0, (code, codes, seed)
-    record("fuzz", {"messages": sent, "error_replies": errors, "seed": seed, "codes": codes})
+    assert hints > 0 and st.speculate_dropped > 0, (hints, st)
+    record("fuzz", {"messages": sent, "error_replies": errors, "speculate_hints": hints, "seed": seed, "codes": codes})
