@@ -371,6 +371,7 @@ class StatsOk(Message):
     simd: str
     speculate_dropped: int = 0  # SPECULATE messages the server could not use (a hint is not answered)
     last_drop_reason: str = ""
+    speculated: int = 0         # elements of the coming step already updated by speculation (its pieces so far)
 
 
 @dataclass(kw_only=True)

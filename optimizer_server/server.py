@@ -303,7 +303,8 @@ class OptimizerServer:
             shard.drop_speculation(piece)
             log.debug("rank %d: SPECULATE %d dropped: %s", shard.rank, msg.step, piece)
         elif piece is not None:
-            self.executors[session].submit(self._traced_speculate, shard, msg.step, *piece)
+            for a, b in piece:
+                self.executors[session].submit(self._traced_speculate, shard, msg.step, a, b)
 
     def _traced_speculate(self, shard: Shard, step: int, a: int, b: int) -> None:
         with self.tracer.span("speculate", rank=shard.rank, step=step, lo=a, hi=b):
@@ -325,7 +326,11 @@ class OptimizerServer:
     def _traced_step(self, shard: Shard, msg: P.Step) -> float:
         with self.tracer.span("update", rank=shard.rank, step=msg.step, bytes=shard.bytes_per_update,
                               threads=shard.threads):
-            return shard.step(msg)
+            dt = shard.step(msg)
+        if shard.last_rolled_back:  # the STEP did not match what was speculated: its restore
+            self.tracer.add("rollback", *shard.last_rollback_ns,
+                            {"rank": shard.rank, "step": msg.step, "elements": shard.last_rolled_back})
+        return dt
 
     def _on_done(self, identity: bytes, session: str, step: int, fut: Future) -> None:
         # runs on the update thread: queue the reply, wake the socket thread

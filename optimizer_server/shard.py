@@ -77,6 +77,7 @@ class Speculation:
         self.queued = 0     # [0, queued) handed to the update thread
         self.done = 0       # [0, done) updated, its old bytes in the undo log
         self.full = False   # the undo log could not take the next piece: no more this step
+        self.closed = False  # the STEP came: pieces not yet started are left to it (set by the socket thread)
 
 
 DEFAULT_HPARAMS = {
@@ -130,6 +131,7 @@ class Shard:
         self.last_drop_reason = ""
         self.last_speculated = 0   # the last STEP's: elements kept from speculation
         self.last_rolled_back = 0  # ... and elements restored and redone
+        self.last_rollback_ns = (0, 0)  # when the last STEP's restore ran (perf_counter_ns), for the trace
 
     # -- helpers ---------------------------------------------------------------
     def _write_weights16(self, slot: int = 0) -> None:
@@ -203,6 +205,10 @@ class Shard:
         refused = self._step_refusal(msg)
         if refused is not None:
             return refused
+        if self.spec is not None:
+            # speculative pieces still queued would only delay the STEP's own update, which
+            # publishes its progress as it goes (the pieces do not): they are left to it
+            self.spec.closed = True
         self.phase = ShardState.UPDATING
         return None
 
@@ -227,9 +233,10 @@ class Shard:
         return None
 
     # -- speculation -------------------------------------------------------------
-    def accept_speculation(self, msg: P.Speculate) -> tuple[int, int] | str | None:
-        """Socket thread: the piece [a, b) of a usable SPECULATE to hand to the update
-        thread (``speculate``), None if it adds nothing, or why it is dropped."""
+    def accept_speculation(self, msg: P.Speculate) -> list[tuple[int, int]] | str | None:
+        """Socket thread: the pieces [a, b) of a usable SPECULATE to hand to the update
+        thread (``speculate``), at most a progress block each (so that a STEP waits for
+        one at most), None if it adds nothing, or why it is dropped."""
         if self.undo is None:
             return "this shard has no undo log (HELLO.undo_log_bytes = 0)"
         if self.phase not in (ShardState.READY, ShardState.SPECULATING):
@@ -250,7 +257,10 @@ class Shard:
         if b <= a or self.spec.full:
             return None
         self.spec.queued = b
-        return a, b
+        step = self.progress_block
+        if self.arrays.state_dtype == "int8":
+            step = max(P.QBLOCK, step - step % P.QBLOCK)
+        return [(x, min(b, x + step)) for x in range(a, b, step)]
 
     def drop_speculation(self, why: str) -> None:
         self.speculate_dropped += 1
@@ -260,8 +270,8 @@ class Shard:
         """Update thread: update [a, b) with the assumed values, its old bytes saved first;
         as much of it as the undo log holds (whole blocks with int8)."""
         sp = self.spec
-        if sp is None or sp.full or a != sp.done:
-            return  # settled meanwhile, or an earlier piece did not fit
+        if sp is None or sp.full or sp.closed or a != sp.done:
+            return  # settled meanwhile, the STEP is here, or an earlier piece did not fit
         writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
         per = UndoLog.nbytes(writes) / (b - a)
         room = int((self.undo.capacity - self.undo.used) / per) if per else b - a
@@ -305,7 +315,9 @@ class Shard:
             self.undo.clear()
             self.last_speculated = sp.done
             return sp.done
+        t0 = time.perf_counter_ns()
         self.undo.restore()
+        self.last_rollback_ns = (t0, time.perf_counter_ns())
         self.last_rolled_back = sp.done
         return 0
 
@@ -455,7 +467,8 @@ class Shard:
         return P.StatsOk(steps=self.steps, skipped=self.skipped, last_update_s=ut[-1] if ut else 0.0,
                          mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
                          bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
-                         speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason)
+                         speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason,
+                         speculated=self.spec.done if self.spec is not None else 0)
 
     # -- checkpoints -----------------------------------------------------------
     def _paths(self, d: Path) -> tuple[Path, Path]:

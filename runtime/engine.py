@@ -215,7 +215,8 @@ class OffloadEngine:
         self.grads = GradientsDown(self.flat, c.grads, dtype=self.dtype, dtype_name=cfg.dtype, device=self.device,
                                    rank=self.rank, world_size=self.world_size, gate=gate, on_free=self.cycle.pump,
                                    tracer=self.tracer, counters=self.counters, collectives=self.coll,
-                                   on_ready=self.speculator.ready if self.speculator is not None else None)
+                                   on_ready=self.speculator.ready if self.speculator is not None else None,
+                                   ready_every=cfg.progress_block_numel)
 
     def _init_weights(self) -> None:
         with self.tracer.span("init_weights"):

@@ -18,11 +18,13 @@ alone); step() drops it.  Topologies:
                     asynchronously and is waited for at the end of backward.
 
 Speculation (runtime.speculation): ``on_ready(n)`` hears that the gradients of shard
-elements [0, n) are final in the host slot, as the prefix of complete buckets grows
-during backward (on CUDA, once the copy stream's event for each bucket has passed; one
-rank only).  Buckets that finish() completes (unused parameters, gradients of earlier
-micro-batches) are not announced: their step counts are not the ones speculation
-assumes.
+elements [0, n) are final in the host slot, as that prefix grows during backward (one
+rank only): parameter by parameter on the CPU, whose hooks copy straight into the
+slot; bucket by bucket on CUDA, once the copy stream's event for the bucket has
+passed.  It hears of growth by at least ``ready_every`` elements (and of the end), so
+the server gets pieces worth a kernel call.  What finish() completes (unused
+parameters, gradients of earlier micro-batches) is not announced: its step counts are
+not the ones speculation assumes.
 
 The one-slot gate (SlotGate): with one gradient slot under DPU, step t+1's
 gradients go into the slot the update of step t still reads, so each range is
@@ -85,7 +87,7 @@ class GradientsDown:
 
     def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
                  device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
-                 counters: Counters, collectives=None, on_ready=None):
+                 counters: Counters, collectives=None, on_ready=None, ready_every: int = 1):
         self.flat = flat
         self.coll = collectives  # runtime.distributed.Collectives, with world_size > 1
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
@@ -93,6 +95,7 @@ class GradientsDown:
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
         assert on_ready is None or world_size == 1, "speculation runs on one rank"
         self.on_ready = on_ready
+        self.ready_every = max(1, ready_every)
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
         self.shard_lo, self.shard_hi = flat.shard_range(rank)
@@ -152,7 +155,8 @@ class GradStep:
         self.finishing = False  # finish() runs: what it completes is not announced to on_ready
         self._totals: tuple[float, list[bool]] | None = None
         self.events: list = [None] * len(buckets)  # CUDA + on_ready: each bucket's copy-done event
-        self.ready_front = 0  # buckets [0, ready_front) announced to on_ready
+        self.ready_front = 0  # CUDA: buckets [0, ready_front) are on the host; CPU: spans [0, ready_front) are
+        self.announced = 0    # on_ready was told [0, announced) (shard coordinates)
 
     def on_grad(self, p: torch.Tensor) -> None:
         s = self.d.flat.by_param[id(p)]
@@ -163,8 +167,8 @@ class GradStep:
         self.remaining[b.index] -= 1
         if self.remaining[b.index] == 0:
             self._done(b)
-        elif self.d.cuda and self.ready_front < self.front:
-            self._announce()  # a bucket's copy that was still running at its end may be done now
+        else:
+            self._announce()  # CPU: this parameter; CUDA: a bucket's copy that was still running may be done
 
     def finish(self) -> None:
         """End of backward: a gradient that only earlier micro-batches produced (it sits in
@@ -233,14 +237,22 @@ class GradStep:
         d = self.d
         if d.on_ready is None or self.finishing:
             return
-        bs, n = d.flat.buckets, self.ready_front
-        while n < self.front and (self.events[n] is None or self.events[n].query()):
-            n += 1
-        if n == self.ready_front:
-            return
+        n = self.ready_front
+        if d.cuda:
+            bs = d.flat.buckets
+            while n < self.front and self.events[n] is not None and self.events[n].query():
+                n += 1
+            hi = bs[n].lo if n < len(bs) else d.flat.padded_numel
+        else:  # the hooks copied straight into the slot: every seen parameter's bytes are there
+            spans = d.flat.spans  # in offset order, tiling the flat space
+            while n < len(spans) and id(spans[n].param) in self.seen:
+                n += 1
+            hi = spans[n].offset if n < len(spans) else d.flat.padded_numel
         self.ready_front = n
-        hi = bs[n].lo if n < len(bs) else d.flat.padded_numel
-        d.on_ready(min(max(hi - d.shard_lo, 0), d.pad_lo))  # never the padding: finish() zeroes it
+        hi = min(max(hi - d.shard_lo, 0), d.pad_lo)  # never the padding: finish() zeroes it
+        if hi - self.announced >= d.ready_every or (hi == d.pad_lo and hi > self.announced):
+            self.announced = hi
+            d.on_ready(hi)
 
     def _unseen(self, b: Bucket):
         return (s for s in b.params if id(s.param) not in self.seen)

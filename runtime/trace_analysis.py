@@ -14,7 +14,11 @@ import statistics
 from dataclasses import dataclass
 
 WORKER_PHASES = ("iteration", "forward", "backward", "step", "grad_bucket", "grad_slot_wait", "grad_check", "signal",
-                 "wait_server", "weights_up", "weights_up_tail", "weights_swap", "all_gather", "skip")
+                 "wait_server", "weights_up", "weights_up_tail", "weights_swap", "all_gather", "skip",
+                 "overlap_wait", "speculate_signal")
+# the server's update work: a STEP's, and the pieces speculation ran during backward
+SERVER_UPDATE = ("update", "speculate")
+SERVER_PHASES = ("update", "speculate", "rollback")
 
 
 @dataclass
@@ -76,12 +80,13 @@ def phase_table(spans: list[Span], skip_first: int = 3) -> tuple[list[dict], flo
     step_us = statistics.mean(s.dur for s in its) if its else float("nan")
     n_it = max(1, len(its))
     rows = []
-    server = [s for s in spans if s.role == "server" and s.name == "update" and s.ts >= t_start]
-    for name in WORKER_PHASES + ("update",):
-        ds = [s.dur for s in (server if name == "update" else w) if s.name == name]
+    server = [s for s in spans if s.role == "server" and s.name in SERVER_PHASES and s.ts >= t_start]
+    for name in WORKER_PHASES + tuple(f"server {n}" for n in SERVER_PHASES):
+        on_server = name.startswith("server ")
+        ds = [s.dur for s in (server if on_server else w) if s.name == name.removeprefix("server ")]
         if not ds:
             continue
-        rows.append({"phase": name if name != "update" else "server update", "count": len(ds),
+        rows.append({"phase": name, "count": len(ds),
                      "mean_ms": statistics.mean(ds) / 1e3, "p50_ms": _pct(ds, 0.5) / 1e3,
                      "p99_ms": _pct(ds, 0.99) / 1e3, "share": sum(ds) / n_it / step_us if its else float("nan")})
     return rows, step_us / 1e3
@@ -103,7 +108,8 @@ def steady_start(spans: list[Span], n: int = STEADY_ITERATIONS) -> float:
 
 
 def hidden_fraction(spans: list[Span], since: float | None = None) -> float | None:
-    """Share of the server's update time that overlaps a worker's forward or backward,
+    """Share of the server's update time (STEP updates and speculated pieces) that overlaps
+    a worker's forward or backward,
     over the updates that start at or after `since` (default: the steady state, the
     last STEADY_ITERATIONS iterations: DPU's synchronous warm-up and the first,
     page-faulting update hide nothing by design).  None when there is no server trace
@@ -111,7 +117,8 @@ def hidden_fraction(spans: list[Span], since: float | None = None) -> float | No
     if since is None:
         since = steady_start(spans)
     busy = sorted(((s.ts, s.end) for s in spans if s.role == "worker" and s.name in ("forward", "backward")))
-    upd = [s for s in spans if s.role == "server" and s.name == "update" and s.ts >= since]
+    upd = sorted((s for s in spans if s.role == "server" and s.name in SERVER_UPDATE and s.ts >= since),
+                 key=lambda s: s.ts)
     total = sum(s.dur for s in upd)
     if not total:
         return None
@@ -139,7 +146,8 @@ def bytes_per_step(spans: list[Span]) -> dict:
     # host-side time: on CUDA the span covers issuing asynchronous copies, not the copy itself
     res["to_device_GBps"] = sum(s.args.get("bytes", 0) for s in up) / (t_up * 1e3) if t_up else None
     upd = [s for s in spans if s.role == "server" and s.name == "update"]
-    t_upd = sum(s.dur for s in upd)
+    # a STEP's bytes are moved by its span and by the speculated pieces before it
+    t_upd = sum(s.dur for s in spans if s.role == "server" and s.name in SERVER_UPDATE)
     res["update_GBps"] = sum(s.args.get("bytes", 0) for s in upd) / (t_upd * 1e3) if t_upd else None
     return res
 
@@ -156,7 +164,7 @@ def timeline_png(spans: list[Span], path: str, n_steps: int = 4) -> None:
     t0, t1 = its[i0].ts, its[min(len(its) - 1, i0 + n_steps)].end
     colors = {"forward": "tab:blue", "backward": "tab:orange", "wait_server": "tab:red", "weights_up": "tab:green",
               "grad_check": "tab:purple", "signal": "tab:brown", "update": "tab:olive", "all_gather": "tab:cyan",
-              "grad_bucket": "tab:pink"}
+              "grad_bucket": "tab:pink", "speculate": "gold", "rollback": "black", "overlap_wait": "tab:gray"}
     tracks = sorted({(s.role, s.rank, s.pid) for s in spans if s.role in ("worker", "server")},
                     key=lambda k: (k[0] != "worker", k[1]))
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.8 * len(tracks)))

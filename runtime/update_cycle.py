@@ -72,6 +72,7 @@ class UpdateCycle:
         self._host = [torch.from_numpy(w.view(np.int16)).view(dtype) for w in client.weights16_slots]
         self._cur = 0  # zero-copy: the slot the model's parameters view
         self.phase = Phase.IDLE
+        self._reads = None  # CUDA: an event after the forward pipeline's copies from the incoming slot
         self.step: int | None = None  # the update IN_FLIGHT or LANDED
         self.reverse = False          # that update runs back to front (published counts from the end)
         if zero_copy:
@@ -151,6 +152,11 @@ class UpdateCycle:
         """SPECULATE for update k (runtime.speculation): what send() is expected to carry,
         and that the gradients of [0, upto) are final.  Nothing may be in flight."""
         self._expect("speculate", Phase.IDLE, Phase.ON_DEVICE)
+        if self._reads is not None:
+            # the server is about to rewrite the incoming slot; copies the forward pipeline
+            # queued from it must have run (long done by the time backward's first bucket is)
+            self._reads.synchronize()
+            self._reads = None
         self.client.speculate(k, grad_slot, lr, grad_scale, hparams, upto=upto, predict=predict,
                               out_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
 
@@ -194,8 +200,12 @@ class UpdateCycle:
 
     def mark_on_device(self) -> None:
         """LANDED -> ON_DEVICE where the caller put the weights on the device itself (the
-        forward pipeline copied every range of a reversed update)."""
+        forward pipeline copied every range of a reversed update, asynchronously on CUDA:
+        an event marks the end of those copies for speculate())."""
         self._expect("mark_on_device", Phase.LANDED)
+        if self._cuda:
+            self._reads = torch.cuda.Event()
+            self._reads.record(torch.cuda.current_stream(self.flat16.device))
         if self.gather is not None:
             self.gather(self.flat16)
         self.step, self.phase = None, Phase.ON_DEVICE

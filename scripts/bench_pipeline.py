@@ -110,7 +110,6 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
     if offload and server_cores:
         pin(eng._server.pid, server_cores if name not in WHOLE_MACHINE else all_cores)
     times = []
-    before = eng.stats() if stats_out is not None and offload else {}
     try:
         for i in range(steps + warm):
             x, y = batches[i % len(batches)]
@@ -123,15 +122,13 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
             eng.tracer.add("iteration", t0_ns, t1_ns)
             if i >= warm:
                 times.append((t1_ns - t0_ns) / 1e9)
-            if i == warm - 1 and stats_out is not None:
-                before = eng.stats()
     finally:
-        if stats_out is not None and offload:
-            after = eng.stats()
-            for k, v in after.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and k in before:
-                    stats_out[k] = stats_out.get(k, 0) + v - before[k]
-            stats_out["shard_numel"] = after["shard_numel"]
+        if stats_out is not None and offload:  # the whole run's counts (warm-up included), summed over passes
+            st = eng.stats()
+            for k, v in st.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    stats_out[k] = stats_out.get(k, 0) + v
+            stats_out["shard_numel"] = st["shard_numel"]
         eng.close()
     return times
 
@@ -394,7 +391,8 @@ def main_spec(a) -> int:
             rows.append(row)
     head = ("| model, batch | state | clip | sync ms | overlap ms | overlap + spec ms | sync + spec ms | DPU ms "
             "| sync / overlap | sync / (overlap + spec) | (overlap + spec) / DPU | sync / (sync + spec) "
-            "| steps speculated / rolled back / shard kept | overlap + spec: forward waits + DONE wait, ms/step |")
+            "| steps speculated / rolled back / shard kept (all steps) | overlap + spec: forward waits + DONE wait, "
+            "ms/step |")
     body = (f"## Pipeline step time with speculation (scripts/bench_pipeline.py --speculation)\n\n{machine_line()}; "
             f"{a.dtype}; speculation with an undo log for the whole state; DPU with weight prediction; median of "
             f"{a.steps} x {a.passes} interleaved steps per variant; server on core {sorted(server_cores)}, worker on "

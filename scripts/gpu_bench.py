@@ -94,8 +94,10 @@ def count_params(mc: GPTConfig) -> int:
 
 
 def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype: str) -> dict:
-    """Build kind (baseline | sync | dpu | overlap | dpu-after), train a few steps, return time and memory.
-    overlap: overlap_update (bitwise sync, the update during the next forward);
+    """Build kind (baseline | sync | dpu | overlap | overlap-spec | dpu-after), train a few steps, return time
+    and memory.  overlap: overlap_update (bitwise sync, the update during the next forward); overlap-spec: with
+    speculation during backward too (an undo log for the whole state, and no clipping, which would roll every
+    speculation back; the clip's own cost is a coefficient, nothing on the timeline);
     dpu-after: weights up in one piece after DONE (the A/B for copying them inside backward)."""
     gc.collect()
     if dev.type == "cuda":
@@ -106,8 +108,10 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     model = make_model(mc)
     n = model.num_params()
     cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, dpu=kind.startswith("dpu"), dpu_warmup_steps=2,
-                        overlap_weights_up=kind != "dpu-after", overlap_update=kind == "overlap",
-                        clip_grad_norm=1.0, server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
+                        overlap_weights_up=kind != "dpu-after", overlap_update=kind.startswith("overlap"),
+                        undo_log_bytes=16 * n if kind == "overlap-spec" else 0,
+                        clip_grad_norm=None if kind == "overlap-spec" else 1.0,
+                        server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
     if kind == "baseline":
         eng = DeviceMixedPrecision(model.to(dev), cfg)
     else:
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     batches = [int(v) for v in a.batches.split(",")]
     for b in batches:
         # the A/B of the overlapped weight copy only at the larger batch, last (bounded time)
-        for kind in ("baseline", "sync", "dpu", "overlap") + (("dpu-after",) if b == batches[-1] else ()):
+        for kind in ("baseline", "sync", "dpu", "overlap") + (("overlap-spec", "dpu-after") if b == batches[-1] else ()):
             r = run(kind, mc, dev, b, a.steps, 2, a.dtype)
             r["tflops"] = fpt * b * mc.seq_len / r["step_s"] / 1e12
             res[f"{kind}_b{b}"] = r

@@ -35,6 +35,13 @@ def main(argv=None) -> int:
         print("CPU update hidden behind forward/backward (steady state, the last "
               f"{STEADY_ITERATIONS} iterations): " + (f"{100 * h:.1f}%" if h is not None else
                                                      "no update in those iterations"))
+        spec = [s for s in spans if s.role == "server" and s.name == "speculate"]
+        if spec:
+            steps = {s.args.get("step") for s in spec}
+            rolled = [s for s in spans if s.role == "server" and s.name == "rollback"]
+            print(f"speculation: {len(spec)} pieces in {len(steps)} steps, {sum(s.dur for s in spec) / 1e3:.1f} ms "
+                  f"of update inside backward; {len(rolled)} rollbacks ({sum(s.dur for s in rolled) / 1e3:.1f} ms "
+                  f"restoring), so {len(steps) - len(rolled)} steps kept what backward updated")
     b = bytes_per_step(spans)
     if b["to_device_B"]:
         up = (f"{b['to_device_B'] / 1e6:.2f} MB to device ({100 * b['to_device_early_B'] / b['to_device_B']:.0f}% "

@@ -195,3 +195,18 @@ def test_cuda_compact_state_matches_the_cpu_device(sd, dpu):
             res[device] = (losses, flat_master(eng).cpu())
     assert rel_err(res["cuda"][1] - p0, res["cpu"][1] - p0) < (0.3 if sd == "int8" else 0.1)
     assert max(abs(a - b) for a, b in zip(res["cuda"][0], res["cpu"][0])) < 0.05
+
+
+@pytest.mark.parametrize("undo", [0, 1 << 26], ids=["overlap", "overlap-spec"])
+def test_cuda_overlap_and_speculation_are_bitwise_sync(tmp_path, undo):
+    """On the GPU: overlap_update's per-module copies up during the forward, and speculation
+    announcing a bucket only once the copy stream's event for it has passed (and only after
+    the forward's copies from the slot it rewrites have run).  Against sync on the GPU; an
+    MLP, whose matmuls repeat bit for bit run to run (an embedding's backward need not)."""
+    from tests.helpers.overlap_runs import assert_bitwise, run
+    kw = dict(device="cuda", clip_grad_norm=0.3, bucket_numel=1024, cpu_zero_copy=False)
+    sync = run(tmp_path, mlp, mlp_batch, "bf16", False, **kw)
+    over = run(tmp_path, mlp, mlp_batch, "bf16", True, undo_log_bytes=undo, **kw)
+    assert_bitwise(over, sync, {})
+    if undo:
+        assert over[4]["spec_steps"] > 0, over[4]

@@ -28,7 +28,7 @@ SAMPLES = [
     P.Load(session="s", dir="/tmp/x", out_slot=1),
     P.Stats(session="s"),
     P.StatsOk(steps=1, skipped=0, last_update_s=0.1, mean_update_s=0.1, bytes_read=1, bytes_written=2,
-              threads=1, simd="avx512", speculate_dropped=2, last_drop_reason="no undo log"),
+              threads=1, simd="avx512", speculate_dropped=2, last_drop_reason="no undo log", speculated=7),
     P.Heartbeat(session="s"),
     P.HeartbeatOk(server_pid=3),
     P.Bye(session="s"),

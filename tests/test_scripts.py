@@ -65,6 +65,8 @@ def test_convergence_tiny():
     assert "dpu-sim" in out and "| default | tiny |" in out
     assert "sync-bf16state vs sync: validation gap" in out
     assert "sync-int8state vs sync: validation gap" in out
+    assert "overlap vs sync: validation losses identical at every evaluation" in out
+    assert "overlap-spec vs sync: validation losses identical at every evaluation" in out
 
 
 def test_trace_tools(tmp_path):
@@ -79,6 +81,18 @@ def test_trace_tools(tmp_path):
     out = run("trace_report.py", str(tr), "--png", str(tmp_path / "tl.png"))
     assert "server update" in out and "hidden behind forward/backward" in out
     assert (tmp_path / "tl.png").stat().st_size > 1000
+
+
+def test_trace_report_shows_speculation(tmp_path):
+    """overlap_update with speculation and no clipping: the server's pieces inside backward,
+    and steps that kept them."""
+    tr = tmp_path / "tr"
+    run("train_gpt.py", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--steps", "8", "--no-dpu",
+        "--overlap-update", "--undo-log-bytes", str(1 << 24), "--clip", "0", "--eval-every", "0", "--no-progress",
+        "--trace-dir", str(tr))
+    out = run("trace_report.py", str(tr))
+    assert "server speculate" in out and "speculation:" in out and "0 rollbacks" in out, out
+    assert "so 8 steps kept" in out, out
 
 
 def test_gpu_scripts_without_gpu():

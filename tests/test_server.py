@@ -144,6 +144,14 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
         c.close()
 
 
+def wait_speculated(client, n: int, timeout_s: float = 30.0) -> None:
+    """Until the server's speculation of the coming step has updated n elements."""
+    deadline = time.monotonic() + timeout_s
+    while client.stats().speculated < n:
+        assert time.monotonic() < deadline, "speculation did not progress"
+        time.sleep(0.002)
+
+
 def test_speculation_kept_rolled_back_and_settled_bitwise(server):
     """SPECULATE against the same STEPs without it (a second shard): a matching STEP keeps
     the speculated prefix, a different grad_scale rolls it back, and SKIP and GET_MASTER
@@ -164,6 +172,7 @@ def test_speculation_kept_rolled_back_and_settled_bitwise(server):
             actual = 0.5 if t % 2 == 0 else 1.0  # even steps: "a clip fired", the assumption was wrong
             spec.speculate(t, 0, 1e-2, 1.0, None, upto=n // 3)
             spec.speculate(t, 0, 1e-2, 1.0, None, upto=n)
+            wait_speculated(spec, n)  # else the STEP may come first and take the pieces over
             d = spec.step(t, 0, 1e-2, actual)
             ref.step(t, 0, 1e-2, actual)
             assert (d.speculated, d.rolled_back) == ((0, n) if t % 2 == 0 else (n, 0)), (t, d)
@@ -173,15 +182,18 @@ def test_speculation_kept_rolled_back_and_settled_bitwise(server):
         m0, w0 = ref.get_master(), ref.weights16.copy()
         spec.grads[0].view(np.float16)[:] = 1.0
         spec.speculate(7, 0, 1e-2, 1.0, None, upto=n)
+        wait_speculated(spec, n)
         spec.skip(7)
         np.testing.assert_array_equal(spec.get_master(), m0)
         np.testing.assert_array_equal(spec.weights16, w0)
         spec.speculate(7, 0, 1e-2, 1.0, None, upto=n)
+        wait_speculated(spec, n)
         np.testing.assert_array_equal(spec.get_master(), m0)
         # dropped, and counted: no undo log; an assumption that changes within a step
         ref.speculate(7, 0, 1e-2, 1.0, None, upto=n)
         spec.speculate(7, 0, 1e-2, 1.0, None, upto=n // 2)
         spec.speculate(7, 0, 2e-2, 1.0, None, upto=n)
+        wait_speculated(spec, n // 2)
         st_ref, st_spec = ref.stats(), spec.stats()
         assert st_ref.speculate_dropped == 1 and "undo_log_bytes" in st_ref.last_drop_reason
         assert st_spec.speculate_dropped == 1 and "differs" in st_spec.last_drop_reason
@@ -480,17 +492,17 @@ def test_shard_speculation_states():
             sh.init_chunk(lo, min(40, 100 - lo))
         assert "out of order" in sh.accept_speculation(spec(2, 50))
         assert sh.phase is ShardState.READY
-        assert sh.accept_speculation(spec(1, 50)) == (0, 50) and sh.phase is ShardState.SPECULATING
+        assert sh.accept_speculation(spec(1, 50)) == [(0, 50)] and sh.phase is ShardState.SPECULATING
         assert sh.accept_speculation(spec(1, 30)) is None       # nothing new
         assert "differs" in sh.accept_speculation(spec(1, 90, lr=2e-3))
-        assert sh.accept_speculation(spec(1, 100)) == (50, 100)
+        assert sh.accept_speculation(spec(1, 100)) == [(50, 100)]
         sh.grads[0].view(np.float16)[:] = 0.5
         m0 = sh.arrays.master.copy()
         sh.speculate(0, 50)
         assert not np.array_equal(sh.arrays.master[:50], m0[:50]) and np.array_equal(sh.arrays.master[50:], m0[50:])
         assert sh.rollback() == 50 and sh.phase is ShardState.READY   # SKIP, GET_MASTER, ...: settled
         np.testing.assert_array_equal(sh.arrays.master, m0)
-        assert sh.accept_speculation(spec(1, 100)) == (0, 100)
+        assert sh.accept_speculation(spec(1, 100)) == [(0, 100)]
         sh.speculate(0, 100)
         assert sh.accept_step(P.Step(session="s", step=1, slot=0, lr=1e-3)) is None
         assert sh.phase is ShardState.UPDATING
@@ -504,7 +516,7 @@ def test_shard_speculation_states():
             small.staging[:40] = 1.0
             for lo in (0, 40, 80):
                 small.init_chunk(lo, min(40, 100 - lo))
-            assert small.accept_speculation(spec(1, 100)) == (0, 100)
+            assert small.accept_speculation(spec(1, 100)) == [(0, 100)]
             small.speculate(0, 100)
             assert small.spec.done == 30 and small.spec.full
             assert small.accept_speculation(spec(1, 100)) is None

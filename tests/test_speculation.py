@@ -51,10 +51,10 @@ def test_speculation_is_bitwise_sync(tmp_path, case):
     assert st["spec_kept_steps"] > 0 and st["spec_kept_numel"] > 0, st  # some steps kept what backward did
     if "clip_grad_norm" in kw or "inject_at" in kw:
         assert st["spec_rollback_steps"] > 0, st  # and some were undone
+    # a STEP takes over the pieces not yet started, so a step keeps at most the shard
+    assert st["spec_kept_numel"] <= st["spec_kept_steps"] * st["shard_numel"], st
     if undo == SMALL:  # the log filled: each step speculated only part of the shard
         assert 0 < st["spec_kept_numel"] / st["spec_kept_steps"] < st["shard_numel"] / 2, st
-    else:
-        assert st["spec_kept_numel"] == st["spec_kept_steps"] * st["shard_numel"], st
 
 
 def test_lr_changed_after_backward_rolls_back_bitwise(tmp_path):
