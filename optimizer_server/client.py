@@ -199,28 +199,27 @@ class ShardClient:
             np.copyto(self.staging[:hi - lo], src[lo:hi])
             self.init_chunk(lo, hi)
 
-    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
-                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False):
+    def _send_step(self, cls, what: str, step: int, slot: int, lr: float, grad_scale: float, hparams: dict | None,
+                   predict: float, out_slot: int, groups: list | None, reverse: bool, **extra) -> None:
+        """STEP or SPECULATE (the same fields): out, with nothing in flight."""
         self._check_usable()
         if self._inflight is not None:
-            raise OptimizerServerError(f"step {step} sent while step {self._inflight} is in flight", code=P.E_ORDER)
-        self._sock.send(P.Step(session=self.session, step=step, slot=slot, lr=float(lr),
-                               grad_scale=float(grad_scale), hparams=dict(hparams or {}),
-                               predict=float(predict), out_slot=out_slot, groups=list(groups or []),
-                               reverse=bool(reverse)).encode())
+            raise OptimizerServerError(f"{what} sent while step {self._inflight} is in flight", code=P.E_ORDER)
+        self._sock.send(cls(session=self.session, step=step, slot=slot, lr=float(lr), grad_scale=float(grad_scale),
+                            hparams=dict(hparams or {}), predict=float(predict), out_slot=out_slot,
+                            groups=list(groups or []), reverse=bool(reverse), **extra).encode())
+
+    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
+                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False):
+        self._send_step(P.Step, f"step {step}", step, slot, lr, grad_scale, hparams, predict, out_slot, groups, reverse)
         self._inflight = step
 
     def speculate(self, step: int, slot: int, lr: float, grad_scale: float, hparams: dict | None, *, upto: int,
                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False) -> None:
         """SPECULATE (one-way, never answered): the gradients of [0, upto) are final in
         `slot`, and these are the values step_async is expected to send."""
-        self._check_usable()
-        if self._inflight is not None:
-            raise OptimizerServerError(f"SPECULATE while step {self._inflight} is in flight", code=P.E_ORDER)
-        self._sock.send(P.Speculate(session=self.session, step=step, slot=slot, lr=float(lr),
-                                    grad_scale=float(grad_scale), hparams=dict(hparams or {}),
-                                    predict=float(predict), out_slot=out_slot, groups=list(groups or []),
-                                    reverse=bool(reverse), upto=int(upto)).encode())
+        self._send_step(P.Speculate, "SPECULATE", step, slot, lr, grad_scale, hparams, predict, out_slot, groups,
+                        reverse, upto=int(upto))
 
     def wait_done(self, timeout_s: float | None = None) -> P.Done:
         self._check_usable()

@@ -316,21 +316,41 @@ STATE_DTYPES = ("fp32", "bf16", "int8")
 STATE_VARIANTS = [m if dt == "fp32" else f"{m}-{dt}state" for m in STATE_MODES for dt in STATE_DTYPES]
 
 
+def _core_split() -> tuple[set, set]:
+    """(server cores, worker cores): one each on a 2-core machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+
+
+def _medians(variants, mc, batches, a, server_cores, worker_cores, stats=None) -> dict:
+    """Each variant's median step (ms), the variants interleaved pass by pass in a shuffled order;
+    stats: per variant, its engines' stats() summed (bench_pipeline_speculation)."""
+    times = {v: [] for v in variants}
+    order = list(variants)
+    for p in range(a.passes):
+        random.Random(p).shuffle(order)
+        for v in order:
+            times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
+                                    stats_out=None if stats is None else stats.setdefault(v, {}))
+    return {v: statistics.median(t) * 1e3 for v, t in times.items()}
+
+
+def _write_table(section, title, what, a, server_cores, worker_cores, head, rows) -> None:
+    body = (f"## {title}\n\n{machine_line()}; {a.dtype}; {what}; median of {a.steps} x {a.passes} interleaved "
+            f"steps per variant; server on core {sorted(server_cores)}, worker on core {sorted(worker_cores)}, one "
+            f"thread each.\n\n" + "\n".join([head, "|" + "---|" * (head.count("|") - 1), *rows]) + "\n")
+    if not a.no_write:
+        update_section(section, body)
+
+
 def main_state(a) -> int:
     """The state dtypes' rows: each of sync, DPU, overlap with fp32, bf16 and int8 state, interleaved."""
-    cores = sorted(os.sched_getaffinity(0))
-    server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+    server_cores, worker_cores = _core_split()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     rows = []
     for setting in a.settings.split(","):
         model_name, bs, sl, mc, batches = load_setting(setting, corpus)
-        times = {v: [] for v in STATE_VARIANTS}
-        order = list(STATE_VARIANTS)
-        for p in range(a.passes):
-            random.Random(p).shuffle(order)
-            for v in order:
-                times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores)
-        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        med = _medians(STATE_VARIANTS, mc, batches, a, server_cores, worker_cores)
         for m in STATE_MODES:
             ms = [med[m if dt == "fp32" else f"{m}-{dt}state"] for dt in STATE_DTYPES]
             row = (f"| {model_name} {bs}x{sl} | {m} | " + " | ".join(f"{x:.1f}" for x in ms) + " | "
@@ -339,13 +359,9 @@ def main_state(a) -> int:
             rows.append(row)
     head = ("| model, batch | mode | fp32 state ms | bf16 state ms | int8 state ms | fp32 / bf16 state "
             "| fp32 / int8 state |")
-    body = (f"## Pipeline step time by state dtype (scripts/bench_pipeline.py --state-dtypes)\n\n{machine_line()}; "
-            f"{a.dtype}; clip 1.0; DPU with weight prediction (so its master stays fp32: 20 and 16 B/param moved, "
-            f"not 18 and 14); median of {a.steps} x {a.passes} interleaved steps per variant; server on core "
-            f"{sorted(server_cores)}, worker on core {sorted(worker_cores)}, one thread each.\n\n"
-            + "\n".join([head, "|" + "---|" * 7, *rows]) + "\n")
-    if not a.no_write:
-        update_section("bench_pipeline_state", body)
+    _write_table("bench_pipeline_state", "Pipeline step time by state dtype (scripts/bench_pipeline.py --state-dtypes)",
+                 "clip 1.0; DPU with weight prediction (so its master stays fp32: 20 and 16 B/param moved, not 18 "
+                 "and 14)", a, server_cores, worker_cores, head, rows)
     return 0
 
 
@@ -354,8 +370,7 @@ SPEC_MODES = ("sync", "overlap", "overlap-spec", "sync-spec", "dpu")
 
 def main_spec(a) -> int:
     """Speculation's rows: per state dtype and clip setting, each mode's step time, interleaved."""
-    cores = sorted(os.sched_getaffinity(0))
-    server_cores, worker_cores = ({cores[0]}, {cores[1]}) if len(cores) >= 2 else (set(), set(cores))
+    server_cores, worker_cores = _core_split()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     combos = [(st, clip) for st in ("fp32", "int8") for clip in ("noclip", "clip")]
 
@@ -364,16 +379,9 @@ def main_spec(a) -> int:
     rows = []
     for setting in a.settings.split(","):
         model_name, bs, sl, mc, batches = load_setting(setting, corpus)
-        variants = [vname(m, st, c) for st, c in combos for m in SPEC_MODES]
-        times = {v: [] for v in variants}
-        stats = {v: {} for v in variants}
-        order = list(variants)
-        for p in range(a.passes):
-            random.Random(p).shuffle(order)
-            for v in order:
-                times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
-                                        stats_out=stats[v])
-        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        stats: dict = {}
+        med = _medians([vname(m, st, c) for st, c in combos for m in SPEC_MODES], mc, batches, a, server_cores,
+                       worker_cores, stats)
         for st, clip in combos:
             ms = {m: med[vname(m, st, clip)] for m in SPEC_MODES}
             sp = stats[vname("overlap-spec", st, clip)]
@@ -393,13 +401,9 @@ def main_spec(a) -> int:
             "| sync / overlap | sync / (overlap + spec) | (overlap + spec) / DPU | sync / (sync + spec) "
             "| steps speculated / rolled back / shard kept (all steps) | overlap + spec: forward waits + DONE wait, "
             "ms/step |")
-    body = (f"## Pipeline step time with speculation (scripts/bench_pipeline.py --speculation)\n\n{machine_line()}; "
-            f"{a.dtype}; speculation with an undo log for the whole state; DPU with weight prediction; median of "
-            f"{a.steps} x {a.passes} interleaved steps per variant; server on core {sorted(server_cores)}, worker on "
-            f"core {sorted(worker_cores)}, one thread each.\n\n"
-            + "\n".join([head, "|" + "---|" * 14, *rows]) + "\n")
-    if not a.no_write:
-        update_section("bench_pipeline_speculation", body)
+    _write_table("bench_pipeline_speculation", "Pipeline step time with speculation (scripts/bench_pipeline.py "
+                 "--speculation)", "speculation with an undo log for the whole state; DPU with weight prediction",
+                 a, server_cores, worker_cores, head, rows)
     return 0
 
 
