@@ -22,14 +22,14 @@ CASES = {
     # clip_grad_norm 1.2: the norm starts above it and falls below, so it fires on some steps only
     "adamw-clip": (gpt, gpt_batch, "bf16", dict(clip_grad_norm=1.2, weight_decay=0.1)),
     "fp16-overflow-accum2": (mlp, mlp_batch, "fp16", dict(accum=2, inject_at=5)),
-    "groups": (gpt, gpt_batch, "bf16", dict(groups=two_groups)),
+    "groups": (gpt, gpt_batch, "bf16", dict(groups=two_groups, clip_grad_norm=1.2)),
     "copy-path": (gpt, gpt_batch, "bf16", dict(cpu_zero_copy=False, clip_grad_norm=1.2)),
-    "lion": (mlp, mlp_batch, "bf16", dict(optimizer="lion", lr=1e-4)),
+    "lion": (mlp, mlp_batch, "bf16", dict(optimizer="lion", lr=1e-4, clip_grad_norm=0.22)),
     "adagrad": (mlp, mlp_batch, "bf16", dict(optimizer="adagrad")),
     "slow-forward": (gpt, gpt_batch, "bf16", dict(slow_forward=True, clip_grad_norm=1.2)),
     # bf16 moments and the exact master: the reversed update writes the same bytes
     "bf16-state": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", clip_grad_norm=1.2)),
-    "bf16-state-copy": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", cpu_zero_copy=False)),
+    "bf16-state-copy": (gpt, gpt_batch, "bf16", dict(state_dtype="bf16", cpu_zero_copy=False, clip_grad_norm=1.2)),
     # int8 moments: the reversed update runs whole blocks, one call per published block
     "int8-state-groups": (gpt, gpt_batch, "bf16", dict(state_dtype="int8", clip_grad_norm=1.2, groups=two_groups)),
     "int8-state-fp16": (mlp, mlp_batch, "fp16", dict(state_dtype="int8", accum=2, inject_at=5)),
