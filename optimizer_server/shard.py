@@ -72,8 +72,7 @@ class Speculation:
 
     def __init__(self, msg: P.Speculate, key: tuple):
         self.msg = msg
-        self.step = msg.step
-        self.key = key      # Shard._step_key of the assumption
+        self.key = key      # Shard._step_key of the assumption (its step number first)
         self.queued = 0     # [0, queued) handed to the update thread
         self.done = 0       # [0, done) updated, its old bytes in the undo log
         self.full = False   # the undo log could not take the next piece: no more this step
@@ -248,19 +247,23 @@ class Shard:
         if self.spec is None:
             self.spec = Speculation(msg, key)
             self.phase = ShardState.SPECULATING
-        elif self.spec.step != msg.step or self.spec.key != key:
+        elif self.spec.key != key:
             return "SPECULATE's assumption differs from the one this step already speculated on"
-        b = min(msg.upto, self.numel)
-        if self.arrays.state_dtype == "int8" and b < self.numel:
-            b -= b % P.QBLOCK  # a block's scale depends on all of it: whole blocks only
+        b = self._block_floor(min(msg.upto, self.numel))
         a = self.spec.queued
         if b <= a or self.spec.full:
             return None
         self.spec.queued = b
-        step = self.progress_block
-        if self.arrays.state_dtype == "int8":
-            step = max(P.QBLOCK, step - step % P.QBLOCK)
+        step = max(P.QBLOCK, self._block_floor(self.progress_block)) if self.arrays.state_dtype == "int8" \
+            else self.progress_block
         return [(x, min(b, x + step)) for x in range(a, b, step)]
+
+    def _block_floor(self, b: int) -> int:
+        """int8: b rounded down to a whole block (a block's scale depends on all of it),
+        unless it is the shard's end; other state dtypes: b."""
+        if self.arrays.state_dtype == "int8" and b < self.numel:
+            return b - b % P.QBLOCK
+        return b
 
     def drop_speculation(self, why: str) -> None:
         self.speculate_dropped += 1
@@ -272,21 +275,16 @@ class Shard:
         sp = self.spec
         if sp is None or sp.full or sp.closed or a != sp.done:
             return  # settled meanwhile, the STEP is here, or an earlier piece did not fit
-        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
-        per = UndoLog.nbytes(writes) / (b - a)
+        per = UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)) / (b - a)
         room = int((self.undo.capacity - self.undo.used) / per) if per else b - a
-        if room < b - a:
+        if room < b - a:  # as much as the log holds, and no more pieces this step
             sp.full = True
-            b = a + room
-            if self.arrays.state_dtype == "int8" and b < self.numel:
-                b -= b % P.QBLOCK
+            b = self._block_floor(a + room)
             if b <= a:
                 return
-            writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
-            if not self.undo.save(writes):  # the scales' rounding: one block less
-                return
-        else:
-            assert self.undo.save(writes), "sized above"
+        if not self.undo.save(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)):
+            sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
+            return
         self._state_dirty = True
         self._run(sp.msg, self._ranges(sp.msg, persist=False), a, b, progress=False)
         sp.done = b
@@ -311,7 +309,7 @@ class Shard:
             if sp is not None:
                 self.undo.clear()
             return 0
-        if sp.step == msg.step and self._clipped_key(sp.key, sp.done) == self._clipped_key(self._step_key(msg), sp.done):
+        if self._clipped_key(sp.key, sp.done) == self._clipped_key(self._step_key(msg), sp.done):
             self.undo.clear()
             self.last_speculated = sp.done
             return sp.done
