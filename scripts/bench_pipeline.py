@@ -73,8 +73,9 @@ def pin(pid: int, cores: set[int]) -> None:
 # "dpu-2slots": a second gradient slot, so backward never waits for the update in
 # flight (the default one slot makes each range wait until the update has passed it).
 # "overlap": overlap_update, bitwise sync, the update during the next forward
-# (runtime/overlap.py); "overlap-copy" with the weights copied as a GPU must.
-WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared"}
+# (runtime/overlap.py); "overlap-copy" with the weights copied as a GPU must;
+# "overlap-shared" with the worker on both cores, as "dpu-shared".
+WHOLE_MACHINE = {"baseline", "deepspeed", "dpu-shared", "overlap-shared"}
 
 
 def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores, server_cores, trace_dir="",
@@ -209,6 +210,11 @@ def main(argv=None) -> int:
     ap.add_argument("--speculation", action="store_true",
                     help="sync, overlap, DPU and speculation, with and without clipping (section "
                          "bench_pipeline_speculation)")
+    ap.add_argument("--trace-dir", default="",
+                    help="with --state-dtypes or --speculation: trace each variant's last pass into DIR/VARIANT "
+                         "(scripts/trace_report.py reads one)")
+    ap.add_argument("--spec-states", default="fp32,int8", help="with --speculation: the state dtypes")
+    ap.add_argument("--spec-clips", default="none,1.0", help="with --speculation: no clipping (none), clip 1.0")
     a = ap.parse_args(argv)
     if a.state_dtypes:
         return main_state(a)
@@ -219,7 +225,7 @@ def main(argv=None) -> int:
     print(f"cores: optimizer server {sorted(server_cores) or 'shared'}, worker {sorted(worker_cores)}, one thread "
           f"each; no-offload and DeepSpeed on all {len(cores)} cores, baseline-1core on the worker's", flush=True)
     variants = ["baseline", "baseline-1core", "sync", "sync-untraced", "dpu", "dpu-shared", "sync-copy", "dpu-copy",
-                "sync-after", "dpu-after", "dpu-2slots", "overlap", "overlap-copy"]
+                "sync-after", "dpu-after", "dpu-2slots", "overlap", "overlap-copy", "overlap-shared"]
     try:
         import deepspeed  # noqa: F401
         variants.append("deepspeed")
@@ -263,7 +269,8 @@ def main(argv=None) -> int:
               f"{med['dpu-after'] / med['dpu']:.2f}x | {med['dpu-2slots']:.1f} | "
               f"{med['dpu'] / med['dpu-2slots']:.2f}x | {med['overlap']:.1f} | {med['overlap-copy']:.1f} | "
               f"{med['sync-untraced'] / med['overlap']:.2f}x | {med['overlap'] / med['dpu']:.2f} | "
-              f"{med['sync-copy'] / med['overlap-copy']:.2f}x |")
+              f"{med['sync-copy'] / med['overlap-copy']:.2f}x | {med['overlap-shared']:.1f} | "
+              f"{min(med['overlap'], med['overlap-shared']) / med['baseline']:.2f} |")
         del batches
         print(row, flush=True)
         print(ab, flush=True)
@@ -288,12 +295,14 @@ def main(argv=None) -> int:
               "backward), or not copied at all (the CPU device's zero-copy slots, the columns above); and DPU "
               "with a second gradient slot (dpu_grad_slots=2: backward never waits for the update, +2 B/param) "
               "against the default one slot, whose ranges backward writes once the update has passed them; and "
-              "overlap_update (bitwise sync; the update during the next forward), zero-copy and copied:\n\n"
+              "overlap_update (bitwise sync; the update during the next forward), zero-copy, copied, and with the "
+              "worker on both cores as 'DPU, shared cores' (the server unpinned):\n\n"
             + "\n".join(["| model, batch | sync, copy after DONE ms | sync, copy as published ms | sync, zero-copy ms "
                           "| after / zero-copy | DPU, copy after DONE ms | DPU, copy in backward ms "
                           "| DPU, zero-copy ms | after / zero-copy | DPU, 2 gradient slots ms "
                           "| 1 slot / 2 slots | overlap ms | overlap, copy ms | sync / overlap | overlap / DPU "
-                          "| sync / overlap, copy |", "|" + "---|" * 16,
+                          "| sync / overlap, copy | overlap, shared cores ms | best overlap / no offload |",
+                          "|" + "---|" * 18,
                           *ab_rows]) + "\n")
     if not a.no_write:
         update_section(a.section, body.replace("## Pipeline step time", "## Pipeline step time" + (
@@ -330,8 +339,9 @@ def _medians(variants, mc, batches, a, server_cores, worker_cores, stats=None) -
     for p in range(a.passes):
         random.Random(p).shuffle(order)
         for v in order:
+            tdir = os.path.join(a.trace_dir, v) if a.trace_dir and p == a.passes - 1 else ""
             times[v] += run_variant(v, mc, batches, a.steps, a.warm, a.dtype, 3, worker_cores, server_cores,
-                                    stats_out=None if stats is None else stats.setdefault(v, {}))
+                                    tdir, stats_out=None if stats is None else stats.setdefault(v, {}))
     return {v: statistics.median(t) * 1e3 for v, t in times.items()}
 
 
@@ -372,7 +382,10 @@ def main_spec(a) -> int:
     """Speculation's rows: per state dtype and clip setting, each mode's step time, interleaved."""
     server_cores, worker_cores = _core_split()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
-    combos = [(st, clip) for st in ("fp32", "int8") for clip in ("noclip", "clip")]
+    if not set(a.spec_clips.split(",")) <= {"none", "1.0"} or not set(a.spec_states.split(",")) <= {"fp32", "int8"}:
+        raise SystemExit("--spec-clips takes none and 1.0, --spec-states fp32 and int8")
+    combos = [(st, "noclip" if clip == "none" else "clip") for st in a.spec_states.split(",")
+              for clip in a.spec_clips.split(",")]
 
     def vname(m, st, clip):
         return m + ("-noclip" if clip == "noclip" else "") + ("" if st == "fp32" else f"-{st}state")
@@ -393,15 +406,18 @@ def main_spec(a) -> int:
                    + " | ".join(f"{ms[m]:.1f}" for m in SPEC_MODES)
                    + f" | {ms['sync'] / ms['overlap']:.2f}x | {ms['sync'] / ms['overlap-spec']:.2f}x | "
                    f"{ms['overlap-spec'] / ms['dpu']:.2f} | {ms['sync'] / ms['sync-spec']:.2f}x | "
+                   f"{ms['sync-spec'] / ms['dpu']:.2f} | "
                    f"{tried:.0%} / {rolled:.0%} / {kept:.0%} | "
                    f"{1e3 * sp.get('overlap_wait_s', 0) / n:.1f} + {1e3 * sp.get('wait_s', 0) / n:.1f} |")
             print(row, flush=True)
             rows.append(row)
     head = ("| model, batch | state | clip | sync ms | overlap ms | overlap + spec ms | sync + spec ms | DPU ms "
             "| sync / overlap | sync / (overlap + spec) | (overlap + spec) / DPU | sync / (sync + spec) "
+            "| (sync + spec) / DPU "
             "| steps speculated / rolled back / shard kept (all steps) | overlap + spec: forward waits + DONE wait, "
             "ms/step |")
-    _write_table("bench_pipeline_speculation", "Pipeline step time with speculation (scripts/bench_pipeline.py "
+    section = "bench_pipeline_speculation" if a.section == "bench_pipeline" else a.section
+    _write_table(section, "Pipeline step time with speculation " + (f"({section}) " if section != "bench_pipeline_speculation" else "") + "(scripts/bench_pipeline.py "
                  "--speculation)", "speculation with an undo log for the whole state; DPU with weight prediction",
                  a, server_cores, worker_cores, head, rows)
     return 0
