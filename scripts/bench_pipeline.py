@@ -382,10 +382,10 @@ def main_spec(a) -> int:
     """Speculation's rows: per state dtype and clip setting, each mode's step time, interleaved."""
     server_cores, worker_cores = _core_split()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
-    if not set(a.spec_clips.split(",")) <= {"none", "1.0"} or not set(a.spec_states.split(",")) <= {"fp32", "int8"}:
+    states, clips = a.spec_states.split(","), a.spec_clips.split(",")
+    if not set(clips) <= {"none", "1.0"} or not set(states) <= {"fp32", "int8"}:
         raise SystemExit("--spec-clips takes none and 1.0, --spec-states fp32 and int8")
-    combos = [(st, "noclip" if clip == "none" else "clip") for st in a.spec_states.split(",")
-              for clip in a.spec_clips.split(",")]
+    combos = [(st, "noclip" if clip == "none" else "clip") for st in states for clip in clips]
 
     def vname(m, st, clip):
         return m + ("-noclip" if clip == "noclip" else "") + ("" if st == "fp32" else f"-{st}state")
@@ -416,9 +416,11 @@ def main_spec(a) -> int:
             "| (sync + spec) / DPU "
             "| steps speculated / rolled back / shard kept (all steps) | overlap + spec: forward waits + DONE wait, "
             "ms/step |")
+    # --section names a reduced run's own section (as in main()); the default one keeps its title
     section = "bench_pipeline_speculation" if a.section == "bench_pipeline" else a.section
-    _write_table(section, "Pipeline step time with speculation " + (f"({section}) " if section != "bench_pipeline_speculation" else "") + "(scripts/bench_pipeline.py "
-                 "--speculation)", "speculation with an undo log for the whole state; DPU with weight prediction",
+    named = "" if section == "bench_pipeline_speculation" else f"({section}) "
+    _write_table(section, f"Pipeline step time with speculation {named}(scripts/bench_pipeline.py --speculation)",
+                 "speculation with an undo log for the whole state; DPU with weight prediction",
                  a, server_cores, worker_cores, head, rows)
     return 0
 
