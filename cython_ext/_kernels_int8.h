@@ -1,41 +1,51 @@
 /*
- * state_dtype="int8": Adam's m and v as 8-bit codes, block-wise scaled.
+ * state_dtype="int8": Adam's m and v as 8-bit float-like codes, block-wise scaled.
  *
  * Layout: elements are grouped into blocks of ZO_QBLOCK (256) from element 0
  * of the arrays passed in (the server passes shard slices that start on a
  * block: shards and kernel windows are block aligned).  Per block one fp32
  * scale per moment, so 2 * 4 / 256 = 0.03 B/param on top of the codes.
  *
- *   m: 1 sign bit + 7 bits q, value = scale_m * (q / 127)^4 * sign   (scale_m = max |m|)
- *   v: 8 bits q,               value = scale_v * (q / 255)^8          (scale_v = max v)
+ *   m: sign | e (4 bits) | f (3 bits)   |m| = scale_m * (e ? 2^(e-15) (1 + f/8) : 2^-14 f/8)
+ *   v:        e (5 bits) | f (3 bits)    v  = scale_v * (e ? 2^(e-31) (1 + f/8) : 2^-30 f/8)
  *
- * The codes are non-linear, as in the 8-bit optimizers paper (Dettmers et al.
- * 2022): dense near zero, where most moments of a block lie, and wide: the
- * smallest non-zero m is 3.8e-9 of the block's largest, v 5.6e-20 (an element
- * whose v rounds to 0 while its m does not would take a step of m/eps).
- * Their dynamic tree code needs a table search per element; a power law
- * encodes with two (m) or three (v) square roots.  The exponents are measured:
- * on Adam runs whose per-element gradient scales spread lognormally within a
- * block (sigma 0.5 and 1.5), m^(1/2), m^(1/3), m^(1/4) gave 1.8/10.7%,
- * 1.9/5.4%, 2.2/4.5% error of the displacement after 60 steps, and v^(1/4),
- * v^(1/6), v^(1/8) 1.4/10.7%, 1.6/4.8%, 1.9/4.1% (a float-like e4m4 code for v
- * lacked the range: 450x); the exponents that hold up when the spread is wide
- * were kept.
+ * These are small floats (e4m3 and e5m3 with subnormals) relative to the block's
+ * scale, so they code and decode by integer operations on fp32 bit patterns:
+ * a code is the float's exponent and top mantissa bits, rebiased.  Rounding is
+ * stochastic (unbiased) by adding random bits below the kept ones before
+ * truncating; within a binade the codes are evenly spaced, so that is rounding in
+ * value space, and the carry out of the mantissa steps into the next binade.  No
+ * square root, no table, no search: the power-law codes this replaced (m =
+ * scale (q/127)^4, v = scale (q/255)^8) took three to five square roots and two
+ * code values per element to encode and ran at a third of the fp32 kernel's
+ * speed; these run at about its speed (BENCHMARKS.md, bench_adam_state).
+ * Their cost: 3 mantissa bits (a relative step of 6-12%, against 3-25% for the
+ * power laws over their range), so m alone is ~2x less accurate; Adam's
+ * displacement moved by 1.0-1.4x (tests/test_cpu_adam_int8.py measures it).
+ * Ranges: m's smallest non-zero code is 2^-17 of the block's scale, v's 2^-33
+ * (v's codes have the range of m's squared).  A v above 0 is never coded 0: an
+ * element whose v rounded to 0 while its m did not would take a step of m / eps,
+ * so v rounds up to the smallest code instead (a bias upward, towards smaller
+ * steps, for elements 2^-33 below their block's largest); a v of exactly 0 (a
+ * parameter that never had a gradient) stays 0.
  *
- * Rounding: stochastic between the two neighbouring codes, in value space
- * (P(up) = (x - lo) / (hi - lo)), so the stored moment is unbiased.  A bias
- * of d per step in v grows to d / (1 - beta2) = 1000 d in the steady state,
- * which is why the rounding is not done in code space (where the quartic
- * code's convexity would bias v upward).  The random bits are bf16's
- * (zo_rand32: 16 for m, 16 for v), keyed by step and model-wide index.
+ * Subnormal codes are decoded as f * 2^-17 (2^-33) and encoded with the
+ * magic-number addition x + 2^-14 (2^-30), never through denormal fp32
+ * operands: some CPUs take a microcode assist on those.
  *
  * One pass per block: every element's Adam update (the same arithmetic as the
  * fp32 kernel, with m and v decoded), the new m and v parked in a 2 KiB block
- * buffer, then the block's new scales and codes.  A block may hold elements of
- * several segments (param groups, parameters without a gradient this step):
- * each gets its own hyper-parameters; kept elements are decoded and, if the
- * block has updated elements too, re-encoded with its new scale (a block with
- * no updated element is left untouched).
+ * buffer, then the block's new scales (its largest |m| and v) and codes.  The
+ * buffer splits the chain of dependent operations in two: in one loop the update
+ * (square root, then division) and the encoding made a body too long for the core
+ * to overlap one turn with the next, and ran 1.5x slower.
+ *
+ * A block may hold elements of several segments (param groups, parameters
+ * without a gradient this step): each gets its own hyper-parameters and its own
+ * bound; kept elements are decoded and, if the block has updated elements too,
+ * re-encoded with its new scale (a block with no updated element is left
+ * untouched).  The random bits are zo_rand32's (16 for m, 16 for v), keyed by
+ * step and model-wide index.
  */
 #ifndef ZO_KERNELS_INT8_H
 #define ZO_KERNELS_INT8_H
@@ -45,7 +55,6 @@
 #include "_kernels.h"
 
 #define ZO_QBLOCK 256
-#define ZO_INV65536 (1.0f / 65536.0f)
 
 typedef struct {
     uint8_t *m, *v;        /* codes */
@@ -66,64 +75,78 @@ typedef struct {
 } zo_seg8;
 
 /* ---------------------------------------------------------------- scalar codes */
-/* Encoding works on u = |m| / scale (v / scale) in [0, 1]: the code below u is
- * q0 = floor(127 * u^(1/4)) (255 * u^(1/8)), by repeated square roots, and
- * rounding up to the next code has probability (u - lo) / (hi - lo).  sqrt is
- * correctly rounded everywhere (IEEE), so the scalar and vector paths find the
- * same q; a scale below FLT_MIN counts as an all-zero block (its inverse would
- * overflow). */
-#define ZO8_INVM (1.0f / 127.0f)
-#define ZO8_INVV (1.0f / 255.0f)
+/* The two formats, as fp32 bit arithmetic.  ZO8_M_BIAS / ZO8_V_BIAS rebias a code's
+ * exponent into fp32's (e + 112: e = 15 is 2^0; e + 96: e = 31 is 2^0); below
+ * ZO8_M_TINY / ZO8_V_TINY (2^-14, 2^-30: e = 0) a code is subnormal. */
+#define ZO8_M_BIAS (112u << 23)
+#define ZO8_V_BIAS (96u << 23)
+#define ZO8_M_TINY 0x1p-14f
+#define ZO8_V_TINY 0x1p-30f
+#define ZO8_M_SUB 0x1p-17f   /* value of subnormal code f: f * 2^-17 (m), f * 2^-33 (v) */
+#define ZO8_V_SUB 0x1p-33f
+#define ZO8_SHIFT 20         /* 23 - 3 mantissa bits */
+#define ZO8_HALF (1u << 19)  /* round to nearest (ties up): half a code step */
+
+static inline float zo_f32_of(uint32_t x) { float f; memcpy(&f, &x, 4); return f; }
+static inline uint32_t zo_bits_of(float f) { uint32_t x; memcpy(&x, &f, 4); return x; }
 
 static inline float zo8_inv(float scale) { return scale >= FLT_MIN ? 1.0f / scale : 0.0f; }
 
-/* the code values, normalised: (q/127)^4 and (q/255)^8 */
-static inline float zo8_val_m(float q) { float t = q * ZO8_INVM; t = t * t; return t * t; }
-static inline float zo8_val_v(float q) { float t = q * ZO8_INVV; t = t * t; t = t * t; return t * t; }
-
+/* the normalised value of a code (without sign, before the scale) */
+static inline float zo8_unit_m(uint32_t c7) {
+    return c7 < 8u ? (float)c7 * ZO8_M_SUB : zo_f32_of((c7 << ZO8_SHIFT) + ZO8_M_BIAS);
+}
+static inline float zo8_unit_v(uint32_t c) {
+    return c < 8u ? (float)c * ZO8_V_SUB : zo_f32_of((c << ZO8_SHIFT) + ZO8_V_BIAS);
+}
 static inline float zo8_decode_m(uint8_t c, float scale) {
-    float t = (float)(c & 0x7fu) * ZO8_INVM;
-    float t2 = t * t;
-    float x = (scale * t2) * t2;
+    float x = zo8_unit_m(c & 0x7fu) * scale;
     return (c & 0x80u) ? -x : x;
 }
-static inline float zo8_decode_v(uint8_t c, float scale) {
-    float t = (float)c * ZO8_INVV;
-    float t2 = t * t;
-    float t4 = t2 * t2;
-    return (scale * t4) * t4;  /* not scale * t^8: that underflows for small scales */
+static inline float zo8_decode_v(uint8_t c, float scale) { return zo8_unit_v(c) * scale; }
+
+/* x >= 0 (the moment times its block's inverse scale) as a code's bits before the
+ * rounding bits are added and the mantissa cut to 3 bits: its fp32 bits rebiased, or
+ * below tiny the magic-number sum x + tiny less tiny's bits (x * 2^37 or x * 2^53, a
+ * subnormal code's fixed point).  Each is at least the other exactly where it is the
+ * right one (x + tiny <= 2x above tiny; bits(x) - bias is below 2^23 or negative under
+ * it), so the larger of the two is the answer and no comparison is needed. */
+static inline uint32_t zo8_rebias(float x, float tiny, uint32_t bias) {
+    int32_t nrm = (int32_t)(zo_bits_of(x) - bias), sub = (int32_t)(zo_bits_of(x + tiny) - zo_bits_of(tiny));
+    return (uint32_t)(nrm > sub ? nrm : sub);
 }
-/* round u in [lo, hi] up? (stochastic: with probability (u - lo) / (hi - lo)) */
-static inline int zo8_up(float x, float lo, float hi, uint32_t r16, int sr) {
-    if (sr) return (x - lo) > (float)r16 * ZO_INV65536 * (hi - lo);
-    return (x - lo) > (hi - x);
+/* r: 20 bits added below the kept ones (random for stochastic rounding, ZO8_HALF for
+ * nearest).  No clamp: the block's scale bounds x by 1 (plus rounding), far below 2,
+ * where m's code would reach the sign bit (the engine sends no NaN or inf gradient). */
+static inline uint8_t zo8_encode_m(float mi, float inv, uint32_t r) {
+    uint32_t q = (zo8_rebias(fabsf(mi) * inv, ZO8_M_TINY, ZO8_M_BIAS) + r) >> ZO8_SHIFT;
+    return (uint8_t)(q | ((zo_bits_of(mi) >> 31) << 7));
 }
-static inline uint8_t zo8_encode_m(float mi, float inv, uint32_t r16, int sr) {
-    uint32_t bits;
-    float x = fabsf(mi) * inv;
-    int q0 = (int)(sqrtf(sqrtf(x)) * 127.0f);
-    float f0;
-    if (q0 > 126) q0 = 126;
-    f0 = (float)q0;
-    q0 += zo8_up(x, zo8_val_m(f0), zo8_val_m(f0 + 1.0f), r16, sr);
-    memcpy(&bits, &mi, 4);
-    return (uint8_t)(q0 | ((bits >> 24) & 0x80u));
+static inline uint8_t zo8_encode_v(float vi, float inv, uint32_t r) {
+    uint32_t t = zo8_rebias(vi * inv, ZO8_V_TINY, ZO8_V_BIAS), q = (t + r) >> ZO8_SHIFT, nz = t < 1u ? t : 1u;
+    return (uint8_t)(q > nz ? q : nz);  /* not 0 unless v is: see the header */
 }
-static inline uint8_t zo8_encode_v(float vi, float inv, uint32_t r16, int sr) {
-    float x = vi * inv;
-    int q0 = (int)(sqrtf(sqrtf(sqrtf(x))) * 255.0f);
-    float f0;
-    if (q0 > 254) q0 = 254;
-    f0 = (float)q0;
-    return (uint8_t)(q0 + zo8_up(x, zo8_val_v(f0), zo8_val_v(f0 + 1.0f), r16, sr));
-}
+/* the 20 rounding bits of m and of v from one zo_rand32 word (16 random bits each) */
+static inline uint32_t zo8_rbits_m(uint32_t r, int sr) { return sr ? (r & 0xffffu) << 4 : ZO8_HALF; }
+static inline uint32_t zo8_rbits_v(uint32_t r, int sr) { return sr ? (r >> 16) << 4 : ZO8_HALF; }
 
 /* ---------------------------------------------------------------- scalar block parts */
-/* Adam over [lo, hi) (inside one block b): decode, update, park m and v in mb/vb
- * (indexed from the block's first element b0), master and weights stored. */
-static void zo8_adam_span_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
-                                 int64_t b0, const zo_hparams *h, const zo_state8 *s, float *mb, float *vb) {
+/* the block's old moments, decoded into mb/vb (indexed from the block's first element b0) */
+static void zo8_decode_scalar(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
     const float msc = s->ms[b0 / ZO_QBLOCK], vsc = s->vs[b0 / ZO_QBLOCK];
+    int64_t i;
+    for (i = b0; i < be; i++) {
+        mb[i - b0] = zo8_decode_m(s->m[i], msc);
+        vb[i - b0] = zo8_decode_v(s->v[i], vsc);
+    }
+}
+
+/* Adam over [lo, hi) (inside one block b): the old m and v from mb/vb, the new ones back
+ * there, master and weights stored; am/av take the largest new |m| and v. */
+static void zo8_adam_span_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                                 int64_t b0, const zo_hparams *h, const zo_state8 *s, float *mb, float *vb,
+                                 float *am, float *av) {
+    float a = *am, b = *av;
     int64_t i;
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
@@ -131,14 +154,16 @@ static void zo8_adam_span_scalar(float *p, const void *g, int gk, void *out, int
         float mi, vi, denom, p0;
         if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
         if (h->l2 != 0.0f) gi = gi + h->l2 * pi;
-        mi = h->beta1 * zo8_decode_m(s->m[i], msc) + h->one_minus_beta1 * gi;
-        vi = h->beta2 * zo8_decode_v(s->v[i], vsc) + h->one_minus_beta2 * (gi * gi);
+        mi = h->beta1 * mb[i - b0] + h->one_minus_beta1 * gi;
+        vi = h->beta2 * vb[i - b0] + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
         p0 = pi;
         if (h->decoupled) pi = pi * h->decay;
         pi = pi - h->step_size * (mi / denom);
         mb[i - b0] = mi;
         vb[i - b0] = vi;
+        a = fabsf(mi) > a ? fabsf(mi) : a;
+        b = vi > b ? vi : b;
         if (s->rem) {
             zo_split_master(pi, (uint16_t *)out + i, s->rem + i);
         } else {
@@ -146,35 +171,31 @@ static void zo8_adam_span_scalar(float *p, const void *g, int gk, void *out, int
             zo_store_out(out, ok, i, h->predict != 0.0f ? pi + h->predict * (pi - p0) : pi);
         }
     }
-}
-
-/* A kept span: moments decoded into mb/vb unchanged, the out slot gets the weights
- * (the exact master's high halves, or the fp32 master rounded as INIT rounds it). */
-static void zo8_keep_span(const float *p, void *out, int ok, int64_t lo, int64_t hi, int64_t b0,
-                          const zo_state8 *s, float *mb, float *vb) {
-    const float msc = s->ms[b0 / ZO_QBLOCK], vsc = s->vs[b0 / ZO_QBLOCK];
-    int64_t i;
-    for (i = lo; i < hi; i++) {
-        mb[i - b0] = zo8_decode_m(s->m[i], msc);
-        vb[i - b0] = zo8_decode_v(s->v[i], vsc);
-        if (s->rem) {
-            if ((const void *)s->hi != out) ((uint16_t *)out)[i] = s->hi[i];
-        } else {
-            zo_store_out(out, ok, i, p[i]);
-        }
-    }
-}
-
-static inline void zo8_block_max(const float *mb, const float *vb, int64_t n, float *am, float *av) {
-    float a = 0.0f, b = 0.0f;
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        float x = fabsf(mb[i]);
-        a = x > a ? x : a;
-        b = vb[i] > b ? vb[i] : b;
-    }
     *am = a;
     *av = b;
+}
+
+/* the out slot of a kept span: the exact master's high halves, or the fp32 master
+ * rounded as INIT rounds it */
+static void zo8_keep_weights(const float *p, void *out, int ok, int64_t lo, int64_t hi, const zo_state8 *s) {
+    int64_t i;
+    if (s->rem) {
+        if ((const void *)s->hi != out) memcpy((uint16_t *)out + lo, s->hi + lo, (size_t)(hi - lo) * 2);
+        return;
+    }
+    for (i = lo; i < hi; i++) zo_store_out(out, ok, i, p[i]);
+}
+
+/* A kept span: its decoded moments (in mb/vb) stay and count towards the block's maxima,
+ * the out slot gets the weights. */
+static void zo8_keep_span(const float *p, void *out, int ok, int64_t lo, int64_t hi, int64_t b0,
+                          const zo_state8 *s, const float *mb, const float *vb, float *am, float *av) {
+    int64_t i;
+    for (i = lo; i < hi; i++) {
+        *am = fabsf(mb[i - b0]) > *am ? fabsf(mb[i - b0]) : *am;
+        *av = vb[i - b0] > *av ? vb[i - b0] : *av;
+    }
+    zo8_keep_weights(p, out, ok, lo, hi, s);
 }
 
 /* codes of mb/vb[from, n) for elements from e0, with the block's encode factors im/iv */
@@ -184,40 +205,62 @@ static void zo8_encode_scalar(const float *mb, const float *vb, int64_t from, in
     int64_t k;
     for (k = from; k < n; k++) {
         uint32_t r = zo_rand32(s->key, s->index_base + (uint32_t)(e0 + k));
-        s->m[e0 + k] = zo8_encode_m(mb[k], im, r & 0xffffu, sr);
-        s->v[e0 + k] = zo8_encode_v(vb[k], iv, r >> 16, sr);
+        s->m[e0 + k] = zo8_encode_m(mb[k], im, zo8_rbits_m(r, sr));
+        s->v[e0 + k] = zo8_encode_v(vb[k], iv, zo8_rbits_v(r, sr));
     }
 }
 
 /* ---------------------------------------------------------------- AVX2 block parts */
 #if ZO_HAVE_X86
-static inline ZO_T256 __m256 zo8_256_decode_m(const uint8_t *c, __m256 scale) {
+/* 8 codes decoded (times the scale): the scalar helpers lane by lane */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_m(const uint8_t *c, __m256 scale) {
     __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-    __m256i sign = _mm256_slli_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x80)), 24);
-    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x7f))),
-                             _mm256_set1_ps(ZO8_INVM));
-    __m256 t2 = _mm256_mul_ps(t, t);
-    __m256 x = _mm256_mul_ps(_mm256_mul_ps(scale, t2), t2);
-    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(x), sign));
+    __m256i c7 = _mm256_and_si256(q, _mm256_set1_epi32(0x7f));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(c7), _mm256_set1_ps(ZO8_M_SUB));
+    __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(c7, ZO8_SHIFT),
+                                                      _mm256_set1_epi32((int)ZO8_M_BIAS)));
+    __m256 x = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), c7)));
+    __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(q, 7), 31);
+    return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(x, scale)), sign));
 }
-static inline ZO_T256 __m256 zo8_256_decode_v(const uint8_t *c, __m256 scale) {
-    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c))),
-                             _mm256_set1_ps(ZO8_INVV));
-    __m256 t2 = _mm256_mul_ps(t, t);
-    __m256 t4 = _mm256_mul_ps(t2, t2);
-    return _mm256_mul_ps(_mm256_mul_ps(scale, t4), t4);
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_v(const uint8_t *c, __m256 scale) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(ZO8_V_SUB));
+    __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(q, ZO8_SHIFT),
+                                                      _mm256_set1_epi32((int)ZO8_V_BIAS)));
+    __m256 x = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), q)));
+    return _mm256_mul_ps(x, scale);
 }
-/* 8 x i32 codes (each < 256) -> 8 bytes in order */
-static inline ZO_T256 void zo8_256_store_codes(uint8_t *dst, __m256i q) {
-    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, pick), _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-    _mm_storel_epi64((__m128i *)dst, _mm256_castsi256_si128(b));
+/* zo8_rebias, 8 lanes */
+static inline ZO_T256 __attribute__((always_inline)) __m256i zo8_256_rebias(__m256 x, __m256 tiny, int bias) {
+    __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, tiny)), _mm256_castps_si256(tiny));
+    return _mm256_max_epi32(_mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(bias)), sub);
+}
+/* the block's old moments decoded into mb/vb, 8 lanes a turn: a loop of its own, apart
+ * from the update's, whose square root and division hold ~60 vector operations waiting
+ * in the scheduler (the decoding, in the same loop, took 1.4x the time of both loops) */
+static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
+    const __m256 msc = _mm256_set1_ps(s->ms[b0 / ZO_QBLOCK]), vsc = _mm256_set1_ps(s->vs[b0 / ZO_QBLOCK]);
+    const uint8_t *mc = s->m, *vc = s->v;
+    int64_t i = b0;
+    for (; i + 8 <= be; i += 8) {
+        _mm256_storeu_ps(mb + (i - b0), zo8_256_decode_m(mc + i, msc));
+        _mm256_storeu_ps(vb + (i - b0), zo8_256_decode_v(vc + i, vsc));
+    }
+    for (; i < be; i++) {
+        mb[i - b0] = zo8_decode_m(mc[i], s->ms[b0 / ZO_QBLOCK]);
+        vb[i - b0] = zo8_decode_v(vc[i], s->vs[b0 / ZO_QBLOCK]);
+    }
 }
 
+/* The update of 8 lanes a turn.  The flags (exact master, grad scale, L2, decoupled decay,
+ * prediction) are arguments that the dispatcher below passes as constants for the
+ * common cases: the loop holds more constants than AVX2 has registers, and with a flag
+ * tested on every turn the compiler re-materialised them. */
 static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body(
         float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, int64_t b0,
-        const zo_hparams *hp, const zo_state8 *s, float *mb, float *vb) {
+        const zo_hparams *hp, const zo_state8 *s, float *mb, float *vb, float *am, float *av,
+        const int exact, const int scale, const int has_l2, const int decoupled, const int predict) {
     const zo_hparams hc = *hp;  /* a private copy: the stores below may alias *hp as far as C knows */
     const zo_hparams *h = &hc;
     const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
@@ -225,31 +268,29 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
     const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
     const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
-    const __m256 msc = _mm256_set1_ps(s->ms[b0 / ZO_QBLOCK]), vsc = _mm256_set1_ps(s->vs[b0 / ZO_QBLOCK]);
-    const __m256i low = _mm256_set1_epi32(0xffff);
-    /* locals, not loads through h and s: the float stores below may alias those as far
-     * as C knows, which would reload (and re-test) them on every turn */
+    const __m256 pr = _mm256_set1_ps(h->predict);
+    /* locals, not loads through s: the stores below may alias it as far as C knows */
     uint16_t *rem = s->rem;
     const uint16_t *hi16 = s->hi;
-    const uint8_t *mc = s->m, *vc = s->v;
-    const int scale = h->grad_scale != 1.0f, has_l2 = h->l2 != 0.0f, decoupled = h->decoupled;
-    const int predict = h->predict != 0.0f;
-    const __m256 pr = _mm256_set1_ps(h->predict);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 ma = _mm256_setzero_ps(), va = _mm256_setzero_ps();  /* the span's largest |m|, v */
+    float ta[8], tv[8];
     int64_t i = lo;
+    int j;
     for (; i + 8 <= hi; i += 8) {
         __m256 gi = zo256_load_grad(g, gk, i);
         __m256 pi, mi, vi, denom, p0;
         if (scale) gi = _mm256_mul_ps(gi, gs);
-        if (rem) {
+        if (exact) {
             __m256i r16 = zo256_load_u16(rem, i);
             __m256i h16 = _mm256_sub_epi32(zo256_load_u16(hi16, i), _mm256_srli_epi32(r16, 15));
-            pi = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h16, low), 16), r16));
+            pi = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(h16, 16), r16));
         } else {
             pi = _mm256_loadu_ps(p + i);
         }
         if (has_l2) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
-        mi = _mm256_add_ps(_mm256_mul_ps(b1, zo8_256_decode_m(mc + i, msc)), _mm256_mul_ps(omb1, gi));
-        vi = _mm256_add_ps(_mm256_mul_ps(b2, zo8_256_decode_v(vc + i, vsc)),
+        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(mb + (i - b0))), _mm256_mul_ps(omb1, gi));
+        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(vb + (i - b0))),
                            _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
         denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
         p0 = pi;
@@ -257,102 +298,91 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
         pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
         _mm256_storeu_ps(mb + (i - b0), mi);
         _mm256_storeu_ps(vb + (i - b0), vi);
-        if (rem) {
+        /* max_ps(x, a) returns a for a NaN x, as the scalar x > a ? x : a does */
+        ma = _mm256_max_ps(_mm256_and_ps(mi, absmask), ma);
+        va = _mm256_max_ps(vi, va);
+        if (exact) {
             __m256i x = _mm256_castps_si256(pi);
-            zo256_store_u16(rem, i, _mm256_and_si256(x, low));
+            zo256_store_u16(rem, i, _mm256_srli_epi32(_mm256_slli_epi32(x, 16), 16));
             zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
         } else {
             _mm256_storeu_ps(p + i, pi);
             zo256_store_out(out, ok, i, predict ? _mm256_add_ps(pi, _mm256_mul_ps(pr, _mm256_sub_ps(pi, p0))) : pi);
         }
     }
-    zo8_adam_span_scalar(p, g, gk, out, ok, i, hi, b0, h, s, mb, vb);
-}
-
-#define ADAM8_SPAN_PARAMS (float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, \
-                           int64_t b0, const zo_hparams *hp, const zo_state8 *s, float *mb, float *vb)
-#define ARGS_F16_F16 p, g, ZO_F16, out, ZO_F16, lo, hi, b0, hp, s, mb, vb
-#define ARGS_BF16_BF16 p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, hp, s, mb, vb
-ZO_SPECIALISE(zo8_256_adam_span, zo8_256_adam_span_body, ZO_T256, ADAM8_SPAN_PARAMS,
-              (p, g, gk, out, ok, lo, hi, b0, hp, s, mb, vb))
-#undef ARGS_F16_F16
-#undef ARGS_BF16_BF16
-
-/* the rounding decision of 8 lanes (zo8_up) as 0/1 ints */
-static inline ZO_T256 __m256i zo8_256_up(__m256 x, __m256 lo, __m256 hi, __m256 r, int sr) {
-    __m256 lhs = _mm256_sub_ps(x, lo);
-    __m256 rhs = sr ? _mm256_mul_ps(r, _mm256_sub_ps(hi, lo)) : _mm256_sub_ps(hi, x);
-    return _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(lhs, rhs, _CMP_GT_OQ)), 31);
-}
-
-static ZO_T256 void zo8_256_block_max(const float *mb, const float *vb, int64_t n, float *am, float *av) {
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-    float ta[8], tb[8], ra, rb;
-    int64_t k = 0;
-    int j;
-    for (; k + 8 <= n; k += 8) {
-        a = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(mb + k), absmask), a);
-        b = _mm256_max_ps(_mm256_loadu_ps(vb + k), b);
-    }
-    _mm256_storeu_ps(ta, a);
-    _mm256_storeu_ps(tb, b);
-    zo8_block_max(mb + k, vb + k, n - k, &ra, &rb);
+    _mm256_storeu_ps(ta, ma);
+    _mm256_storeu_ps(tv, va);
     for (j = 0; j < 8; j++) {  /* max is exact: any order gives the scalar loop's result */
-        ra = ta[j] > ra ? ta[j] : ra;
-        rb = tb[j] > rb ? tb[j] : rb;
+        *am = ta[j] > *am ? ta[j] : *am;
+        *av = tv[j] > *av ? tv[j] : *av;
     }
-    *am = ra;
-    *av = rb;
+    if (i < hi) zo8_adam_span_scalar(p, g, gk, out, ok, i, hi, b0, h, s, mb, vb, am, av);
 }
 
-static inline ZO_T256 __m256 zo8_256_val_m(__m256 q) {
-    __m256 t = _mm256_mul_ps(q, _mm256_set1_ps(ZO8_INVM));
-    t = _mm256_mul_ps(t, t);
-    return _mm256_mul_ps(t, t);
-}
-static inline ZO_T256 __m256 zo8_256_val_v(__m256 q) {
-    __m256 t = _mm256_mul_ps(q, _mm256_set1_ps(ZO8_INVV));
-    t = _mm256_mul_ps(t, t);
-    t = _mm256_mul_ps(t, t);
-    return _mm256_mul_ps(t, t);
+static ZO_T256 void zo8_256_adam_span(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                                      int64_t b0, const zo_hparams *h, const zo_state8 *s, float *mb, float *vb,
+                                      float *am, float *av) {
+    const int exact = s->rem != NULL, scale = h->grad_scale != 1.0f, has_l2 = h->l2 != 0.0f;
+    const int decoupled = h->decoupled, predict = h->predict != 0.0f;
+    if (gk == ZO_BF16 && ok == ZO_BF16 && exact && !scale && !has_l2 && decoupled)  /* bf16 AdamW */
+        zo8_256_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 1, 0, 0, 1, 0);
+    else if (gk == ZO_F16 && ok == ZO_F16 && !exact && !has_l2 && decoupled)  /* fp16 AdamW, fp32 master */
+        zo8_256_adam_span_body(p, g, ZO_F16, out, ZO_F16, lo, hi, b0, h, s, mb, vb, am, av, 0, scale, 0, 1, predict);
+    else
+        zo8_256_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av, exact, scale, has_l2, decoupled, predict);
 }
 
+/* the codes of 8 lanes, m's and v's, as i32 (zo8_encode_m / zo8_encode_v) */
+static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode8(
+        __m256 mi, __m256 vi, __m256i r, __m256 im, __m256 iv, const int sr, __m256i *qm, __m256i *qv) {
+    const __m256i half = _mm256_set1_epi32((int)ZO8_HALF);
+    __m256i tm, tv;
+    tm = zo8_256_rebias(_mm256_mul_ps(_mm256_and_ps(mi, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), im),
+                        _mm256_set1_ps(ZO8_M_TINY), (int)ZO8_M_BIAS);
+    /* 16 random bits each, at bits 4..19 (zo8_rbits_m / zo8_rbits_v) */
+    tm = _mm256_srli_epi32(_mm256_add_epi32(tm, sr ? _mm256_srli_epi32(_mm256_slli_epi32(r, 16), 12) : half),
+                           ZO8_SHIFT);
+    *qm = _mm256_or_si256(tm, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(mi), 31), 7));
+    tv = zo8_256_rebias(_mm256_mul_ps(vi, iv), _mm256_set1_ps(ZO8_V_TINY), (int)ZO8_V_BIAS);
+    *qv = _mm256_max_epu32(_mm256_srli_epi32(_mm256_add_epi32(tv, sr ? _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 4)
+                                                                       : half), ZO8_SHIFT),
+                           _mm256_min_epu32(tv, _mm256_set1_epi32(1)));
+}
+
+/* 16 elements a turn: their 32 codes (each < 256) packed in three operations and stored
+ * as two 16-byte runs, m's and v's */
+static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
+        const float *mb, const float *vb, int64_t n, int64_t e0, float im_, float iv_, const zo_state8 *s,
+        const int sr) {
+    const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_);
+    /* zo_rand32's Weyl sequence idx * phi + key, stepped by 8 phi a half-turn: the same words */
+    const __m256i step8 = _mm256_set1_epi32((int)(8u * 0x9e3779b9u));
+    /* packus_epi32 then packus_epi16 leave the bytes as m0-3 m8-11 v0-3 v8-11 | m4-7 m12-15 v4-7 v12-15
+     * (in 32-bit groups); this puts m0-15 in the low half and v0-15 in the high one */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i weyl = _mm256_add_epi32(_mm256_mullo_epi32(
+        _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)e0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+        _mm256_set1_epi32((int)0x9e3779b9u)), _mm256_set1_epi32((int)s->key));
+    uint8_t *mc = s->m + e0, *vc = s->v + e0;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m256i qm0, qv0, qm1, qv1, b;
+        zo8_256_encode8(_mm256_loadu_ps(mb + k), _mm256_loadu_ps(vb + k), zo256_fold(weyl), im, iv, sr, &qm0, &qv0);
+        weyl = _mm256_add_epi32(weyl, step8);
+        zo8_256_encode8(_mm256_loadu_ps(mb + k + 8), _mm256_loadu_ps(vb + k + 8), zo256_fold(weyl), im, iv, sr,
+                        &qm1, &qv1);
+        weyl = _mm256_add_epi32(weyl, step8);
+        b = _mm256_packus_epi16(_mm256_packus_epi32(qm0, qm1), _mm256_packus_epi32(qv0, qv1));
+        b = _mm256_permutevar8x32_epi32(b, order);
+        _mm_storeu_si128((__m128i *)(mc + k), _mm256_castsi256_si128(b));
+        _mm_storeu_si128((__m128i *)(vc + k), _mm256_extracti128_si256(b, 1));
+    }
+    zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
+}
 static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
-    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    const __m256 vim = _mm256_set1_ps(im), viv = _mm256_set1_ps(iv);
-    const __m256 i16 = _mm256_set1_ps(ZO_INV65536), onef = _mm256_set1_ps(1.0f);
-    const __m256 c127 = _mm256_set1_ps(127.0f), c255 = _mm256_set1_ps(255.0f);
-    const __m256i low = _mm256_set1_epi32(0xffff), smask = _mm256_set1_epi32(0x80);
-    const __m256i q126 = _mm256_set1_epi32(126), q254 = _mm256_set1_epi32(254);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u), key = _mm256_set1_epi32((int)s->key);
-    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-        __m256 mi = _mm256_loadu_ps(mb + k);
-        __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)(e0 + k))), lanes);
-        __m256i r = zo256_fold(_mm256_add_epi32(_mm256_mullo_epi32(idx, gold), key));
-        /* m */
-        __m256 x = _mm256_mul_ps(_mm256_and_ps(mi, absmask), vim);
-        __m256i q0 = _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_mul_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(x)), c127)), q126);
-        __m256 f0 = _mm256_cvtepi32_ps(q0);
-        __m256i qm = _mm256_add_epi32(q0, zo8_256_up(x, zo8_256_val_m(f0), zo8_256_val_m(_mm256_add_ps(f0, onef)),
-                                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(r, low)), i16), sr));
-        __m256i qv;
-        qm = _mm256_or_si256(qm, _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(mi), 24), smask));
-        /* v */
-        x = _mm256_mul_ps(_mm256_loadu_ps(vb + k), viv);
-        q0 = _mm256_min_epi32(_mm256_cvttps_epi32(_mm256_mul_ps(
-                 _mm256_sqrt_ps(_mm256_sqrt_ps(_mm256_sqrt_ps(x))), c255)), q254);
-        f0 = _mm256_cvtepi32_ps(q0);
-        qv = _mm256_add_epi32(q0, zo8_256_up(x, zo8_256_val_v(f0), zo8_256_val_v(_mm256_add_ps(f0, onef)),
-                                             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 16)), i16), sr));
-        zo8_256_store_codes(s->m + e0 + k, qm);
-        zo8_256_store_codes(s->v + e0 + k, qv);
-    }
-    zo8_encode_scalar(mb, vb, k, n, e0, im, iv, s);
+    if (s->rounding == ZO_ROUND_STOCHASTIC) zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1);
+    else zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0);
 }
 #endif
 
@@ -367,30 +397,38 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
     int64_t b0;
     for (b0 = lo; b0 < hi; b0 += ZO_QBLOCK) {
         int64_t be = b0 + ZO_QBLOCK < hi ? b0 + ZO_QBLOCK : hi, x = b0;
-        int updated = 0;
-        float am, av, im, iv;  /* block maxima, encode factors */
-        while (x < be) {
-            int64_t y;
-            while (k < nseg - 1 && segs[k].hi <= x) k++;
-            y = segs[k].hi < be ? segs[k].hi : be;
-            if (segs[k].keep) {
-                zo8_keep_span(p, out, ok, x, y, b0, s, mb, vb);
-            } else {
-                updated = 1;
+        int updated = 0, k0;
+        float am = 0.0f, av = 0.0f, im, iv;  /* block maxima (of |m| and v), encode factors */
+        while (k < nseg - 1 && segs[k].hi <= b0) k++;
+        for (k0 = k; k0 < nseg && segs[k0].lo < be; k0++) updated |= !segs[k0].keep;
+        if (!updated) {  /* nothing moved: codes and scales stay, the out slot gets the weights */
+            for (; x < be; k++) {
+                int64_t y = segs[k].hi < be ? segs[k].hi : be;
+                zo8_keep_weights(p, out, ok, x, y, s);
+                x = y;
+            }
+            k = k0 - 1;
+            continue;
+        }
 #if ZO_HAVE_X86
-                if (level >= ZO_AVX2) zo8_256_adam_span(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb);
+        if (level >= ZO_AVX2) zo8_256_decode(s, b0, be, mb, vb);
+        else
+#endif
+        zo8_decode_scalar(s, b0, be, mb, vb);
+        for (; x < be; k++) {
+            int64_t y = segs[k].hi < be ? segs[k].hi : be;
+            if (segs[k].keep) {
+                zo8_keep_span(p, out, ok, x, y, b0, s, mb, vb, &am, &av);
+            } else {
+#if ZO_HAVE_X86
+                if (level >= ZO_AVX2) zo8_256_adam_span(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
                 else
 #endif
-                zo8_adam_span_scalar(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb);
+                zo8_adam_span_scalar(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
             }
             x = y;
         }
-        if (!updated) continue;  /* nothing moved: codes and scales stay as they are */
-#if ZO_HAVE_X86
-        if (level >= ZO_AVX2) zo8_256_block_max(mb, vb, be - b0, &am, &av);
-        else
-#endif
-        zo8_block_max(mb, vb, be - b0, &am, &av);
+        k = k0 - 1;  /* the block's last segment may go on into the next block */
         s->ms[b0 / ZO_QBLOCK] = am;
         s->vs[b0 / ZO_QBLOCK] = av;
         im = zo8_inv(am);
@@ -404,7 +442,8 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
 
 /* ---------------------------------------------------------------- conversions */
 /* src (fp32 moments) -> codes + scales over whole blocks [lo, hi); which: 0 m, 1 v.
- * Rounds to nearest (a checkpoint converted on load). */
+ * Rounds to nearest (a checkpoint converted on load); the scale is the block's
+ * largest |m| (v). */
 static void zo8_quantize_chunk(const float *src, uint8_t *codes, float *scales, int which, int64_t lo, int64_t hi) {
     int64_t b0, i;
     for (b0 = lo; b0 < hi; b0 += ZO_QBLOCK) {
@@ -417,7 +456,7 @@ static void zo8_quantize_chunk(const float *src, uint8_t *codes, float *scales, 
         scales[b0 / ZO_QBLOCK] = a;
         inv = zo8_inv(a);
         for (i = b0; i < be; i++)
-            codes[i] = which ? zo8_encode_v(src[i], inv, 0, 0) : zo8_encode_m(src[i], inv, 0, 0);
+            codes[i] = which ? zo8_encode_v(src[i], inv, ZO8_HALF) : zo8_encode_m(src[i], inv, ZO8_HALF);
     }
 }
 

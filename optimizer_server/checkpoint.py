@@ -32,7 +32,21 @@ from .atomic import atomic_write_bytes, fsync_dir
 LATEST = "latest"
 STEP_PREFIX = "step-"
 TMP_PREFIX = "tmp-"
-SHARD_FORMAT = 1     # shard-*.json "format": the server's files
+SHARD_FORMAT = 2     # shard-*.json "format": the server's files
+# 2: int8 arrays hold float-like codes (e4m3 m, e5m3 v; cython_ext/_kernels_int8.h);
+# 1: int8 arrays hold the power-law codes of before (m = scale (q/127)^4, v = scale
+#    (q/255)^8), read as the legacy array dtype "int8-pow" and re-encoded on load.
+SHARD_FORMATS_READ = (1, 2)
+LEGACY_INT8 = "int8-pow"
+
+
+def saved_array_dtypes(manifest: dict) -> dict:
+    """A shard manifest's array dtypes ("array_dtypes"; absent: every array fp32), with
+    format 1's int8 arrays named by their legacy code."""
+    dtypes = dict(manifest.get("array_dtypes", {}))
+    if manifest.get("format") == 1:
+        dtypes = {k: LEGACY_INT8 if v == "int8" else v for k, v in dtypes.items()}
+    return dtypes
 ENGINE_VERSION = 1   # engine-*.json "version": the engine's files
 # Roles of the per-rank files (the prefix of their names).
 SHARD, ENGINE, DEVICE16, PENDING16 = "shard", "engine", "device16", "pending16"

@@ -511,9 +511,13 @@ class Shard:
                                  f"checkpoint (an earlier step-N beside it)")
             mans.append(json.loads(path.read_text()))
         mine = self.manifest()
-        keys = ("format", "dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
+        keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
         for k, man in enumerate(mans):
             diff = {key: (man.get(key), mine[key]) for key in keys if man.get(key) != mine[key]}
+            if man.get("format") not in C.SHARD_FORMATS_READ:
+                diff["format"] = (man.get("format"), f"one of {list(C.SHARD_FORMATS_READ)}")
+            elif man.get("format") != mans[0].get("format"):
+                diff["format across ranks"] = (man.get("format"), mans[0].get("format"))
             if man.get("numel") != mans[0].get("numel") or man.get("steps") != mans[0].get("steps"):
                 diff["numel/steps across ranks"] = ((man.get("numel"), man.get("steps")),
                                                     (mans[0].get("numel"), mans[0].get("steps")))
@@ -521,7 +525,7 @@ class Shard:
                 desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
                 raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
         per_file = int(mans[0]["numel"])
-        saved_dtypes = mans[0].get("array_dtypes", {})  # absent: every array fp32 (older checkpoints)
+        saved_dtypes = C.saved_array_dtypes(mans[0])
         expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
         bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
         lo = self.rank * self.numel

@@ -43,11 +43,13 @@ import numpy as np
 
 from cython_ext import cpu_adam
 
+from .checkpoint import LEGACY_INT8
 from .protocol import COMPACT_OPTIMIZERS, INT8_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
 
 assert QBLOCK == cpu_adam.QBLOCK, "protocol.QBLOCK and the int8 kernel's block disagree"
-ITEM_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+ITEM_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, LEGACY_INT8: 1}
+INT8_CODES = ("int8", LEGACY_INT8)  # array dtypes with block scales after the arrays
 
 STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq"),
                 "adagrad": ("state_sum",), "lion": ("exp_avg",)}
@@ -264,7 +266,7 @@ class ShardStateArrays:
             at[name] = pos
             pos += per_file * ITEM_BYTES[dtypes.get(name, "fp32")]
         for name in names:
-            if dtypes.get(name, "fp32") == "int8":
+            if dtypes.get(name, "fp32") in INT8_CODES:
                 at[name + ".scale"] = pos
                 pos += 4 * nblocks(per_file)
         return at, pos
@@ -337,4 +339,22 @@ class _Source:
         sc = np.empty(nblocks(hi - lo), np.float32)
         read_range(self.bins, self.per_file, self.base, lo, hi, codes)
         read_range(self.bins, nblocks(self.per_file), self.scale_base, lo // QBLOCK, lo // QBLOCK + sc.size, sc)
-        cpu_adam.dequantize_int8(codes, sc, out, moment=self.name)
+        if self.dtype == LEGACY_INT8:
+            out[:] = _legacy_int8(codes, sc, self.name)
+        else:
+            cpu_adam.dequantize_int8(codes, sc, out, moment=self.name)
+
+
+def _legacy_int8(codes: np.ndarray, scales: np.ndarray, moment: str) -> np.ndarray:
+    """A format-1 checkpoint's int8 moments: the power-law codes of before (m = scale
+    (q/127)^4 with a sign bit, v = scale (q/255)^8), decoded in fp32 with the operations
+    (and so the bits) of the kernel that wrote them."""
+    scale = np.repeat(scales, QBLOCK)[:codes.size]
+    if moment == "exp_avg":
+        t = (codes & 0x7f).astype(np.float32) * np.float32(1.0 / 127.0)
+        t2 = t * t
+        x = (scale * t2) * t2
+        return np.where(codes & 0x80, -x, x)
+    t = codes.astype(np.float32) * np.float32(1.0 / 255.0)
+    t4 = (t * t) * (t * t)
+    return (scale * t4) * t4

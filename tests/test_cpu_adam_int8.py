@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import seeded_rng
+from tests.helpers.int8_codes import code_step, decode_f64
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 from tests.helpers.words import adamw_f64, bf16_words, widen
 
@@ -74,9 +75,11 @@ def decoded(codes, scales, moment):
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
 def test_int8_moments_track_adam_in_float64(level, rounding):
     """200 steps on gradients whose scales spread within each block: the master's
-    displacement against float64 Adam.  Measured here: 4.6-4.7e-2 stochastic,
-    3.6e-2 nearest (bf16 moments: 7e-3); m and v 2.4-3.7e-2, v 6.1e-2 on AVX2 with
-    stochastic rounding.  Bound 8e-2 (1e-1 for v), what the docs say of int8."""
+    displacement against float64 Adam.  Measured here: 6.4-6.5e-2 stochastic, 9.6-9.9e-2
+    nearest (bf16 moments: 7e-3; the power-law codes before: 4.7e-2); m 8.0-8.5e-2 and v
+    1.0-1.5e-1 stochastic (v's rounding noise, a random walk that decays by beta2 a step).
+    Bounds 8e-2 stochastic (1.5e-1 nearest, which stalls small changes), m 1.2e-1, v 2e-1
+    (5e-1 nearest), what the docs say of int8."""
     rng = seeded_rng()
     n = 20_000  # not a multiple of the block: the last one is partial
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -87,8 +90,9 @@ def test_int8_moments_track_adam_in_float64(level, rounding):
     verr = np.linalg.norm(decoded(v, vs, "exp_avg_sq") - rv) / np.linalg.norm(rv)
     merr = np.linalg.norm(decoded(m, ms, "exp_avg") - rm) / np.linalg.norm(rm)
     print(f"displacement rel err {err:.2e}, m {merr:.2e}, v {verr:.2e}")
-    assert err < 8e-2
-    assert merr < 8e-2 and verr < 1e-1
+    stochastic = rounding == "stochastic"
+    assert err < (8e-2 if stochastic else 1.5e-1)
+    assert merr < 1.2e-1 and verr < (2e-1 if stochastic else 5e-1)
 
 
 def test_round_to_nearest_v_stalls_and_stochastic_rounding_does_not(level):
@@ -153,9 +157,9 @@ def test_simd_paths_agree_with_scalar(exact, rounding, adamw, grad_scale, groups
 
 def test_fp16_gradients_with_an_fp32_master_and_prediction(level):
     """fp16 training: an fp32 master, int8 moments, DPU's predicted weights in the
-    fp16 output; against float64 Adam (measured 6.7e-2 after 30 steps of pure-noise
-    gradients, where the displacement is small; bound 1e-1) and bitwise against the
-    scalar path."""
+    fp16 output; against float64 Adam (measured 1.67-1.69e-1 after 30 steps of pure-noise
+    gradients, where the displacement is small and m's 3 mantissa bits show most; the
+    power-law codes before: 6.7e-2; bound 2.5e-1) and bitwise against the scalar path."""
     rng = seeded_rng()
     n, steps = 50_003, 30
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -176,7 +180,7 @@ def test_fp16_gradients_with_an_fp32_master_and_prediction(level):
     ref, _, _ = adamw_f64(p0, gs)  # float64 AdamW on the fp16 gradients
     err = np.linalg.norm(got[0] - ref) / np.linalg.norm(ref - p0)
     print(f"displacement rel err {err:.2e}")
-    assert err < 1e-1
+    assert err < 2.5e-1
     if level != "scalar":
         for a, b in zip(run("scalar"), got):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
@@ -205,7 +209,7 @@ def test_kept_elements_stay_and_their_weights_are_written(level):
     """A run without a gradient: its master stays bit for bit, param_out gets its
     weights, the blocks wholly inside it keep their codes and scales; the elements it
     shares a block with updated ones are re-encoded with the block's new scale (their
-    values move by at most the code's step there)."""
+    values move by at most the code's step there: 2^-3 of the binade's bottom)."""
     rng = seeded_rng()
     n = 8 * Q
     a, b = Q + 10, 6 * Q  # kept: [a, b); blocks 2..5 wholly, block 1 shared
@@ -226,13 +230,26 @@ def test_kept_elements_stay_and_their_weights_are_written(level):
     old = decoded(before[2], before[4], "exp_avg_sq")[a:2 * Q]
     new = decoded(v, vs, "exp_avg_sq")[a:2 * Q]
     big = old > 1e-3 * old.max()
-    assert np.all(np.abs(new[big] / old[big] - 1) < 0.1)
+    assert np.all(np.abs(new[big] / old[big] - 1) <= 0.125 * 1.001)
+
+
+def test_every_code_decodes_to_its_float64_value():
+    """All 256 codes of each moment, in blocks with different scales (a power of two, an
+    odd one, one below FLT_MIN's inverse range), against the formats decoded in float64
+    (tests/helpers/int8_codes.py): the e4m3 / e5m3 values are exact in fp32."""
+    codes = np.tile(np.arange(256, dtype=np.uint8), 3)
+    scales = np.array([1.0, 3.7e-3, 1e-30], np.float32)
+    for moment in ("exp_avg", "exp_avg_sq"):
+        got = decoded(codes, scales, moment)
+        want = decode_f64(codes, scales, moment)
+        assert np.array_equal(got, want.astype(np.float32)), moment
+        assert np.all(np.diff(np.abs(want[:128 if moment == "exp_avg" else 256])) > 0)  # monotone
 
 
 def test_quantize_and_dequantize_round_trip():
     """Nearest codes: within half the code's step of the value (relative to the block
-    scale), zero stays zero, the block maximum is exact, and re-encoding decoded
-    values gives the same codes (so converting a checkpoint twice changes nothing)."""
+    scale), zero stays zero, the block maximum is exact, and re-encoding decoded values gives the same codes (so
+    converting a checkpoint twice changes nothing)."""
     rng = seeded_rng()
     n = 10 * Q + 3
     for moment, x in (("exp_avg", rng.standard_normal(n) * np.exp(rng.standard_normal(n))),
@@ -242,15 +259,11 @@ def test_quantize_and_dequantize_round_trip():
         c, s = np.zeros(n, np.uint8), np.zeros(blocks(n), np.float32)
         ca.quantize_int8(x, c, s, moment=moment)
         y = decoded(c, s, moment)
-        assert y[5] == 0.0
         scale = np.repeat(s, Q)[:n]
-        kind = (1 if moment == "exp_avg" else 0)
+        assert y[5] == 0.0
         at_max = np.abs(x) == scale
         assert np.array_equal(y[at_max], x[at_max])
-        # the code's step at x: d/dq of scale * (q/Q)^k, with q from x
-        k, qmax = (4, 127) if kind else (8, 255)
-        q = qmax * (np.abs(x) / scale) ** (1 / k)
-        step = scale * k * (np.maximum(q, 1) / qmax) ** (k - 1) / qmax
+        step = scale * code_step(np.abs(x) / scale, moment)
         assert np.all(np.abs(y - x) <= 0.5 * step * 1.01 + 1e-30)
         c2, s2 = np.zeros(n, np.uint8), np.zeros(blocks(n), np.float32)
         ca.quantize_int8(y, c2, s2, moment=moment)
