@@ -16,33 +16,39 @@
  * truncating; within a binade the codes are evenly spaced, so that is rounding in
  * value space, and the carry out of the mantissa steps into the next binade.  No
  * square root, no table, no search: the power-law codes this replaced (m =
- * scale (q/127)^4, v = scale (q/255)^8) took three to five square roots and two
- * code values per element to encode and ran at a third of the fp32 kernel's
- * speed; these run at about its speed (BENCHMARKS.md, bench_adam_state).
- * Their cost: 3 mantissa bits (a relative step of 6-12%, against 3-25% for the
- * power laws over their range), so m alone is ~2x less accurate; Adam's
- * displacement moved by 1.0-1.4x (tests/test_cpu_adam_int8.py measures it).
+ * scale (q/127)^4, v = scale (q/255)^8; format-1 checkpoints still hold them)
+ * took three to five square roots and two code values per element to encode, on
+ * the one divider that the update's own square root and division already keep
+ * busy, and ran at 0.3-0.5x the fp32 kernel's speed (BENCHMARKS.md,
+ * bench_adam_state, has what these run at).  Their cost: 3 mantissa bits (a
+ * relative step of 6-12%, against 3-25% for the power laws over their range), so
+ * m and v are ~2x less accurate, and Adam's displacement moved 1.4x further from
+ * float64 on gradients that spread within a block and 2.5x on pure noise
+ * (tests/test_cpu_adam_int8.py measures both).
  * Ranges: m's smallest non-zero code is 2^-17 of the block's scale, v's 2^-33
- * (v's codes have the range of m's squared).  A v above 0 is never coded 0: an
- * element whose v rounded to 0 while its m did not would take a step of m / eps,
- * so v rounds up to the smallest code instead (a bias upward, towards smaller
- * steps, for elements 2^-33 below their block's largest); a v of exactly 0 (a
- * parameter that never had a gradient) stays 0.
+ * (v's codes have the range of m's squared).  A v is never coded 0 unless it is
+ * below 2^-54 of its block's scale (0 in the encoder's fixed point): an element
+ * whose v rounded to 0 while its m did not would take a step of m / eps, so v
+ * rounds up to the smallest code instead (a bias upward, towards smaller steps,
+ * for elements 2^-33 below their block's largest); a v of 0 (a parameter that
+ * never had a gradient) stays 0.
  *
  * Subnormal codes are decoded as f * 2^-17 (2^-33) and encoded with the
  * magic-number addition x + 2^-14 (2^-30), never through denormal fp32
  * operands: some CPUs take a microcode assist on those.
  *
- * One pass per block: every element's Adam update (the same arithmetic as the
- * fp32 kernel, with m and v decoded), the new m and v parked in a 2 KiB block
- * buffer, then the block's new scales (its largest |m| and v) and codes.  The
- * buffer splits the chain of dependent operations in two: in one loop the update
- * (square root, then division) and the encoding made a body too long for the core
- * to overlap one turn with the next, and ran 1.5x slower.
+ * One pass over memory per block, in three loops over a 2 KiB block buffer (in
+ * L1): the old m and v decoded into it; every element's Adam update (the same
+ * arithmetic as the fp32 kernel) reading them there and parking the new ones,
+ * with the block's largest |m| and v; then the new scales (those maxima) and the
+ * codes.  Three loops, not one, because the update's square root and division
+ * leave ~60 vector operations of a long loop body waiting in the scheduler, so
+ * the core cannot overlap one turn with the next: decoding and encoding inside
+ * the update's loop made the kernel ~1.6x slower on Zen 3 (BENCHMARKS.md).
  *
  * A block may hold elements of several segments (param groups, parameters
- * without a gradient this step): each gets its own hyper-parameters and its own
- * bound; kept elements are decoded and, if the block has updated elements too,
+ * without a gradient this step): each gets its own hyper-parameters; kept
+ * elements are decoded and, if the block has updated elements too,
  * re-encoded with its new scale (a block with no updated element is left
  * untouched).  The random bits are zo_rand32's (16 for m, 16 for v), keyed by
  * step and model-wide index.
@@ -116,15 +122,17 @@ static inline uint32_t zo8_rebias(float x, float tiny, uint32_t bias) {
     return (uint32_t)(nrm > sub ? nrm : sub);
 }
 /* r: 20 bits added below the kept ones (random for stochastic rounding, ZO8_HALF for
- * nearest).  No clamp: the block's scale bounds x by 1 (plus rounding), far below 2,
- * where m's code would reach the sign bit (the engine sends no NaN or inf gradient). */
+ * nearest).  No clamp: the block's scale bounds x by 1, far below 2, where m's code
+ * would reach the sign bit.  Only a NaN or inf moment (the engine sends no such
+ * gradient) makes a code of 256 or more, which the vector path saturates and this
+ * one truncates. */
 static inline uint8_t zo8_encode_m(float mi, float inv, uint32_t r) {
     uint32_t q = (zo8_rebias(fabsf(mi) * inv, ZO8_M_TINY, ZO8_M_BIAS) + r) >> ZO8_SHIFT;
     return (uint8_t)(q | ((zo_bits_of(mi) >> 31) << 7));
 }
 static inline uint8_t zo8_encode_v(float vi, float inv, uint32_t r) {
     uint32_t t = zo8_rebias(vi * inv, ZO8_V_TINY, ZO8_V_BIAS), q = (t + r) >> ZO8_SHIFT, nz = t < 1u ? t : 1u;
-    return (uint8_t)(q > nz ? q : nz);  /* not 0 unless v is: see the header */
+    return (uint8_t)(q > nz ? q : nz);  /* not 0 unless t is: see the header */
 }
 /* the 20 rounding bits of m and of v from one zo_rand32 word (16 random bits each) */
 static inline uint32_t zo8_rbits_m(uint32_t r, int sr) { return sr ? (r & 0xffffu) << 4 : ZO8_HALF; }
@@ -237,8 +245,7 @@ static inline ZO_T256 __attribute__((always_inline)) __m256i zo8_256_rebias(__m2
     return _mm256_max_epi32(_mm256_sub_epi32(_mm256_castps_si256(x), _mm256_set1_epi32(bias)), sub);
 }
 /* the block's old moments decoded into mb/vb, 8 lanes a turn: a loop of its own, apart
- * from the update's, whose square root and division hold ~60 vector operations waiting
- * in the scheduler (the decoding, in the same loop, took 1.4x the time of both loops) */
+ * from the update's (the header says why) */
 static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
     const __m256 msc = _mm256_set1_ps(s->ms[b0 / ZO_QBLOCK]), vsc = _mm256_set1_ps(s->vs[b0 / ZO_QBLOCK]);
     const uint8_t *mc = s->m, *vc = s->v;

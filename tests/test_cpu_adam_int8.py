@@ -285,6 +285,30 @@ def test_all_zero_and_tiny_blocks_decode_to_finite_values():
     assert np.isfinite(decoded(m, ms, "exp_avg")).all()
 
 
+def test_a_v_above_zero_is_never_coded_zero(level):
+    """In a block whose largest v is ~1, elements with v ~ 1e-15 of it (below the smallest
+    code, 2^-33 ~ 1.2e-10 of the scale) round up to that code, stochastically or to
+    nearest, and never to 0, where their step would be m / eps; an element whose gradient
+    is exactly 0 keeps v = 0 and code 0."""
+    n = 2 * Q
+    g = np.full(n, 1e-6, np.float32)  # v = 1e-15 after one step
+    g[::Q] = 30.0  # v ~ 0.9: each block's scale
+    g[2::Q] = 0.0
+    for rounding in ("stochastic", "nearest"):
+        prev = ca.set_simd_level(level)
+        try:
+            p, m, v, out = np.zeros(n, np.float32), np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(n, np.uint16)
+            ms, vs = np.zeros(2, np.float32), np.zeros(2, np.float32)
+            ca.adam_step_int8(p, m, v, ms, vs, g, out, step=1, lr=1e-3, out_dtype="bf16", rounding=rounding,
+                              sr_key=ca.rounding_key(1))
+        finally:
+            ca.set_simd_level(prev)
+        small = np.arange(n) % Q != 2
+        assert (v[small] >= 1).all(), rounding
+        assert (v[1::Q] == 1).all() and (v[2::Q] == 0).all() and (m[2::Q] == 0).all(), rounding
+        assert np.isfinite(p).all() and np.abs(p).max() <= 1.01e-3, rounding  # no step of m / eps
+
+
 def _bad_calls(n):
     rem, out = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
     m, v = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
