@@ -139,11 +139,11 @@ static inline uint32_t zo8_rbits_m(uint32_t r, int sr) { return sr ? (r & 0xffff
 static inline uint32_t zo8_rbits_v(uint32_t r, int sr) { return sr ? (r >> 16) << 4 : ZO8_HALF; }
 
 /* ---------------------------------------------------------------- scalar block parts */
-/* the block's old moments, decoded into mb/vb (indexed from the block's first element b0) */
-static void zo8_decode_scalar(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
+/* the old moments of [lo, hi) in the block from b0, decoded into mb/vb (indexed from b0) */
+static void zo8_decode_scalar(const zo_state8 *s, int64_t b0, int64_t lo, int64_t hi, float *mb, float *vb) {
     const float msc = s->ms[b0 / ZO_QBLOCK], vsc = s->vs[b0 / ZO_QBLOCK];
     int64_t i;
-    for (i = b0; i < be; i++) {
+    for (i = lo; i < hi; i++) {
         mb[i - b0] = zo8_decode_m(s->m[i], msc);
         vb[i - b0] = zo8_decode_v(s->v[i], vsc);
     }
@@ -254,10 +254,7 @@ static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, f
         _mm256_storeu_ps(mb + (i - b0), zo8_256_decode_m(mc + i, msc));
         _mm256_storeu_ps(vb + (i - b0), zo8_256_decode_v(vc + i, vsc));
     }
-    for (; i < be; i++) {
-        mb[i - b0] = zo8_decode_m(mc[i], s->ms[b0 / ZO_QBLOCK]);
-        vb[i - b0] = zo8_decode_v(vc[i], s->vs[b0 / ZO_QBLOCK]);
-    }
+    zo8_decode_scalar(s, b0, i, be, mb, vb);
 }
 
 /* The update of 8 lanes a turn.  The flags (exact master, grad scale, L2, decoupled decay,
@@ -336,7 +333,8 @@ static ZO_T256 void zo8_256_adam_span(float *p, const void *g, int gk, void *out
     else if (gk == ZO_F16 && ok == ZO_F16 && !exact && !has_l2 && decoupled)  /* fp16 AdamW, fp32 master */
         zo8_256_adam_span_body(p, g, ZO_F16, out, ZO_F16, lo, hi, b0, h, s, mb, vb, am, av, 0, scale, 0, 1, predict);
     else
-        zo8_256_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av, exact, scale, has_l2, decoupled, predict);
+        zo8_256_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av,
+                               exact, scale, has_l2, decoupled, predict);
 }
 
 /* the codes of 8 lanes, m's and v's, as i32 (zo8_encode_m / zo8_encode_v) */
@@ -408,12 +406,8 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
         float am = 0.0f, av = 0.0f, im, iv;  /* block maxima (of |m| and v), encode factors */
         while (k < nseg - 1 && segs[k].hi <= b0) k++;
         for (k0 = k; k0 < nseg && segs[k0].lo < be; k0++) updated |= !segs[k0].keep;
-        if (!updated) {  /* nothing moved: codes and scales stay, the out slot gets the weights */
-            for (; x < be; k++) {
-                int64_t y = segs[k].hi < be ? segs[k].hi : be;
-                zo8_keep_weights(p, out, ok, x, y, s);
-                x = y;
-            }
+        if (!updated) {  /* every segment kept: codes and scales stay, the out slot gets the weights */
+            zo8_keep_weights(p, out, ok, b0, be, s);
             k = k0 - 1;
             continue;
         }
@@ -421,7 +415,7 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
         if (level >= ZO_AVX2) zo8_256_decode(s, b0, be, mb, vb);
         else
 #endif
-        zo8_decode_scalar(s, b0, be, mb, vb);
+        zo8_decode_scalar(s, b0, b0, be, mb, vb);
         for (; x < be; k++) {
             int64_t y = segs[k].hi < be ? segs[k].hi : be;
             if (segs[k].keep) {
