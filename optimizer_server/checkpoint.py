@@ -38,15 +38,6 @@ SHARD_FORMAT = 2     # shard-*.json "format": the server's files
 #    (q/255)^8), read as the legacy array dtype "int8-pow" and re-encoded on load.
 SHARD_FORMATS_READ = (1, 2)
 LEGACY_INT8 = "int8-pow"
-
-
-def saved_array_dtypes(manifest: dict) -> dict:
-    """A shard manifest's array dtypes ("array_dtypes"; absent: every array fp32), with
-    format 1's int8 arrays named by their legacy code."""
-    dtypes = dict(manifest.get("array_dtypes", {}))
-    if manifest.get("format") == 1:
-        dtypes = {k: LEGACY_INT8 if v == "int8" else v for k, v in dtypes.items()}
-    return dtypes
 ENGINE_VERSION = 1   # engine-*.json "version": the engine's files
 # Roles of the per-rank files (the prefix of their names).
 SHARD, ENGINE, DEVICE16, PENDING16 = "shard", "engine", "device16", "pending16"
@@ -126,6 +117,15 @@ def check_version(path: Path, key: str, found, expected) -> None:
     if found != expected:
         raise CheckpointError(f"checkpoint file {path} has {key}={found!r} but this version reads {key}={expected!r}; "
                               f"load it with the zero-offload that wrote it")
+
+
+def saved_array_dtypes(manifest: dict) -> dict:
+    """A shard manifest's array dtypes ("array_dtypes"; absent: every array fp32), with
+    format 1's int8 arrays named by their legacy code."""
+    dtypes = dict(manifest.get("array_dtypes", {}))
+    if manifest.get("format") == 1:
+        dtypes = {k: LEGACY_INT8 if v == "int8" else v for k, v in dtypes.items()}
+    return dtypes
 
 
 # ----------------------------------------------------------------------------- directory protocol

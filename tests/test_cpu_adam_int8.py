@@ -248,8 +248,8 @@ def test_every_code_decodes_to_its_float64_value():
 
 def test_quantize_and_dequantize_round_trip():
     """Nearest codes: within half the code's step of the value (relative to the block
-    scale), zero stays zero, the block maximum is exact, and re-encoding decoded values gives the same codes (so
-    converting a checkpoint twice changes nothing)."""
+    scale), zero stays zero, the block maximum is exact, and re-encoding decoded
+    values gives the same codes (so converting a checkpoint twice changes nothing)."""
     rng = seeded_rng()
     n = 10 * Q + 3
     for moment, x in (("exp_avg", rng.standard_normal(n) * np.exp(rng.standard_normal(n))),

@@ -8,14 +8,18 @@ arrays of the checkpoint rounded by torch (round to nearest even).
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from optimizer_server import checkpoint as C
 from runtime import OffloadAdamW, OffloadConfig, OffloadEngine
-from tests.helpers.int8_codes import decode_f64
+from tests.helpers.int8_codes import decode_f64, legacy_decode_f64, legacy_encode
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 from tests.helpers.reference import rel_err
 from tests.helpers.state_files import shard_arrays, widen
@@ -180,39 +184,18 @@ def test_checkpoint_converts_to_and_from_int8_on_load(tmp_path):
         assert max(abs(x - y) for x, y in zip(more, again)) < 0.08
 
 
-def legacy_int8_of(x: np.ndarray, moment: str):
-    """fp32 moments -> the power-law codes format-1 checkpoints hold (m = scale (q/127)^4
-    with a sign bit, v = scale (q/255)^8), nearest in value space, in float64."""
-    n = x.size
-    nb = (n + 255) // 256
-    ax = np.abs(x.astype(np.float64)) if moment == "exp_avg" else x.astype(np.float64)
-    scales = np.pad(ax, (0, nb * 256 - n)).reshape(nb, 256).max(1).astype(np.float32)
-    k, top = (4, 127) if moment == "exp_avg" else (8, 255)
-    s = np.repeat(scales.astype(np.float64), 256)[:n]
-    u = np.where(s > 0, ax / np.where(s > 0, s, 1), 0)
-    q0 = np.minimum(np.floor(top * u ** (1 / k)), top - 1)
-    lo, hi = (q0 / top) ** k, ((q0 + 1) / top) ** k
-    q = (q0 + (u - lo > hi - u)).astype(np.uint8)
-    if moment == "exp_avg":
-        q |= np.where(x < 0, 0x80, 0).astype(np.uint8)
-    return q, scales
-
-
 def write_format_1_int8(src: Path, dst: Path, arrays: dict) -> dict:
     """A copy of the fp32-state checkpoint src rewritten as a format-1 int8 one (what the
     power-law kernel saved): master, codes, then scales, its manifest and checksum."""
-    import json
-    import shutil
-    import zlib
     shutil.copytree(src, dst)
     man_path = next(dst.glob("shard-r0-of-1.json"))
     man = json.loads(man_path.read_text())
-    codes = {name: legacy_int8_of(arrays[f"r0.{name}"], name) for name in ("exp_avg", "exp_avg_sq")}
+    codes = {name: legacy_encode(arrays[f"r0.{name}"], name) for name in ("exp_avg", "exp_avg_sq")}
     raw = arrays["r0.master"].tobytes() + b"".join(c.tobytes() for c, _ in codes.values()) \
         + b"".join(sc.tobytes() for _, sc in codes.values())
     man_path.with_suffix(".bin").write_bytes(raw)
     man.update(format=1, array_dtypes={"master": "fp32", "exp_avg": "int8", "exp_avg_sq": "int8"},
-               checksum=f"crc32:{zlib.crc32(raw) & 0xFFFFFFFF:08x}")
+               checksum=C.checksum_str(zlib.crc32(raw)))
     man_path.write_text(json.dumps(man))
     return codes
 
@@ -222,7 +205,6 @@ def test_a_format_1_int8_checkpoint_loads_through_its_power_law_codes(tmp_path):
     decoded as that kernel decoded them (the reference: float64 arithmetic on the codes)
     into fp32 state, and re-encoded into today's codes for int8 state, which trains on;
     a format this version does not know is refused, naming it."""
-    import json
     model = gpt()
     with OffloadEngine(copy.deepcopy(model), cfg(state_dtype="fp32")) as eng:
         train_engine(eng, gpt_batch, 8, "bf16")
@@ -234,10 +216,7 @@ def test_a_format_1_int8_checkpoint_loads_through_its_power_law_codes(tmp_path):
         eng.load_checkpoint(str(tmp_path / "old"))
         c = shard_arrays(eng.save_checkpoint(str(tmp_path / "c")))
     for name, (q, sc) in codes.items():
-        k, top = (4, 127) if name == "exp_avg" else (8, 255)
-        t = (q & (0x7f if name == "exp_avg" else 0xff)).astype(np.float64) / top
-        want = np.repeat(sc.astype(np.float64), 256)[:q.size] * t ** k
-        want = np.where(q & 0x80, -want, want) if name == "exp_avg" else want
+        want = legacy_decode_f64(q, sc, name)
         assert np.allclose(c[f"r0.{name}"], want, rtol=2e-6, atol=0), name
         assert np.abs(c[f"r0.{name}"] - a[f"r0.{name}"]).max() <= 0.1 * np.abs(a[f"r0.{name}"]).max(), name
     assert np.array_equal(c["r0.master"].view(np.uint32), a["r0.master"].view(np.uint32))
