@@ -44,7 +44,10 @@
  * codes.  Three loops, not one, because the update's square root and division
  * leave ~60 vector operations of a long loop body waiting in the scheduler, so
  * the core cannot overlap one turn with the next: decoding and encoding inside
- * the update's loop made the kernel ~1.6x slower on Zen 3 (BENCHMARKS.md).
+ * the update's loop made the kernel ~1.6x slower on Zen 3 (BENCHMARKS.md), and
+ * decoding inside it 4% slower on Zen 5.  A block's encode waits until the next
+ * block is updated (zo_adam8_chunk says why).  Each loop has an AVX-512 body (16
+ * lanes), an AVX2 one (8) and the scalar one, which the others match bit for bit.
  *
  * A block may hold elements of several segments (param groups, parameters
  * without a gradient this step): each gets its own hyper-parameters; kept
@@ -389,21 +392,191 @@ static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, 
     if (s->rounding == ZO_ROUND_STOCHASTIC) zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1);
     else zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0);
 }
+
+/* ---------------------------------------------------------------- AVX-512 block parts */
+/* The AVX2 parts above at 16 lanes, op for op (so the paths agree bitwise): masks in
+ * place of blends, vpmov* truncations in place of the pack-and-permute stores. */
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_m(const uint8_t *c, __m512 scale) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    __m512i c7 = _mm512_and_si512(q, _mm512_set1_epi32(0x7f));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(c7), _mm512_set1_ps(ZO8_M_SUB));
+    __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(c7, ZO8_SHIFT),
+                                                      _mm512_set1_epi32((int)ZO8_M_BIAS)));
+    __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(c7, _mm512_set1_epi32(8)), nrm, sub);
+    __m512i sign = _mm512_slli_epi32(_mm512_srli_epi32(q, 7), 31);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(x, scale)), sign));
+}
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_v(const uint8_t *c, __m512 scale) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(ZO8_V_SUB));
+    __m512 nrm = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(q, ZO8_SHIFT),
+                                                      _mm512_set1_epi32((int)ZO8_V_BIAS)));
+    __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(q, _mm512_set1_epi32(8)), nrm, sub);
+    return _mm512_mul_ps(x, scale);
+}
+static inline ZO_T512 __attribute__((always_inline)) __m512i zo8_512_rebias(__m512 x, __m512 tiny, int bias) {
+    __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, tiny)), _mm512_castps_si512(tiny));
+    return _mm512_max_epi32(_mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(bias)), sub);
+}
+static inline ZO_T512 __m512i zo8_512_load_u16(const uint16_t *a, int64_t i) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i)));
+}
+static inline ZO_T512 void zo8_512_store_u16(uint16_t *a, int64_t i, __m512i x) {  /* the low halves */
+    _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
+}
+
+static ZO_T512 void zo8_512_decode(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
+    const __m512 msc = _mm512_set1_ps(s->ms[b0 / ZO_QBLOCK]), vsc = _mm512_set1_ps(s->vs[b0 / ZO_QBLOCK]);
+    const uint8_t *mc = s->m, *vc = s->v;
+    int64_t i = b0;
+    for (; i + 16 <= be; i += 16) {
+        _mm512_storeu_ps(mb + (i - b0), zo8_512_decode_m(mc + i, msc));
+        _mm512_storeu_ps(vb + (i - b0), zo8_512_decode_v(vc + i, vsc));
+    }
+    zo8_decode_scalar(s, b0, i, be, mb, vb);
+}
+
+static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, int64_t b0,
+        const zo_hparams *hp, const zo_state8 *s, float *mb, float *vb, float *am, float *av,
+        const int exact, const int scale, const int has_l2, const int decoupled, const int predict) {
+    const zo_hparams hc = *hp;  /* a private copy, as in the AVX2 body */
+    const zo_hparams *h = &hc;
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const __m512 pr = _mm512_set1_ps(h->predict);
+    uint16_t *rem = s->rem;
+    const uint16_t *hi16 = s->hi;
+    __m512 ma = _mm512_setzero_ps(), va = _mm512_setzero_ps();
+    float ta[16], tv[16];
+    int64_t i = lo;
+    int j;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 gi = zo512_load_grad(g, gk, i);
+        __m512 pi, mi, vi, denom, p0;
+        if (scale) gi = _mm512_mul_ps(gi, gs);
+        if (exact) {
+            __m512i r16 = zo8_512_load_u16(rem, i);
+            __m512i h16 = _mm512_sub_epi32(zo8_512_load_u16(hi16, i), _mm512_srli_epi32(r16, 15));
+            pi = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h16, 16), r16));
+        } else {
+            pi = _mm512_loadu_ps(p + i);
+        }
+        if (has_l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(mb + (i - b0))), _mm512_mul_ps(omb1, gi));
+        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(vb + (i - b0))),
+                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+        denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
+        p0 = pi;
+        if (decoupled) pi = _mm512_mul_ps(pi, dec);
+        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
+        _mm512_storeu_ps(mb + (i - b0), mi);
+        _mm512_storeu_ps(vb + (i - b0), vi);
+        ma = _mm512_max_ps(_mm512_abs_ps(mi), ma);  /* a NaN x gives a, as in the AVX2 body */
+        va = _mm512_max_ps(vi, va);
+        if (exact) {
+            __m512i x = _mm512_castps_si512(pi);
+            zo8_512_store_u16(rem, i, x);
+            zo8_512_store_u16((uint16_t *)out, i, _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x8000)), 16));
+        } else {
+            _mm512_storeu_ps(p + i, pi);
+            zo512_store_out(out, ok, i, predict ? _mm512_add_ps(pi, _mm512_mul_ps(pr, _mm512_sub_ps(pi, p0))) : pi);
+        }
+    }
+    _mm512_storeu_ps(ta, ma);
+    _mm512_storeu_ps(tv, va);
+    for (j = 0; j < 16; j++) {
+        *am = ta[j] > *am ? ta[j] : *am;
+        *av = tv[j] > *av ? tv[j] : *av;
+    }
+    if (i < hi) zo8_adam_span_scalar(p, g, gk, out, ok, i, hi, b0, h, s, mb, vb, am, av);
+}
+
+static ZO_T512 void zo8_512_adam_span(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+                                      int64_t b0, const zo_hparams *h, const zo_state8 *s, float *mb, float *vb,
+                                      float *am, float *av) {
+    const int exact = s->rem != NULL, scale = h->grad_scale != 1.0f, has_l2 = h->l2 != 0.0f;
+    const int decoupled = h->decoupled, predict = h->predict != 0.0f;
+    if (gk == ZO_BF16 && ok == ZO_BF16 && exact && !scale && !has_l2 && decoupled)  /* bf16 AdamW */
+        zo8_512_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 1, 0, 0, 1, 0);
+    else if (gk == ZO_F16 && ok == ZO_F16 && !exact && !has_l2 && decoupled)  /* fp16 AdamW, fp32 master */
+        zo8_512_adam_span_body(p, g, ZO_F16, out, ZO_F16, lo, hi, b0, h, s, mb, vb, am, av, 0, scale, 0, 1, predict);
+    else
+        zo8_512_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av,
+                               exact, scale, has_l2, decoupled, predict);
+}
+
+/* 16 elements a turn: zo8_256_encode8's arithmetic, then vpmovusdb (unsigned saturation,
+ * as the AVX2 packs saturate a NaN's code) */
+static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
+        const float *mb, const float *vb, int64_t n, int64_t e0, float im_, float iv_, const zo_state8 *s,
+        const int sr) {
+    const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_);
+    const __m512 mtiny = _mm512_set1_ps(ZO8_M_TINY), vtiny = _mm512_set1_ps(ZO8_V_TINY);
+    const __m512i half = _mm512_set1_epi32((int)ZO8_HALF), one = _mm512_set1_epi32(1);
+    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    __m512i weyl = _mm512_add_epi32(_mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)e0)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    uint8_t *mc = s->m + e0, *vc = s->v + e0;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        __m512 mi = _mm512_loadu_ps(mb + k), vi = _mm512_loadu_ps(vb + k);
+        __m512i r = _mm512_xor_si512(weyl, _mm512_srli_epi32(weyl, 16)), tm, tv, qm, qv;
+        weyl = _mm512_add_epi32(weyl, step16);
+        tm = zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
+        tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 12) : half),
+                               ZO8_SHIFT);
+        qm = _mm512_or_si512(tm, _mm512_slli_epi32(_mm512_srli_epi32(_mm512_castps_si512(mi), 31), 7));
+        tv = zo8_512_rebias(_mm512_mul_ps(vi, iv), vtiny, (int)ZO8_V_BIAS);
+        qv = _mm512_max_epu32(_mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(_mm512_srli_epi32(r, 16), 4)
+                                                                         : half), ZO8_SHIFT),
+                              _mm512_min_epu32(tv, one));
+        _mm_storeu_si128((__m128i *)(mc + k), _mm512_cvtusepi32_epi8(qm));
+        _mm_storeu_si128((__m128i *)(vc + k), _mm512_cvtusepi32_epi8(qv));
+    }
+    zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
+}
+static ZO_T512 void zo8_512_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
+                                   float im, float iv, const zo_state8 *s) {
+    if (s->rounding == ZO_ROUND_STOCHASTIC) zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1);
+    else zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0);
+}
 #endif
 
 /* ---------------------------------------------------------------- a window of blocks */
+/* the codes of a block whose update is done (zo_adam8_chunk's deferred encode) */
+static void zo8_encode_block(int level, const float *mb, const float *vb, int64_t n, int64_t b0,
+                             float im, float iv, const zo_state8 *s) {
+#if ZO_HAVE_X86
+    if (level >= ZO_AVX512) { zo8_512_encode(mb, vb, n, b0, im, iv, s); return; }
+    if (level >= ZO_AVX2) { zo8_256_encode(mb, vb, n, b0, im, iv, s); return; }
+#endif
+    zo8_encode_scalar(mb, vb, 0, n, b0, im, iv, s);
+}
+
 /* Adam over whole blocks [lo, hi) (lo on a block; hi on a block or the arrays' end),
- * with the segments covering it (sorted, contiguous). */
+ * with the segments covering it (sorted, contiguous).  A block's encode runs after the
+ * next block's update, from the other of two block buffers: it needs the block's
+ * maxima and their inverses (a reduction and two divisions, ~60 cycles in a row), and
+ * deferred, that latency hides behind the next update instead of stalling every block
+ * (0.62 -> 0.55 ns/element in cache with AVX-512).  The bytes are the same: every
+ * block gets the same operations, only later. */
 static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                            const zo_seg8 *segs, int nseg, const zo_state8 *s) {
-    float mb[ZO_QBLOCK] __attribute__((aligned(32)));
-    float vb[ZO_QBLOCK] __attribute__((aligned(32)));
-    int k = 0;
-    int64_t b0;
+    float buf[2][2][ZO_QBLOCK] __attribute__((aligned(64)));  /* [which buffer][m, v] */
+    int k = 0, cur = 0;
+    int64_t b0, pend_b0 = -1, pend_n = 0;  /* the block whose encode is pending */
+    float pend_im = 0.0f, pend_iv = 0.0f;
     for (b0 = lo; b0 < hi; b0 += ZO_QBLOCK) {
         int64_t be = b0 + ZO_QBLOCK < hi ? b0 + ZO_QBLOCK : hi, x = b0;
         int updated = 0, k0;
-        float am = 0.0f, av = 0.0f, im, iv;  /* block maxima (of |m| and v), encode factors */
+        float am = 0.0f, av = 0.0f;  /* block maxima (of |m| and v) */
+        float *mb = buf[cur][0], *vb = buf[cur][1];
         while (k < nseg - 1 && segs[k].hi <= b0) k++;
         for (k0 = k; k0 < nseg && segs[k0].lo < be; k0++) updated |= !segs[k0].keep;
         if (!updated) {  /* every segment kept: codes and scales stay, the out slot gets the weights */
@@ -412,7 +585,8 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
             continue;
         }
 #if ZO_HAVE_X86
-        if (level >= ZO_AVX2) zo8_256_decode(s, b0, be, mb, vb);
+        if (level >= ZO_AVX512) zo8_512_decode(s, b0, be, mb, vb);
+        else if (level >= ZO_AVX2) zo8_256_decode(s, b0, be, mb, vb);
         else
 #endif
         zo8_decode_scalar(s, b0, b0, be, mb, vb);
@@ -422,7 +596,8 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
                 zo8_keep_span(p, out, ok, x, y, b0, s, mb, vb, &am, &av);
             } else {
 #if ZO_HAVE_X86
-                if (level >= ZO_AVX2) zo8_256_adam_span(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
+                if (level >= ZO_AVX512) zo8_512_adam_span(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
+                else if (level >= ZO_AVX2) zo8_256_adam_span(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
                 else
 #endif
                 zo8_adam_span_scalar(p, g, gk, out, ok, x, y, b0, &segs[k].h, s, mb, vb, &am, &av);
@@ -432,13 +607,16 @@ static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out
         k = k0 - 1;  /* the block's last segment may go on into the next block */
         s->ms[b0 / ZO_QBLOCK] = am;
         s->vs[b0 / ZO_QBLOCK] = av;
-        im = zo8_inv(am);
-        iv = zo8_inv(av);
-#if ZO_HAVE_X86
-        if (level >= ZO_AVX2) { zo8_256_encode(mb, vb, be - b0, b0, im, iv, s); continue; }
-#endif
-        zo8_encode_scalar(mb, vb, 0, be - b0, b0, im, iv, s);
+        if (pend_b0 >= 0)
+            zo8_encode_block(level, buf[cur ^ 1][0], buf[cur ^ 1][1], pend_n, pend_b0, pend_im, pend_iv, s);
+        pend_b0 = b0;
+        pend_n = be - b0;
+        pend_im = zo8_inv(am);  /* the encode factors, computed now and used a block later */
+        pend_iv = zo8_inv(av);
+        cur ^= 1;
     }
+    if (pend_b0 >= 0)
+        zo8_encode_block(level, buf[cur ^ 1][0], buf[cur ^ 1][1], pend_n, pend_b0, pend_im, pend_iv, s);
 }
 
 /* ---------------------------------------------------------------- conversions */
