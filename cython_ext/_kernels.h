@@ -905,6 +905,176 @@ static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, voi
     }
 }
 
+/* ---- compact state (bf16 moments), AVX-512: 16 lanes in element order.  The AVX2
+ * bodies above op for op, with 16-bit arrays widened by vpmovzxwd and narrowed by
+ * vpmovdw (every narrowed value is below 2^16, where the AVX2 packs' saturation is
+ * the identity), and masks for the NaN and sign selections. */
+static inline ZO_T512 __m512i zo512_load_u16(const uint16_t *a, int64_t i) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i)));
+}
+static inline ZO_T512 void zo512_store_u16(uint16_t *a, int64_t i, __m512i x) {  /* the low halves */
+    _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
+}
+static inline ZO_T512 __m512i zo512_rne_add(__m512i x) {
+    return _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)),
+                            _mm512_set1_epi32(0x7fff));
+}
+/* zo256_quiet_round: (x + add) >> 16, NaN -> a quiet NaN */
+static inline ZO_T512 __m512i zo512_quiet_round(__m512 xf, __m512i add) {
+    __m512i x = _mm512_castps_si512(xf);
+    __mmask16 nan = _mm512_cmp_ps_mask(xf, xf, _CMP_UNORD_Q);
+    __m512i r = _mm512_srli_epi32(_mm512_mask_add_epi32(x, (__mmask16)~nan, x, add), 16);
+    return _mm512_mask_or_epi32(r, nan, r, _mm512_set1_epi32(0x40));
+}
+static inline ZO_T512 __m512i zo512_fold(__m512i x) {  /* zo_rand32's fold */
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+/* zo256_adam16_core, 16 lanes */
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_adam16_core(
+        __m512 gi, __m512 pi, __m512i m32, __m512i v32, __m512i rnd, __m512i *m_out, __m512i *v_out,
+        const zo_hparams *h, int sr, int zo_flags_) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const __m512i low = _mm512_set1_epi32(0xffff);
+    __m512 mi, vi, denom;
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);
+    if (ZO_FLAG(h, ZO_F_L2)) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+    mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_castsi512_ps(m32)), _mm512_mul_ps(omb1, gi));
+    vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_castsi512_ps(v32)), _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+    denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
+    if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm512_mul_ps(pi, dec);
+    pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
+    if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
+        *m_out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(mi), _mm512_and_si512(rnd, low)), 16);
+        *v_out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(vi), _mm512_srli_epi32(rnd, 16)), 16);
+    } else {
+        *m_out = zo512_quiet_round(mi, zo512_rne_add(_mm512_castps_si512(mi)));
+        *v_out = zo512_quiet_round(vi, zo512_rne_add(_mm512_castps_si512(vi)));
+    }
+    return pi;
+}
+
+/* zo256_lion16_core, 16 lanes */
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_lion16_core(
+        __m512 gi, __m512 pi, __m512i m32, __m512i rnd, __m512i *m_out, const zo_hparams *h, int sr, int zo_flags_) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 mi = _mm512_castsi512_ps(m32), c, sg, mn;
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);
+    c = _mm512_add_ps(_mm512_mul_ps(b1, mi), _mm512_mul_ps(omb1, gi));
+    sg = _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    sg = _mm512_mask_mov_ps(sg, _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+    pi = _mm512_sub_ps(_mm512_mul_ps(pi, dec), _mm512_mul_ps(ss, sg));
+    mn = _mm512_add_ps(_mm512_mul_ps(b2, mi), _mm512_mul_ps(omb2, gi));
+    if (sr)
+        *m_out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(mn),
+                                                    _mm512_and_si512(rnd, _mm512_set1_epi32(0xffff))), 16);
+    else
+        *m_out = zo512_quiet_round(mn, zo512_rne_add(_mm512_castps_si512(mn)));
+    return pi;
+}
+
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_opt16_core(
+        int lion, __m512 gi, __m512 pi, __m512i m32, __m512i v32, __m512i rnd, __m512i *m_out, __m512i *v_out,
+        const zo_hparams *h, int sr, int zo_flags_) {
+    if (lion) return zo512_lion16_core(gi, pi, m32, rnd, m_out, h, sr, zo_flags_);
+    return zo512_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
+}
+
+/* zo256_adam16x_body, 16 lanes: the exact master with bf16 gradients */
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
+        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+        int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
+    const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
+    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)lo)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, i), 16);
+        __m512i m32 = _mm512_slli_epi32(zo512_load_u16(m, i), 16);
+        __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(v, i), 16);
+        __m512i x32 = _mm512_or_si512(_mm512_slli_epi32(zo512_load_u16(hw, i), 16), zo512_load_u16(rem, i));
+        __m512i rnd = sr ? zo512_fold(kw) : zero, m0, v0 = zero;
+        /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
+        __m512i xb = _mm512_sub_epi32(x32, _mm512_slli_epi32(_mm512_and_si512(x32, _mm512_set1_epi32(0x8000)), 1));
+        __m512 pi = zo512_opt16_core(lion, _mm512_castsi512_ps(g32), _mm512_castsi512_ps(xb), m32, v32, rnd, &m0, &v0,
+                                     h, sr, zo_flags_);
+        zo512_store_u16(m, i, m0);
+        if (!lion) zo512_store_u16(v, i, v0);
+        zo512_store_u16(rem, i, _mm512_castps_si512(pi));
+        zo512_store_u16(o, i, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(pi), _mm512_set1_epi32(0x8000)), 16));
+        kw = _mm512_add_epi32(kw, step16);
+    }
+    zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+}
+
+static ZO_T512 void zo512_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
+                                  const zo_state16 *s) {
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
+    if (!lion && sr && f == ZO_F_DECAY) zo512_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY);
+    else if (!lion && sr && f == (ZO_F_DECAY | ZO_F_SCALE))
+        zo512_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
+    else if (lion) zo512_adam16x_body(1, g, lo, hi, out, h, s, sr, f);
+    else zo512_adam16x_body(0, g, lo, hi, out, h, s, sr, f);
+}
+
+/* zo256_adam16p_body, 16 lanes: the fp32 master with bf16 moments */
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16p_body(
+        int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
+        const zo_state16 *s, int sr, int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;
+    uint16_t *m = s->m, *v = s->v;
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m512 pr = _mm512_set1_ps(h->predict);
+    const int predict = h->predict != 0.0f;
+    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)lo)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    int64_t i = lo;
+    for (; i + 16 <= hi; i += 16) {
+        __m512 p0 = _mm512_loadu_ps(p + i), q;
+        __m512i m32 = _mm512_slli_epi32(zo512_load_u16(m, i), 16);
+        __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(v, i), 16);
+        __m512i rnd = sr ? zo512_fold(kw) : zero, m0, v0 = zero;
+        q = zo512_opt16_core(lion, zo512_load_grad(g, gk, i), p0, m32, v32, rnd, &m0, &v0, h, sr, zo_flags_);
+        zo512_store_u16(m, i, m0);
+        if (!lion) zo512_store_u16(v, i, v0);
+        _mm512_storeu_ps(p + i, q);
+        zo512_store_out(out, ok, i, predict ? _mm512_add_ps(q, _mm512_mul_ps(pr, _mm512_sub_ps(q, p0))) : q);
+        kw = _mm512_add_epi32(kw, step16);
+    }
+    zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
+}
+
+static ZO_T512 void zo512_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
+                                  int64_t hi, const zo_hparams *h, const zo_state16 *s) {
+    int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
+    if (lion) {
+        zo512_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr, f);
+    } else if (gk == ZO_BF16 && ok == ZO_BF16 && sr) {
+        zo512_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1, f);
+    } else if (gk == ZO_F16 && ok == ZO_F16 && sr) {
+        zo512_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1, f);
+    } else {
+        zo512_adam16p_body(0, p, g, gk, out, ok, lo, hi, h, s, sr, f);
+    }
+}
+
 /* Specialise each body on the (grad kind, out kind) pair: with both constant the
  * per-vector dtype branches fold away. */
 #define ZO_SPECIALISE(FN, BODY, ATTR, PARAMS, ARGS)                                  \
@@ -1138,8 +1308,10 @@ static void zo_lion_chunk(int level, float *p, float *m, const void *g, int gk,
 static void zo_opt16_chunk(int lion, int level, float *p, const void *g, int gk, void *out, int ok,
                            int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s) {
 #if ZO_HAVE_X86
-    /* AVX-512 runs the AVX2 bodies here: the update is memory bound at 18-20 B/param,
-     * and a 512-bit body would be code no machine of ours has run yet */
+    if (level >= ZO_AVX512 && s->rem && gk == ZO_BF16) { zo512_adam16x(lion, g, lo, hi, out, h, s); return; }
+    if (level >= ZO_AVX512 && !s->rem && gk != ZO_F32) { zo512_adam16p(lion, p, g, gk, out, ok, lo, hi, h, s); return; }
+    /* the rest (fp32 gradients, or the exact master with fp16 ones: no engine sends
+     * those) runs the AVX2 body at AVX-512 too */
     if (level >= ZO_AVX2 && s->rem && gk == ZO_BF16) { zo256_adam16x(lion, g, lo, hi, out, h, s); return; }
     if (level >= ZO_AVX2 && !s->rem && gk != ZO_F32) { zo256_adam16p(lion, p, g, gk, out, ok, lo, hi, h, s); return; }
     if (level >= ZO_AVX2 && !lion) { zo256_adam16(p, g, gk, out, ok, lo, hi, h, s); return; }

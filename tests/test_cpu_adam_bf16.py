@@ -188,6 +188,48 @@ def test_fp16_gradients_with_an_fp32_master(level):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
+@pytest.mark.parametrize("exact", [True, False])
+def test_non_finite_gradients_take_the_scalar_paths_bits(exact):
+    """The engine skips a step whose gradients overflowed, but a direct caller may
+    not: NaN (with payloads whose rounding would carry into the sign) and inf
+    gradients must still give every SIMD path the scalar path's bits, NaN moments
+    staying NaN under round to nearest."""
+    rng = seeded_rng()
+    n = 4099
+    p0 = rng.standard_normal(n).astype(np.float32)
+    g = (rng.standard_normal(n) * 0.1).astype(np.float16 if not exact else np.float32)
+    bad = rng.choice(n, 300, replace=False)
+    if exact:  # bf16 gradients: NaNs with the largest payloads bf16 can carry, and infs
+        words = bf16_words(g)
+        words[bad[:100]], words[bad[100:200]], words[bad[200:]] = 0x7fff, 0xffc1, 0x7f80
+    else:  # fp16 gradients: 0x7fff widens to 0x7fffe000, which + 0x7fff carries out of the exponent
+        words = g.view(np.uint16).copy()
+        words[bad[:100]], words[bad[100:200]], words[bad[200:]] = 0x7fff, 0xfe01, 0x7c00
+
+    def run(lv):
+        prev = ca.set_simd_level(lv)
+        try:
+            m, v, out = np.zeros(n, np.uint16), np.zeros(n, np.uint16), np.zeros(n, np.uint16)
+            kw = dict(step=1, lr=1e-3, weight_decay=0.01, rounding="nearest")
+            if exact:
+                rem = np.zeros(n, np.uint16)
+                ca.split_master(p0, out, rem)
+                ca.adam_step_bf16(rem, m, v, words, out, master_hi=out, grad_dtype="bf16", out_dtype="bf16", **kw)
+                return rem, m, v, out
+            p = p0.copy()
+            ca.adam_step_bf16(p, m, v, words.view(np.float16), out.view(np.float16), predict=0.5, **kw)
+            return p, m, v, out
+        finally:
+            ca.set_simd_level(prev)
+    ref = run("scalar")
+    for moment in ref[1:3]:  # NaN gradients made NaN moments, infs infinite ones
+        assert np.isnan(widen(moment[bad[:200]])).all() and np.isinf(widen(moment[bad[200:]])).all()
+    for lv in LEVELS[1:]:
+        for name, a, b in zip(("master", "m", "v", "weights"), ref, run(lv)):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{lv} {name} differs from scalar"
+
+
 def test_threads_and_sharding_change_no_bit():
     """Two threads against one; and a model split into two shards at an odd point,
     each with its model-wide index_base, against one shard."""
