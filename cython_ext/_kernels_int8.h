@@ -281,7 +281,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
     const uint16_t *hi16 = s->hi;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 ma = _mm256_setzero_ps(), va = _mm256_setzero_ps();  /* the span's largest |m|, v */
-    float ta[8], tv[8];
+    float ta[8], tv[8], a, b;
     int64_t i = lo;
     int j;
     for (; i + 8 <= hi; i += 8) {
@@ -319,10 +319,17 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
     }
     _mm256_storeu_ps(ta, ma);
     _mm256_storeu_ps(tv, va);
-    for (j = 0; j < 8; j++) {  /* max is exact: any order gives the scalar loop's result */
-        *am = ta[j] > *am ? ta[j] : *am;
-        *av = tv[j] > *av ? tv[j] : *av;
+    /* max is exact: any order gives the scalar loop's result.  Into locals: through am
+     * and av (which may alias ta as far as C knows) each step was a store and a reload,
+     * a chain of ~100 cycles a block */
+    a = *am;
+    b = *av;
+    for (j = 0; j < 8; j++) {
+        a = ta[j] > a ? ta[j] : a;
+        b = tv[j] > b ? tv[j] : b;
     }
+    *am = a;
+    *av = b;
     if (i < hi) zo8_adam_span_scalar(p, g, gk, out, ok, i, hi, b0, h, s, mb, vb, am, av);
 }
 
@@ -451,7 +458,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
     uint16_t *rem = s->rem;
     const uint16_t *hi16 = s->hi;
     __m512 ma = _mm512_setzero_ps(), va = _mm512_setzero_ps();
-    float ta[16], tv[16];
+    float ta[16], tv[16], a, b;
     int64_t i = lo;
     int j;
     for (; i + 16 <= hi; i += 16) {
@@ -488,10 +495,14 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
     }
     _mm512_storeu_ps(ta, ma);
     _mm512_storeu_ps(tv, va);
+    a = *am;  /* as in the AVX2 body */
+    b = *av;
     for (j = 0; j < 16; j++) {
-        *am = ta[j] > *am ? ta[j] : *am;
-        *av = tv[j] > *av ? tv[j] : *av;
+        a = ta[j] > a ? ta[j] : a;
+        b = tv[j] > b ? tv[j] : b;
     }
+    *am = a;
+    *av = b;
     if (i < hi) zo8_adam_span_scalar(p, g, gk, out, ok, i, hi, b0, h, s, mb, vb, am, av);
 }
 
