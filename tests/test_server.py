@@ -526,6 +526,49 @@ def test_shard_speculation_states():
         sh.close()
 
 
+def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch):
+    """A speculative piece saved and updated sub-piece by sub-piece (SPEC_SUBPIECE, here
+    cut to 256 elements) leaves the bytes one update of the piece leaves, and a
+    rollback restores every sub-piece; the undo log is capped at one whole update's
+    writes and its pages are committed before the first piece, not during it."""
+    import optimizer_server.shard as S
+    from optimizer_server import protocol as P
+    monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
+    n = 1000
+    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n)
+    shards = [_shard(numel=n, undo_log_bytes=1 << 30), _shard(numel=n)]
+    try:
+        rng = seeded_rng()
+        g = (rng.standard_normal(n) * 0.1).astype(np.float16)
+        for sh in shards:
+            sh.staging[:40] = 1.0
+            for lo in range(0, n, 40):
+                sh.init_chunk(lo, min(40, n - lo))
+            sh.grads[0].view(np.float16)[:] = g
+        sp, ref = shards
+        assert sp.undo.capacity == 14 * n and not sp.undo.faulted  # fp32 master, m, v, fp16 weights
+        m0 = sp.arrays.master.copy()
+        assert sp.accept_speculation(spec) == [(0, n)]
+        sp.speculate(0, n)  # four sub-pieces
+        assert sp.undo.faulted and len(sp.undo._entries) == 4 * 4
+        assert sp.rollback() == n
+        np.testing.assert_array_equal(sp.arrays.master, m0)
+        assert sp.accept_speculation(spec) == [(0, n)]
+        sp.speculate(0, n)
+        step = P.Step(session="s", step=1, slot=0, lr=1e-3)
+        for sh in shards:
+            assert sh.accept_step(step) is None
+            sh.step(step)
+            sh.finish_update()
+        assert (sp.last_speculated, sp.last_rolled_back) == (n, 0)
+        for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
+                [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    finally:
+        for sh in shards:
+            sh.close()
+
+
 def test_shutdown_does_not_wait_for_a_stuck_update_without_bound(tmp_path, monkeypatch):
     """SHUTDOWN_UPDATE_WAIT_S bounds the wait for the update in flight: an update
     thread that never returns is abandoned (its segment unlinked), not joined."""
