@@ -322,7 +322,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
     _mm256_storeu_ps(tv, va);
     /* max is exact: any order gives the scalar loop's result.  Into locals: through am
      * and av (which may alias ta as far as C knows) each step was a store and a reload,
-     * a chain of ~100 cycles a block */
+     * one long dependent chain a block */
     a = *am;
     b = *av;
     for (j = 0; j < 8; j++) {
@@ -423,12 +423,6 @@ static inline ZO_T512 __attribute__((always_inline)) __m512i zo8_512_rebias(__m5
     __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, tiny)), _mm512_castps_si512(tiny));
     return _mm512_max_epi32(_mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(bias)), sub);
 }
-static inline ZO_T512 __m512i zo8_512_load_u16(const uint16_t *a, int64_t i) {
-    return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i)));
-}
-static inline ZO_T512 void zo8_512_store_u16(uint16_t *a, int64_t i, __m512i x) {  /* the low halves */
-    _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
-}
 
 static ZO_T512 void zo8_512_decode(const zo_state8 *s, int64_t b0, int64_t be, float *mb, float *vb) {
     const __m512 msc = _mm512_set1_ps(s->ms[b0 / ZO_QBLOCK]), vsc = _mm512_set1_ps(s->vs[b0 / ZO_QBLOCK]);
@@ -464,8 +458,8 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
         __m512 pi, mi, vi, denom, p0;
         if (scale) gi = _mm512_mul_ps(gi, gs);
         if (exact) {
-            __m512i r16 = zo8_512_load_u16(rem, i);
-            __m512i h16 = _mm512_sub_epi32(zo8_512_load_u16(hi16, i), _mm512_srli_epi32(r16, 15));
+            __m512i r16 = zo512_load_u16(rem, i);
+            __m512i h16 = _mm512_sub_epi32(zo512_load_u16(hi16, i), _mm512_srli_epi32(r16, 15));
             pi = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h16, 16), r16));
         } else {
             pi = _mm512_loadu_ps(p + i);
@@ -484,8 +478,8 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
         va = _mm512_max_ps(vi, va);
         if (exact) {
             __m512i x = _mm512_castps_si512(pi);
-            zo8_512_store_u16(rem, i, x);
-            zo8_512_store_u16((uint16_t *)out, i, _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x8000)), 16));
+            zo512_store_u16(rem, i, x);
+            zo512_store_u16((uint16_t *)out, i, _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x8000)), 16));
         } else {
             _mm512_storeu_ps(p + i, pi);
             zo512_store_out(out, ok, i, predict ? _mm512_add_ps(pi, _mm512_mul_ps(pr, _mm512_sub_ps(pi, p0))) : pi);
@@ -535,7 +529,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
         __m512 mi = _mm512_loadu_ps(mb + k), vi = _mm512_loadu_ps(vb + k);
-        __m512i r = _mm512_xor_si512(weyl, _mm512_srli_epi32(weyl, 16)), tm, tv, qm, qv;
+        __m512i r = zo512_fold(weyl), tm, tv, qm, qv;
         weyl = _mm512_add_epi32(weyl, step16);
         tm = zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
         tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 12) : half),
@@ -573,8 +567,8 @@ static void zo8_encode_block(int level, const float *mb, const float *vb, int64_
  * next block's update, from the other of two block buffers: it needs the block's
  * maxima and their inverses (a reduction and two divisions, ~60 cycles in a row), and
  * deferred, that latency hides behind the next update instead of stalling every block
- * (0.62 -> 0.55 ns/element in cache with AVX-512).  The bytes are the same: every
- * block gets the same operations, only later. */
+ * (BENCHMARKS.md, after bench_adam_state).  The bytes are the same: every block gets
+ * the same operations, only later. */
 static void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                            const zo_seg8 *segs, int nseg, const zo_state8 *s) {
     float buf[2][2][ZO_QBLOCK] __attribute__((aligned(64)));  /* [which buffer][m, v] */

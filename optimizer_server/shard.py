@@ -290,8 +290,7 @@ class Shard:
             b = self._block_floor(a + room)
             if b <= a:
                 return
-        if UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)) > \
-                self.undo.capacity - self.undo.used:
+        if not self.undo.fits(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)):
             sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
             return
         self.undo.prefault()

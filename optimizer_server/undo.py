@@ -6,8 +6,8 @@ Layout: one buffer of HELLO.undo_log_bytes (at most what one update of the whole
 shard writes: a step never saves more), allocated at HELLO with np.empty, and its
 pages committed all at once before the first speculation (``prefault``: not at
 INIT, while the worker still holds its fp32 copy of the model; and not page by page
-as speculation first reaches them, which made the pieces at each step's frontier
-10-20x slower, a step after step cost on a long warm-up), filled front to back:
+as speculation first reaches them, which slowed the pieces at each step's frontier
+step after step through a long warm-up: BENCHMARKS.md), filled front to back:
 
     [ entry 0 bytes | entry 1 bytes | ... | free ]
       entry = a copy of one array slice an update of [lo, hi) writes
@@ -47,10 +47,12 @@ class UndoLog:
     def nbytes(views: list[np.ndarray]) -> int:
         return sum(v.nbytes for v in views)
 
+    def fits(self, views: list[np.ndarray]) -> bool:
+        return self.used + self.nbytes(views) <= self.capacity
+
     def save(self, views: list[np.ndarray]) -> bool:
         """Copy these slices in, or return False (and copy nothing) if they do not fit."""
-        n = self.nbytes(views)
-        if self.used + n > self.capacity:
+        if not self.fits(views):
             return False
         for v in views:
             assert v.flags.c_contiguous and v.ndim == 1, "the state's slices are 1-D and contiguous"
