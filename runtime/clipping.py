@@ -1,4 +1,5 @@
-"""torch.nn.utils.clip_grad_norm_ on offloaded parameters, routed to their engine.
+"""torch.nn.utils.clip_grad_norm_ (and Accelerate's) on offloaded parameters, routed
+to their engine.
 
 The engine's gradient hooks copy each gradient to the host as backward produces it
 and free it on the device, so the parameters hold no .grad when a training loop
@@ -9,8 +10,17 @@ OffloadEngine (an OffloadAdamW's included) returns that engine's clip_grad_norm_
 (the true global norm, clipping applied in the CPU update); any other call goes
 to torch's own function unchanged.  Mixing offloaded parameters with others that
 hold gradients is refused, since no single norm covers both.
+
+Accelerate (1.16 on) no longer calls torch's clip_grad_norm_: its
+Accelerator.clip_grad_norm_ sums the norms of the parameters whose .grad is set
+itself, so it would return 0 for ours.  install() wraps that method the same way
+once accelerate.accelerator is imported; the engine calls install() at every
+micro-batch, so an Accelerator made after the engine is covered from the next
+backward on (before its clip_grad_norm_ can be called).
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -18,38 +28,60 @@ _TORCH = {}  # the functions install() replaced, by the module that holds them
 
 
 def install() -> None:
-    """Route torch.nn.utils.clip_grad_norm_ (idempotent)."""
-    mods = (torch.nn.utils, torch.nn.utils.clip_grad)
-    for m in mods:
+    """Route torch.nn.utils.clip_grad_norm_, and Accelerate's when it is imported
+    (idempotent; cheap enough to call at every micro-batch)."""
+    for m in (torch.nn.utils, torch.nn.utils.clip_grad):
         if getattr(m.clip_grad_norm_, "_zero_offload", False):
             continue
         _TORCH.setdefault(m.__name__, m.clip_grad_norm_)
         m.clip_grad_norm_ = clip_grad_norm_
+    acc = sys.modules.get("accelerate.accelerator")  # never imported here: a user's choice
+    cls = getattr(acc, "Accelerator", None)
+    if cls is not None and not getattr(cls.clip_grad_norm_, "_zero_offload", False):
+        _TORCH["accelerate"] = cls.clip_grad_norm_
+        cls.clip_grad_norm_ = _accelerator_clip_grad_norm_
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-    """torch.nn.utils.clip_grad_norm_, which offloaded parameters reach through their engine."""
+def _engine_of(params: list):
+    """The one engine that trains these parameters, or None when none does."""
     from .engine import owner_of
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = {}
-    others = []
+    others = False
     for p in params:
         e = owner_of(p)
         if e is not None:
             owners[id(e)] = e
         elif p.grad is not None:
-            others.append(p)
-    torch_fn = _TORCH.get("torch.nn.utils.clip_grad") or _TORCH["torch.nn.utils"]
+            others = True
     if not owners:
-        return torch_fn(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                        foreach=foreach)
+        return None
     if len(owners) > 1 or others:
         raise ValueError("clip_grad_norm_ got parameters of several offload engines, or offloaded parameters "
                          "together with others that hold .grad: clip each optimizer's parameters in a call of "
                          "their own (optimizer.clip_grad_norm_(max_norm))")
     (engine,) = owners.values()
-    norm = engine.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
-    return torch.tensor(norm)
+    return engine
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch.nn.utils.clip_grad_norm_, which offloaded parameters reach through their engine."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_of(params)
+    if engine is None:
+        torch_fn = _TORCH.get("torch.nn.utils.clip_grad") or _TORCH["torch.nn.utils"]
+        return torch_fn(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                        foreach=foreach)
+    return torch.tensor(engine.clip_grad_norm_(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite))
+
+
+def _accelerator_clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    """accelerate.Accelerator.clip_grad_norm_, which offloaded parameters reach through their engine."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    engine = _engine_of(params)
+    if engine is None:
+        return _TORCH["accelerate"](self, params, max_norm, norm_type=norm_type)
+    return torch.tensor(engine.clip_grad_norm_(max_norm, norm_type=norm_type))
 
 
 clip_grad_norm_._zero_offload = True
+_accelerator_clip_grad_norm_._zero_offload = True

@@ -163,7 +163,7 @@ class OffloadEngine:
 
         for p in params:
             _OWNER[id(p)] = self
-        clipping.install()  # torch.nn.utils.clip_grad_norm_ on our parameters reaches clip_grad_norm_
+        clipping.install()  # torch's (and Accelerate's) clip_grad_norm_ on our parameters reach clip_grad_norm_
         self.scaler = LossScaler.for_config(cfg)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
                                             shard_numel=S, agree=self._agree, barrier=self._barrier,
@@ -297,6 +297,7 @@ class OffloadEngine:
         down starts.  Returns whether this is that last one."""
         self._finish_overlap()
         self._check_views()
+        clipping.install()  # again: an Accelerator made after this engine (runtime.clipping)
         self._micro += 1
         final = self._micro % self.cfg.grad_accumulation_steps == 0
         if final:

@@ -47,3 +47,31 @@ def test_prepared_model_with_several_processes_is_refused(tmp_path):
     assert p.returncode != 0
     said = (tmp_path / "error-rank0.txt").read_text()
     assert "do not wrap the model in DDP" in said and "prepare the optimizer, dataloader and scheduler" in said
+
+
+def test_accelerator_made_after_the_engine_clips_through_it():
+    """Accelerate's clip_grad_norm_ sums the norms of parameters that hold .grad itself
+    (1.16 on), so it would return 0 for offloaded ones: the engine routes it, also
+    for an Accelerator whose class was not yet patched when the engine was built
+    (the next backward patches it).  The norm is torch's on a copy holding .grad."""
+    import copy
+
+    from accelerate import Accelerator
+    from accelerate import accelerator as acc_mod
+
+    from runtime import OffloadAdamW
+    from runtime import clipping
+    from tests.helpers.models import gpt, gpt_batch
+
+    model = gpt()
+    ref = copy.deepcopy(model)
+    with OffloadAdamW(model.parameters(), lr=1e-3, server_threads=1) as opt:
+        # as if accelerate had been imported after the engine was made
+        acc_mod.Accelerator.clip_grad_norm_ = clipping._TORCH["accelerate"]
+        acc = Accelerator(cpu=True)
+        gpt_batch(1, "bf16")(model).backward()
+        norm = float(acc.clip_grad_norm_(model.parameters(), 1.0))
+        opt.step()
+    gpt_batch(1, "bf16")(ref.to(torch.bfloat16)).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
+    assert norm > 0 and abs(norm - want) / want < 1e-2, (norm, want)
