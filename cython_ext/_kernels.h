@@ -69,6 +69,11 @@ typedef struct {
     int decoupled;        /* apply `decay` to p before the update */
     float predict;        /* param_out gets p_new + predict * (p_new - p_old): weight
                              prediction for DPU, free since p_old is in a register */
+    /* fp32 Adam only: where the old p, m, v are read (NULL: from p, m, v themselves,
+     * in place).  Out of place, the update of a speculation leaves the state it
+     * started from untouched, so undoing it costs no copy (optimizer_server.state's
+     * twin); the arithmetic is the same, so are the bits. */
+    const float *src_p, *src_m, *src_v;
 } zo_hparams;
 
 /* ---------------------------------------------------------------- scalar conversions */
@@ -156,14 +161,15 @@ static void zo_cast_chunk(const float *src, uint16_t *dst, int ok, int64_t lo, i
 
 static void zo_adam_scalar(float *p, float *m, float *v, const void *g, int gk,
                            void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
+    const float *rp = h->src_p ? h->src_p : p, *rm = h->src_m ? h->src_m : m, *rv = h->src_v ? h->src_v : v;
     int64_t i;
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i) * h->grad_scale;
-        float pi = p[i];
+        float pi = rp[i];
         float mi, vi, denom;
         gi = gi + h->l2 * pi;
-        mi = h->beta1 * m[i] + h->one_minus_beta1 * gi;
-        vi = h->beta2 * v[i] + h->one_minus_beta2 * (gi * gi);
+        mi = h->beta1 * rm[i] + h->one_minus_beta1 * gi;
+        vi = h->beta2 * rv[i] + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
         float p0 = pi;
         if (h->decoupled) pi = pi * h->decay;
@@ -414,25 +420,48 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
     const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
     const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
     const __m512 dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
+    const float *rp = h->src_p ? h->src_p : p, *rm = h->src_m ? h->src_m : m, *rv = h->src_v ? h->src_v : v;
     int64_t i = lo;
+    /* Out of place the new state is not read again this step, so streaming stores
+     * write it without first reading the lines they overwrite (the read for
+     * ownership made an out-of-place update 1.6x slower than one in place,
+     * BENCHMARKS.md); they need aligned addresses, which the twin's arrays share. */
+    int nt = h->src_p != NULL;
+    if (nt) {
+        int64_t a = lo;
+        while (a < hi && ((uintptr_t)(p + a) & 63)) a++;
+        if (((uintptr_t)(m + a) & 63) || ((uintptr_t)(v + a) & 63)) {
+            nt = 0;
+        } else {
+            zo_adam_scalar(p, m, v, g, gk, out, ok, lo, a, h);
+            i = a;
+        }
+    }
     for (; i + 16 <= hi; i += 16) {
         __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
-        __m512 pi = _mm512_loadu_ps(p + i);
+        __m512 pi = _mm512_loadu_ps(rp + i);
         __m512 mi, vi, denom;
         gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
-        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(m + i)), _mm512_mul_ps(omb1, gi));
-        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(v + i)),
+        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(rm + i)), _mm512_mul_ps(omb1, gi));
+        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(rv + i)),
                            _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
         denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
         __m512 p0 = pi;
         if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
         pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
-        _mm512_storeu_ps(m + i, mi);
-        _mm512_storeu_ps(v + i, vi);
-        _mm512_storeu_ps(p + i, pi);
+        if (nt) {
+            _mm512_stream_ps(m + i, mi);
+            _mm512_stream_ps(v + i, vi);
+            _mm512_stream_ps(p + i, pi);
+        } else {
+            _mm512_storeu_ps(m + i, mi);
+            _mm512_storeu_ps(v + i, vi);
+            _mm512_storeu_ps(p + i, pi);
+        }
         zo512_store_out(out, ok, i, h->predict != 0.0f
                         ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
     }
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
 
@@ -520,25 +549,48 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
     const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
     const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const float *rp = h->src_p ? h->src_p : p, *rm = h->src_m ? h->src_m : m, *rv = h->src_v ? h->src_v : v;
     int64_t i = lo;
+    /* Out of place the new state is not read again this step, so streaming stores
+     * write it without first reading the lines they overwrite (the read for
+     * ownership made an out-of-place update 1.6x slower than one in place,
+     * BENCHMARKS.md); they need aligned addresses, which the twin's arrays share. */
+    int nt = h->src_p != NULL;
+    if (nt) {
+        int64_t a = lo;
+        while (a < hi && ((uintptr_t)(p + a) & 31)) a++;
+        if (((uintptr_t)(m + a) & 31) || ((uintptr_t)(v + a) & 31)) {
+            nt = 0;
+        } else {
+            zo_adam_scalar(p, m, v, g, gk, out, ok, lo, a, h);
+            i = a;
+        }
+    }
     for (; i + 8 <= hi; i += 8) {
         __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
-        __m256 pi = _mm256_loadu_ps(p + i);
+        __m256 pi = _mm256_loadu_ps(rp + i);
         __m256 mi, vi, denom;
         gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
-        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(m + i)), _mm256_mul_ps(omb1, gi));
-        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(v + i)),
+        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(rm + i)), _mm256_mul_ps(omb1, gi));
+        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(rv + i)),
                            _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
         denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
         __m256 p0 = pi;
         if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
         pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-        _mm256_storeu_ps(p + i, pi);
+        if (nt) {
+            _mm256_stream_ps(m + i, mi);
+            _mm256_stream_ps(v + i, vi);
+            _mm256_stream_ps(p + i, pi);
+        } else {
+            _mm256_storeu_ps(m + i, mi);
+            _mm256_storeu_ps(v + i, vi);
+            _mm256_storeu_ps(p + i, pi);
+        }
         zo256_store_out(out, ok, i, h->predict != 0.0f
                         ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi);
     }
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
 

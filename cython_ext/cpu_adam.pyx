@@ -53,6 +53,9 @@ cdef extern from "_kernels.h" nogil:
         float l2
         int decoupled
         float predict
+        const float *src_p
+        const float *src_m
+        const float *src_v
     cdef enum zo_kind:
         ZO_F32, ZO_F16, ZO_BF16, ZO_NONE
     cdef enum zo_level:
@@ -362,13 +365,16 @@ cdef int _adam_hparams(zo_hparams *h, step, lr, beta1, beta2, eps, weight_decay,
     h.decoupled = 1 if adamw else 0
     h.decay = <float>(1.0 - dlr * wd) if adamw else 1.0
     h.l2 = 0.0 if adamw else <float>wd
+    h.src_p = NULL  # in place unless adam_step's read_from says otherwise
+    h.src_m = NULL
+    h.src_v = NULL
     return 0
 
 
 def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
               step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
               adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
-              progress=None, progress_tag=0, progress_block=0, progress_base=0):
+              progress=None, progress_tag=0, progress_block=0, progress_base=0, read_from=None):
     """One Adam (adamw=False, L2 decay) or AdamW (decoupled decay) step, in place.
 
     param, exp_avg, exp_avg_sq: 1-D C-contiguous float32, updated in place.
@@ -382,13 +388,39 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     progress, progress_tag, progress_block: publish progress per block (module docstring);
     progress_base: these arrays start at that element of the shard the word counts (an update
     run range by range, one call per param group, publishes shard-wide progress).
+    read_from: None (in place), or (param_src, exp_avg_src, exp_avg_sq_src): the old state
+    is read from these (float32, of the same length, not overlapping the destinations) and
+    the new state written to param, exp_avg, exp_avg_sq; the sources are not modified.
+    The same arithmetic either way, so the same bits.
     """
     cdef _Call c = _prepare(param, ((exp_avg, "exp_avg"), (exp_avg_sq, "exp_avg_sq")), grad, param_out,
                             grad_dtype, out_dtype, num_threads, progress, progress_tag, progress_block,
                             progress_base)
     cdef zo_hparams h
+    cdef _Buf sp, sm, sv
     _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
+    if read_from is not None:
+        if not isinstance(read_from, (tuple, list)) or len(read_from) != 3:
+            raise TypeError("read_from must be None or (param_src, exp_avg_src, exp_avg_sq_src)")
+        sp = _source(read_from[0], "param_src", c.p, c.n)
+        sm = _source(read_from[1], "exp_avg_src", c.s1, c.n)
+        sv = _source(read_from[2], "exp_avg_sq_src", c.s2, c.n)
+        h.src_p = <const float *>sp.view.buf
+        h.src_m = <const float *>sm.view.buf
+        h.src_v = <const float *>sv.view.buf
     _run(K_ADAM, &h, c)
+
+
+cdef _Buf _source(obj, str name, _Buf dst, Py_ssize_t n):
+    """An out-of-place update's source: float32 of length n, apart from its destination."""
+    cdef _Buf b = _get(obj, name, False)
+    _check_f32(b, name)
+    _check_len(b, name, n)
+    cdef size_t lo = <size_t>b.view.buf
+    cdef size_t dlo = <size_t>dst.view.buf
+    if n and lo < dlo + 4 * n and dlo < lo + 4 * n:
+        raise ValueError(f"{name} overlaps the array it is read for: pass read_from=None to update in place")
+    return b
 
 
 _ROUNDINGS = {"nearest": ZO_ROUND_NEAREST, "stochastic": ZO_ROUND_STOCHASTIC}

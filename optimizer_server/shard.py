@@ -36,6 +36,13 @@ per-range hyper-parameters and step counts), the prefix is kept and only the res
 updated; otherwise the log is restored and the whole STEP runs.  Either way the
 bytes are those of a STEP alone: the update is elementwise (int8: blockwise, and the
 speculated prefix ends on a block), so splitting it changes nothing.
+
+The twin (fp32 state of Adam/AdamW, and undo_log_bytes for the whole update): the
+pieces write the new state out of place into a twin of the state and the log saves
+only the out weights slot.  A kept STEP updates the rest into the twin as well and
+flips (the twin becomes the state); a rolled-back one restores the weights slot and
+updates in place, since the state itself was never written.  Saving 14 B/element
+into the log had cost more than the update of those elements (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -132,6 +139,13 @@ class Shard:
         # a step saves each element once at most: a log larger than one whole update's
         # writes would only hold pages nothing uses
         whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
+        if hello.undo_log_bytes >= whole and self.arrays.can_twin:
+            # room for all of it, and a kernel that updates out of place: speculation writes
+            # the new state into a twin of it (12 B/param) and the log keeps only the weights
+            # slot (2): a rollback restores no state, and a piece moves no more bytes than a
+            # plain update (saving the state into the log cost more than updating it)
+            self.arrays.make_twin()
+            whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
         self.undo = UndoLog(min(hello.undo_log_bytes, whole)) if hello.undo_log_bytes else None
         self.spec: Speculation | None = None
         self.speculate_dropped = 0
@@ -294,15 +308,17 @@ class Shard:
             sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
             return
         self.undo.prefault()
+        self.arrays.prefault_twin()
         self._state_dirty = True
         ranges = self._ranges(sp.msg, persist=False)
+        twin = self.arrays.twin is not None
         # saved and updated a sub-piece at a time: the save reads what the update reads
         # next, so a sub-piece that fits the last-level cache is read from memory once
         for x in range(a, b, SPEC_SUBPIECE):
             y = min(b, x + SPEC_SUBPIECE)
             saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.out_slot))
             assert saved, "the piece's bytes fit, so each of its sub-pieces does"
-            self._run(sp.msg, ranges, x, y, progress=False)
+            self._run(sp.msg, ranges, x, y, progress=False, twin=twin)
         sp.done = b
 
     def rollback(self) -> int:
@@ -381,7 +397,12 @@ class Shard:
         self._state_dirty = True
         t0 = time.perf_counter()
         start = self._settle(msg)
-        self._run(msg, ranges, start, self.numel, progress=True)
+        # with the twin, a kept speculation's prefix is in the twin: the rest goes there too,
+        # then the twin becomes the state (rolled back, the state was never touched)
+        twin = start > 0 and self.arrays.twin is not None
+        self._run(msg, ranges, start, self.numel, progress=True, twin=twin)
+        if twin:
+            self.arrays.flip()
         self.arrays.finish_step(msg.out_slot)
         dt = time.perf_counter() - t0
         self.steps = msg.step
@@ -392,14 +413,16 @@ class Shard:
         self.bytes_written += self.bytes_per_update // 2  # fp32 state + 16-bit weights
         return dt
 
-    def _run(self, msg: P.Step, ranges: list, lo: int, hi: int, *, progress: bool) -> None:
+    def _run(self, msg: P.Step, ranges: list, lo: int, hi: int, *, progress: bool, twin: bool = False) -> None:
         """Update shard elements [lo, hi) (the whole shard, the part a speculation left, or a
         speculative piece).  progress: publish as the STEP's order says; a reversed STEP
-        that starts past 0 publishes the speculated prefix with its last block."""
+        that starts past 0 publishes the speculated prefix with its last block.  twin: the
+        new state goes into the state's twin (ShardStateArrays.make_twin)."""
         ranges = [(max(a, lo), min(b, hi), h, u) for a, b, h, u in ranges if a < hi and b > lo]
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         if self.arrays.state_dtype == "int8":
+            assert not twin, "the twin is fp32 state's"
             self._step_blocks(msg, ranges, gin, lo, hi, progress)
         elif msg.reverse and progress:
             # back to front, one progress block per call, each published as "done from the
@@ -408,11 +431,11 @@ class Shard:
             for a0, b0, h, updates in reversed(ranges):
                 for b in range(b0, a0, -B):
                     a = max(a0, b - B)
-                    self._update_range(msg, a, b, h, updates, gin, out, progress=False)
+                    self._update_range(msg, a, b, h, updates, gin, out, progress=False, twin=twin)
                     cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
         else:
             for a, b, h, updates in ranges:
-                self._update_range(msg, a, b, h, updates, gin, out, progress=progress)
+                self._update_range(msg, a, b, h, updates, gin, out, progress=progress, twin=twin)
         if progress and msg.reverse and lo > 0:
             cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel)
         elif progress and not msg.reverse and lo > 0 and lo == hi:
@@ -443,7 +466,7 @@ class Shard:
             cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
 
     def _update_range(self, msg: P.Step, lo: int, hi: int, h: dict, updates: int, gin, out, *,
-                      progress: bool) -> None:
+                      progress: bool, twin: bool = False) -> None:
         """Update shard elements [lo, hi) with hyper-parameters h at Adam step `updates`
         (0: no gradient, the range stays as it is); progress: the kernel publishes its
         blocks (front to back, in shard coordinates)."""
@@ -451,7 +474,7 @@ class Shard:
             # no gradient this step (torch.optim skips a parameter whose .grad is None):
             # master and state stay as they are; the out slot may hold older weights
             # (two slots alternate), so it gets the master's 16 bits, then the progress
-            self.arrays.keep_range(lo, hi, self.weights16_slots, msg.out_slot, self.dtype, self.threads)
+            self.arrays.keep_range(lo, hi, self.weights16_slots, msg.out_slot, self.dtype, self.threads, twin=twin)
             if progress:
                 cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
             return
@@ -464,7 +487,7 @@ class Shard:
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
         self.arrays.update_range(lo, hi, h, updates, step=msg.step, gin=gin, slots=self.weights16_slots,
-                                 out_slot=msg.out_slot, index_base=self.index_base, kw=kw)
+                                 out_slot=msg.out_slot, index_base=self.index_base, kw=kw, twin=twin)
 
     @property
     def bytes_per_update(self) -> int:

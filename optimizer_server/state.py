@@ -62,6 +62,14 @@ def _widen(w: np.ndarray) -> np.ndarray:
     return (w.astype(np.uint32) << 16).view(np.float32)
 
 
+def _zeros64(numel: int) -> np.ndarray:
+    """np.zeros(numel, float32) starting on a 64-byte line: the twin's out-of-place
+    update streams its stores, which need the state's arrays aligned alike."""
+    buf = np.zeros(numel + 16, np.float32)
+    off = (-buf.ctypes.data % 64) // 4
+    return buf[off:off + numel]
+
+
 def nblocks(numel: int) -> int:
     """int8 blocks (scales per moment) of numel elements."""
     return (numel + QBLOCK - 1) // QBLOCK
@@ -91,13 +99,49 @@ class ShardStateArrays:
         self.seed = seed
         mdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.uint8}[state_dtype]
         # np.zeros: pages stay untouched until the first update writes them
-        self.master = None if exact_master else np.zeros(numel, np.float32)
+        self.master = None if exact_master else _zeros64(numel)
         self.remainder = np.zeros(numel, np.uint16) if exact_master else None
-        self.moments = {name: np.zeros(numel, mdt) for name in STATE_ARRAYS[optimizer]}
+        self.moments = {name: _zeros64(numel) if mdt is np.float32 else np.zeros(numel, mdt)
+                        for name in STATE_ARRAYS[optimizer]}
         # int8: each moment's per-block scales (all zero: every code decodes to 0)
         self.scales = ({name: np.zeros(nblocks(numel), np.float32) for name in self.moments}
                        if state_dtype == "int8" else {})
         self.hi_slot = 0
+        # speculation's twin (make_twin): a second master, m and v that an out-of-place
+        # update writes while the current ones stay as they were, so undoing it is free
+        self.twin: dict | None = None
+
+    # ------------------------------------------------------------------ the twin
+    @property
+    def can_twin(self) -> bool:
+        """fp32 state of Adam/AdamW: the kernel that updates out of place (read_from)."""
+        return self.state_dtype == "fp32" and self.optimizer in ("adam", "adamw")
+
+    def make_twin(self) -> None:
+        """Allocate the twin (np.zeros: its pages are committed by prefault_twin)."""
+        assert self.can_twin and self.twin is None
+        self.twin = {name: _zeros64(self.numel) for name in ("master", *self.moments)}
+        self._twin_faulted = False
+
+    def prefault_twin(self) -> None:
+        """Commit the twin's pages at once (a write into each), before the first piece
+        writes them: first touches inside a piece made it 10-20x slower (undo.py)."""
+        if self.twin is not None and not self._twin_faulted:
+            for a in self.twin.values():
+                a[::1024] = 0
+            # the state's moments too: np.zeros left them untouched until an update wrote
+            # them, and after the first flip they are the twin (each page keeps its value)
+            for a in (self.master, *self.moments.values()):
+                a.view(np.uint32)[::1024] |= 0  # a real write (a[::k] = a[::k] is skipped)
+            self._twin_faulted = True
+
+    def flip(self) -> None:
+        """After a STEP that wrote the whole new state into the twin (part of it while
+        speculating): the twin becomes the state, and the old state the twin."""
+        t = self.twin
+        self.master, t["master"] = t["master"], self.master
+        for name in self.moments:
+            self.moments[name], t[name] = t[name], self.moments[name]
 
     @property
     def names(self) -> list[str]:
@@ -151,10 +195,15 @@ class ShardStateArrays:
         cpu_adam.cast_to_16(self.master, slots[slot], out_dtype=dtype, num_threads=threads)
 
     # ------------------------------------------------------------------ the update
-    def keep_range(self, lo: int, hi: int, slots: list, out_slot: int, dtype: str, threads: int) -> None:
-        """A range without a gradient this step: master and state stay; the out slot
-        (which may hold older weights: two slots alternate) gets the master's 16 bits."""
+    def keep_range(self, lo: int, hi: int, slots: list, out_slot: int, dtype: str, threads: int,
+                   twin: bool = False) -> None:
+        """A range without a gradient this step: master and state stay (twin: are copied
+        into the twin, which becomes the state after this STEP); the out slot (which may
+        hold older weights: two slots alternate) gets the master's 16 bits."""
         sl = slice(lo, hi)
+        if twin:
+            for name, a in self.twin.items():
+                np.copyto(a[sl], self.master[sl] if name == "master" else self.moments[name][sl])
         if self.exact_master:
             if out_slot != self.hi_slot:
                 np.copyto(slots[out_slot][sl], slots[self.hi_slot][sl])
@@ -162,10 +211,18 @@ class ShardStateArrays:
             cpu_adam.cast_to_16(self.master[sl], slots[out_slot][sl], out_dtype=dtype, num_threads=threads)
 
     def update_range(self, lo: int, hi: int, h: dict, updates: int, *, step: int, gin, slots: list, out_slot: int,
-                     index_base: int, kw: dict) -> None:
+                     index_base: int, kw: dict, twin: bool = False) -> None:
         """One kernel call over shard elements [lo, hi) at Adam step `updates`.
-        kw: the dtype, scale, thread and progress keywords every kernel takes."""
+        kw: the dtype, scale, thread and progress keywords every kernel takes.
+        twin: read the state and write the new one into the twin (the state stays)."""
         sl = slice(lo, hi)
+        if twin:
+            t, st = self.twin, self.moments
+            cpu_adam.adam_step(t["master"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl], slots[out_slot][sl],
+                               step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw",
+                               read_from=(self.master[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl]), **kw)
+            return
         g, o = gin[sl], slots[out_slot][sl]
         st = self.moments
         if self.state_dtype == "bf16":
@@ -221,8 +278,11 @@ class ShardStateArrays:
         """Every array slice an update of [lo, hi) may write (what the undo log saves before
         a speculative update): the master or remainder, each moment, the int8 scales of
         the blocks it touches, and the out weights slot (which may be the exact master's
-        high halves).  The high halves in hi_slot are only read when out_slot differs."""
+        high halves).  The high halves in hi_slot are only read when out_slot differs.
+        With the twin, only the out slot: the state itself is not overwritten."""
         sl = slice(lo, hi)
+        if self.twin is not None:
+            return [slots[out_slot][sl]]
         out = [self.remainder[sl] if self.exact_master else self.master[sl]]
         out += [a[sl] for a in self.moments.values()]
         out += [a[lo // QBLOCK:nblocks(hi)] for a in self.scales.values()]

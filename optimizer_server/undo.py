@@ -20,6 +20,10 @@ restore() copies every entry back, last first (two entries never overlap, so the
 order only matters for clarity), and empties the log; clear() empties it when the
 speculated bytes are kept.  The log is owned by one shard and used only on that
 shard's update thread.
+
+With the state's twin (fp32 Adam/AdamW state and a log that covers the whole
+update: ShardStateArrays.make_twin) the speculative update writes the new master,
+m and v beside the old ones, and the log holds only the out weights slot.
 """
 from __future__ import annotations
 

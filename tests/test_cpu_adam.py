@@ -488,3 +488,36 @@ def test_cast_to_16_validates():
                               (TypeError, np.ones(8, np.float32), np.zeros(8, np.float32), {})]:
         with pytest.raises(exc):
             ca.cast_to_16(src, dst, **kw)
+
+
+@pytest.mark.parametrize("shift", [0, 1, 5], ids=["aligned", "unaligned", "unaligned-5"])
+@pytest.mark.parametrize("predict", [0.0, 1.0])
+def test_out_of_place_update_is_bitwise_in_place(level, shift, predict):
+    """read_from (speculation's twin): the old state read from other arrays, the new one
+    written to the destinations with streaming stores when they share a 64-byte line
+    start (aligned), plain stores otherwise; the same bits as the update in place, and
+    the sources untouched.  Overlapping source and destination are refused."""
+    from optimizer_server.state import _zeros64
+    rng = seeded_rng()
+    n = 4099
+    p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
+    v = np.abs(rng.standard_normal(n)).astype(np.float32)
+    g = (rng.standard_normal(n) * 0.1).astype(np.float16)
+    kw = dict(step=7, lr=1e-3, weight_decay=0.1, predict=predict)
+    ref = [a.copy() for a in (p, m, v)]
+    ref_out = np.empty(n, np.float16)
+    ca.adam_step(*ref, g, ref_out, **kw)
+    dst = [_zeros64(n + 8)[shift * (i + 1) % 3:][:n] if shift else _zeros64(n) for i in range(3)]
+    out = np.empty(n, np.float16)
+    src = [a.copy() for a in (p, m, v)]
+    for lo, hi in [(0, 1000), (1000, 1003), (1003, n)]:  # ranges that start off a line, as param ranges do
+        ca.adam_step(*(a[lo:hi] for a in dst), g[lo:hi], out[lo:hi], read_from=tuple(a[lo:hi] for a in src), **kw)
+    for a, b in zip(dst, ref):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(out.view(np.uint16), ref_out.view(np.uint16))
+    for a, b in zip(src, (p, m, v)):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="overlaps"):
+        ca.adam_step(*src, g, out, read_from=(src[0], dst[1], dst[2]), **kw)
+    with pytest.raises(TypeError, match="read_from"):
+        ca.adam_step(*dst, g, out, read_from=(src[0], src[1]), **kw)

@@ -432,13 +432,13 @@ def test_segment_bytes_per_param():
 
 
 # ----------------------------------------------------------------------------- parts of the server on their own
-def _shard(numel=100, **hello):
+def _shard(numel=100, optimizer="adamw", **hello):
     from optimizer_server import protocol as P
     from optimizer_server.shard import Shard
     from optimizer_server.shm import Segment, ShardLayout
     from tests.conftest import PREFIX
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype="fp16",
-                  optimizer="adamw", **hello)
+                  optimizer=optimizer, **hello)
     layout = ShardLayout(numel=numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=40)
     seg = Segment.create(f"{PREFIX}unit-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
     return Shard("s", msg, seg, layout, 1)
@@ -498,8 +498,10 @@ def test_shard_speculation_states():
         assert sh.accept_speculation(spec(1, 100)) == [(50, 100)]
         sh.grads[0].view(np.float16)[:] = 0.5
         m0 = sh.arrays.master.copy()
+        assert sh.arrays.twin is not None  # a log for all of it: the new state goes to the twin
         sh.speculate(0, 50)
-        assert not np.array_equal(sh.arrays.master[:50], m0[:50]) and np.array_equal(sh.arrays.master[50:], m0[50:])
+        t = sh.arrays.twin["master"]
+        assert not np.array_equal(t[:50], m0[:50]) and np.array_equal(sh.arrays.master, m0)
         assert sh.rollback() == 50 and sh.phase is ShardState.READY   # SKIP, GET_MASTER, ...: settled
         np.testing.assert_array_equal(sh.arrays.master, m0)
         assert sh.accept_speculation(spec(1, 100)) == [(0, 100)]
@@ -526,17 +528,20 @@ def test_shard_speculation_states():
         sh.close()
 
 
-def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch):
+@pytest.mark.parametrize("optimizer", ["adamw", "lion"], ids=["twin", "undo-log"])
+def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, optimizer):
     """A speculative piece saved and updated sub-piece by sub-piece (SPEC_SUBPIECE, here
     cut to 256 elements) leaves the bytes one update of the piece leaves, and a
     rollback restores every sub-piece; the undo log is capped at one whole update's
-    writes and its pages are committed before the first piece, not during it."""
+    writes and its pages are committed before the first piece, not during it.  AdamW
+    with fp32 state writes the new state into the state's twin and logs only the
+    weights slot; Lion logs what it overwrites (master, m and the weights)."""
     import optimizer_server.shard as S
     from optimizer_server import protocol as P
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000
     spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n)
-    shards = [_shard(numel=n, undo_log_bytes=1 << 30), _shard(numel=n)]
+    shards = [_shard(numel=n, undo_log_bytes=1 << 30, optimizer=optimizer), _shard(numel=n, optimizer=optimizer)]
     try:
         rng = seeded_rng()
         g = (rng.standard_normal(n) * 0.1).astype(np.float16)
@@ -546,11 +551,16 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch):
                 sh.init_chunk(lo, min(40, n - lo))
             sh.grads[0].view(np.float16)[:] = g
         sp, ref = shards
-        assert sp.undo.capacity == 14 * n and not sp.undo.faulted  # fp32 master, m, v, fp16 weights
+        twin = optimizer == "adamw"
+        logged = 1 if twin else 3  # arrays saved per sub-piece
+        assert (sp.arrays.twin is not None) == twin
+        # 2 B of fp16 weights with the twin (12 B of fp32 master, m and v beside the state);
+        # else fp32 master and m, and the weights
+        assert sp.undo.capacity == (2 if twin else 10) * n and not sp.undo.faulted
         m0 = sp.arrays.master.copy()
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)  # four sub-pieces
-        assert sp.undo.faulted and len(sp.undo._entries) == 4 * 4
+        assert sp.undo.faulted and len(sp.undo._entries) == 4 * logged
         assert sp.rollback() == n
         np.testing.assert_array_equal(sp.arrays.master, m0)
         assert sp.accept_speculation(spec) == [(0, n)]
@@ -618,3 +628,44 @@ def test_a_spawned_server_has_a_session_of_its_own():
     the server does not get the SIGINT itself and race that clean-up."""
     with spawn(threads=1) as srv:
         assert os.getsid(srv.pid) != os.getsid(0) and os.getsid(srv.pid) == srv.pid
+
+
+def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
+    """With the twin, the STEP writes what speculation left into the twin too, and that
+    includes ranges that got no gradient (copied, not updated): after the flip the
+    state is byte for byte that of a STEP alone, master, moments and weights."""
+    from optimizer_server import protocol as P
+    n, d = 1000, 500
+
+    def groups(second):
+        return [[0, d, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1], [d, n - d, 1e-3, 0.9, 0.999, 1e-8, 0.01, second]]
+    shards = [_shard(numel=n, undo_log_bytes=1 << 30), _shard(numel=n)]
+    try:
+        rng = seeded_rng()
+        for k, sh in enumerate(shards):
+            sh.staging[:40] = 1.0
+            for lo in range(0, n, 40):
+                sh.init_chunk(lo, min(40, n - lo))
+        for t in (1, 2):
+            g = (rng.standard_normal(n) * 0.1).astype(np.float16)
+            step = P.Step(session="s", step=t, slot=0, lr=1e-3, groups=groups(0 if t == 2 else 1))
+            for sh in shards:
+                sh.grads[0].view(np.float16)[:] = g
+            sp, ref = shards
+            assert sp.arrays.twin is not None
+            # speculated as if every parameter got a gradient; the STEP says the second
+            # range got none (on step 2), which lies past the speculated prefix
+            assert sp.accept_speculation(P.Speculate(session="s", step=t, slot=0, lr=1e-3, upto=d,
+                                                     groups=groups(1))) == [(0, d)]
+            sp.speculate(0, d)
+            for sh in shards:
+                assert sh.accept_step(step) is None
+                sh.step(step)
+                sh.finish_update()
+            assert (sp.last_speculated, sp.last_rolled_back) == (d, 0)
+            for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
+                    [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), t
+    finally:
+        for sh in shards:
+            sh.close()
