@@ -39,6 +39,13 @@ def test_bench_transport_tiny():
     assert "bare ZeroMQ echo" in out and "round trip STEP" in out
 
 
+def test_bench_spec_piece_tiny():
+    out = run("bench_spec_piece.py", "--numel", "64K", "--reps", "1", "--no-write")
+    rows = [line for line in out.splitlines() if line.startswith("| 64K |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["plain update", "speculated, undo log", "speculated, twin"]
+    assert all(r.count("|") == 6 for r in rows)
+
+
 def test_bench_pipeline_tiny():
     out = run("bench_pipeline.py", "--settings", "tiny:1x8", "--steps", "2", "--passes", "1", "--warm", "3",
               "--no-write")
