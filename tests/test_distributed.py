@@ -127,7 +127,10 @@ def test_sigterm_to_launcher_stops_everything(tmp_path):
     assert p.returncode != 0
     assert time.monotonic() - t0 < 25
     assert our_segments() == before
-    assert "dist_worker.py" not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    # this launch's workers (their command line names its out dir), not another suite's beside it
+    left = [a for a in subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+            if "dist_worker.py" in a and str(tmp_path) in a]
+    assert not left, left
 
 
 def test_two_nodes_on_loopback(tmp_path):
