@@ -521,3 +521,22 @@ def test_out_of_place_update_is_bitwise_in_place(level, shift, predict):
         ca.adam_step(*src, g, out, read_from=(src[0], dst[1], dst[2]), **kw)
     with pytest.raises(TypeError, match="read_from"):
         ca.adam_step(*dst, g, out, read_from=(src[0], src[1]), **kw)
+
+
+def test_out_of_place_update_threads_bitwise_identical():
+    """The twin's out-of-place update split over threads (each chunk peels to its own
+    line start and fences its streaming stores) gives the one-thread bits."""
+    from optimizer_server.state import _zeros64
+    rng = seeded_rng()
+    n = 3 * 262144 + 77  # past MIN_PARALLEL: the OpenMP split runs
+    src = [rng.standard_normal(n).astype(np.float32) for _ in range(2)] + [np.abs(rng.standard_normal(n)).astype(np.float32)]
+    g = (rng.standard_normal(n) * 0.1).astype(np.float16)
+    outs = []
+    for threads in (1, 2):
+        dst = [_zeros64(n) for _ in range(3)]
+        o = np.empty(n, np.float16)
+        ca.adam_step(*(a[5:] for a in dst), g[5:], o[5:], step=3, lr=1e-3, weight_decay=0.1, num_threads=threads,
+                     read_from=tuple(a[5:] for a in src))
+        outs.append([a[5:].view(np.uint32).copy() for a in dst] + [o[5:].view(np.uint16).copy()])
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
