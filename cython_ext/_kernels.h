@@ -412,6 +412,17 @@ static inline ZO_T512 void zo512_store_out(void *o, int ok, int64_t i, __m512 v)
     }
 }
 
+/* Where an out-of-place body can start streaming its stores: the first element from
+ * lo at which p, m and v all start an (mask + 1)-byte line (the scalar loop takes the
+ * ones before it), or -1 when they are aligned differently (plain stores throughout). */
+static inline int64_t zo_stream_start(const float *p, const float *m, const float *v, int64_t lo, int64_t hi,
+                                      uintptr_t mask) {
+    int64_t a = lo;
+    while (a < hi && ((uintptr_t)(p + a) & mask)) a++;
+    if (((uintptr_t)(m + a) & mask) || ((uintptr_t)(v + a) & mask)) return -1;
+    return a;
+}
+
 static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
         float *p, float *m, float *v, const void *g, int gk, void *out, int ok,
         int64_t lo, int64_t hi, const zo_hparams *h) {
@@ -426,15 +437,13 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
      * write it without first reading the lines they overwrite (the read for
      * ownership made an out-of-place update 1.6x slower than one in place,
      * BENCHMARKS.md); they need aligned addresses, which the twin's arrays share. */
-    int nt = h->src_p != NULL;
-    if (nt) {
-        int64_t a = lo;
-        while (a < hi && ((uintptr_t)(p + a) & 63)) a++;
-        if (((uintptr_t)(m + a) & 63) || ((uintptr_t)(v + a) & 63)) {
-            nt = 0;
-        } else {
+    int nt = 0;
+    if (h->src_p != NULL) {
+        int64_t a = zo_stream_start(p, m, v, lo, hi, 63);
+        if (a >= 0) {
             zo_adam_scalar(p, m, v, g, gk, out, ok, lo, a, h);
             i = a;
+            nt = 1;
         }
     }
     for (; i + 16 <= hi; i += 16) {
@@ -555,15 +564,13 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
      * write it without first reading the lines they overwrite (the read for
      * ownership made an out-of-place update 1.6x slower than one in place,
      * BENCHMARKS.md); they need aligned addresses, which the twin's arrays share. */
-    int nt = h->src_p != NULL;
-    if (nt) {
-        int64_t a = lo;
-        while (a < hi && ((uintptr_t)(p + a) & 31)) a++;
-        if (((uintptr_t)(m + a) & 31) || ((uintptr_t)(v + a) & 31)) {
-            nt = 0;
-        } else {
+    int nt = 0;
+    if (h->src_p != NULL) {
+        int64_t a = zo_stream_start(p, m, v, lo, hi, 31);
+        if (a >= 0) {
             zo_adam_scalar(p, m, v, g, gk, out, ok, lo, a, h);
             i = a;
+            nt = 1;
         }
     }
     for (; i + 8 <= hi; i += 8) {

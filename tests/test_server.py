@@ -528,6 +528,25 @@ def test_shard_speculation_states():
         sh.close()
 
 
+def _init_ones(sh) -> None:
+    """INIT a unit shard (staging of 40) with a master of ones."""
+    sh.staging[:40] = 1.0
+    for lo in range(0, sh.numel, 40):
+        sh.init_chunk(lo, min(40, sh.numel - lo))
+
+
+def _step_both(shards, step) -> None:
+    """The same STEP on a speculating shard and its reference: the same bytes after."""
+    for sh in shards:
+        assert sh.accept_step(step) is None
+        sh.step(step)
+        sh.finish_update()
+    sp, ref = shards
+    for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
+            [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), step.step
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "lion"], ids=["twin", "undo-log"])
 def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, optimizer):
     """A speculative piece saved and updated sub-piece by sub-piece (SPEC_SUBPIECE, here
@@ -546,9 +565,7 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, o
         rng = seeded_rng()
         g = (rng.standard_normal(n) * 0.1).astype(np.float16)
         for sh in shards:
-            sh.staging[:40] = 1.0
-            for lo in range(0, n, 40):
-                sh.init_chunk(lo, min(40, n - lo))
+            _init_ones(sh)
             sh.grads[0].view(np.float16)[:] = g
         sp, ref = shards
         twin = optimizer == "adamw"
@@ -565,15 +582,8 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, o
         np.testing.assert_array_equal(sp.arrays.master, m0)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)
-        step = P.Step(session="s", step=1, slot=0, lr=1e-3)
-        for sh in shards:
-            assert sh.accept_step(step) is None
-            sh.step(step)
-            sh.finish_update()
+        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
         assert (sp.last_speculated, sp.last_rolled_back) == (n, 0)
-        for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
-                [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     finally:
         for sh in shards:
             sh.close()
@@ -642,10 +652,8 @@ def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
     shards = [_shard(numel=n, undo_log_bytes=1 << 30), _shard(numel=n)]
     try:
         rng = seeded_rng()
-        for k, sh in enumerate(shards):
-            sh.staging[:40] = 1.0
-            for lo in range(0, n, 40):
-                sh.init_chunk(lo, min(40, n - lo))
+        for sh in shards:
+            _init_ones(sh)
         for t in (1, 2):
             g = (rng.standard_normal(n) * 0.1).astype(np.float16)
             step = P.Step(session="s", step=t, slot=0, lr=1e-3, groups=groups(0 if t == 2 else 1))
@@ -658,14 +666,8 @@ def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
             assert sp.accept_speculation(P.Speculate(session="s", step=t, slot=0, lr=1e-3, upto=d,
                                                      groups=groups(1))) == [(0, d)]
             sp.speculate(0, d)
-            for sh in shards:
-                assert sh.accept_step(step) is None
-                sh.step(step)
-                sh.finish_update()
+            _step_both(shards, step)
             assert (sp.last_speculated, sp.last_rolled_back) == (d, 0)
-            for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
-                    [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
-                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), t
     finally:
         for sh in shards:
             sh.close()
