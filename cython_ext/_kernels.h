@@ -245,7 +245,23 @@ typedef struct {
     uint32_t key;          /* per-step key of the stochastic rounding */
     uint32_t index_base;   /* model-wide index of element 0, mod 2^32 */
     int rounding;          /* zo_rounding */
+    /* Adam with the exact master only: where the old m, v and remainder are read (all
+     * three, or none: in place), as zo_hparams' src_p for fp32 state (the twin) */
+    const uint16_t *src_m, *src_v, *src_rem;
 } zo_state16;
+
+/* What an update reads of a state array: its source when out of place, else itself. */
+static inline const uint16_t *zo16_rd(const uint16_t *src, const uint16_t *dst) { return src ? src : dst; }
+
+/* zo_stream_start for 16-bit state: the first element from lo at which m, v (if any)
+ * and rem all start a 32-byte line, or -1 when they are aligned differently. */
+static inline int64_t zo_stream_start16(const uint16_t *m, const uint16_t *v, const uint16_t *rem, int64_t lo,
+                                        int64_t hi) {
+    int64_t a = lo;
+    while (a < hi && ((uintptr_t)(m + a) & 31)) a++;
+    if ((v && ((uintptr_t)(v + a) & 31)) || ((uintptr_t)(rem + a) & 31)) return -1;
+    return a;
+}
 
 /* lowbias32 (C. Wellons): a full-avalanche 32-bit mix; it makes the per-step key
  * (cpu_adam.rounding_key), which must look independent from step to step */
@@ -297,7 +313,7 @@ static inline void zo_split_master(float f, uint16_t *hi, uint16_t *rem) {
 /* The master of element i, exact (joined) or fp32; and its new value stored back with the
  * weights: split into (weights, remainder), or kept whole with `w` rounded into out. */
 static inline float zo16_master(const float *p, const zo_state16 *s, int64_t i) {
-    return s->rem ? zo_join_master(s->hi[i], s->rem[i]) : p[i];
+    return s->rem ? zo_join_master(s->hi[i], zo16_rd(s->src_rem, s->rem)[i]) : p[i];
 }
 static inline void zo16_store(float *p, const zo_state16 *s, void *out, int ok, int64_t i, float pi, float w) {
     if (s->rem) {
@@ -310,6 +326,7 @@ static inline void zo16_store(float *p, const zo_state16 *s, void *out, int ok, 
 
 static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                              const zo_hparams *h, const zo_state16 *s) {
+    const uint16_t *rm = zo16_rd(s->src_m, s->m), *rv = zo16_rd(s->src_v, s->v);
     int64_t i;
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
@@ -318,8 +335,8 @@ static void zo_adam16_scalar(float *p, const void *g, int gk, void *out, int ok,
         /* x * 1 and x + 0 * p change no finite value: skipped (AdamW, no clipping) */
         if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
         if (h->l2 != 0.0f) gi = gi + h->l2 * pi;
-        mi = h->beta1 * zo_bf16_to_f32(s->m[i]) + h->one_minus_beta1 * gi;
-        vi = h->beta2 * zo_bf16_to_f32(s->v[i]) + h->one_minus_beta2 * (gi * gi);
+        mi = h->beta1 * zo_bf16_to_f32(rm[i]) + h->one_minus_beta1 * gi;
+        vi = h->beta2 * zo_bf16_to_f32(rv[i]) + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
         float p0 = pi;
         if (h->decoupled) pi = pi * h->decay;
@@ -345,7 +362,7 @@ static void zo_lion16_scalar(float *p, const void *g, int gk, void *out, int ok,
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
         float pi = zo16_master(p, s, i);
-        float mi = zo_bf16_to_f32(s->m[i]);
+        float mi = zo_bf16_to_f32(zo16_rd(s->src_m, s->m)[i]);
         float c, mn;
         if (h->grad_scale != 1.0f) gi = gi * h->grad_scale;
         c = h->beta1 * mi + h->one_minus_beta1 * gi;
@@ -697,16 +714,18 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         __m256i mb, vb;
         if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
         if (s->rem) {
-            __m256i r16 = zo256_load_u16(s->rem, i);
+            __m256i r16 = zo256_load_u16(zo16_rd(s->src_rem, s->rem), i);
             __m256i h16 = _mm256_sub_epi32(zo256_load_u16(s->hi, i), _mm256_srli_epi32(r16, 15));
             pi = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h16, low), 16), r16));
         } else {
             pi = _mm256_loadu_ps(p + i);
         }
         if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
-        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->m, i), 16))),
+        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(_mm256_slli_epi32(
+                               zo256_load_u16(zo16_rd(s->src_m, s->m), i), 16))),
                            _mm256_mul_ps(omb1, gi));
-        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(_mm256_slli_epi32(zo256_load_u16(s->v, i), 16))),
+        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(_mm256_slli_epi32(
+                               zo256_load_u16(zo16_rd(s->src_v, s->v), i), 16))),
                            _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
         denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
         p0 = pi;
@@ -841,22 +860,33 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     const zo_hparams hh = *hp, *h = &hh;
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m256i zero = _mm256_setzero_si256();
     const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     /* idx * gold + key for the lanes' elements, advanced by 16 * gold a turn */
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
-    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
     const __m256i key = _mm256_set1_epi32((int)s->key);
     int64_t i = lo;
+    /* out of place (the twin): streaming stores of the new state, as zo512_adam_body */
+    int nt = 0;
+    if (s->src_m != NULL) {
+        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        if (a >= 0) {
+            zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            i = a;
+            nt = 1;
+        }
+    }
+    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)i));
     __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
                                                       gold), key);
     __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
                                                       gold), key);
     for (; i + 16 <= hi; i += 16) {
         __m256i G = _mm256_loadu_si256((const __m256i *)(gw + i));
-        __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
-        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
-        __m256i R = _mm256_loadu_si256((const __m256i *)(rem + i));
+        __m256i M = _mm256_loadu_si256((const __m256i *)(rm + i));
+        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(rv + i));
+        __m256i R = _mm256_loadu_si256((const __m256i *)(rr + i));
         __m256i H = _mm256_loadu_si256((const __m256i *)(hw + i));
         __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
         __m256i m0, v0 = zero, h0, r0, m1, v1 = zero, h1, r1;
@@ -866,13 +896,20 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
         zo256_adam16x_half(lion, _mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M),
                            _mm256_unpackhi_epi16(zero, V), _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr,
                            zo_flags_);
-        _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-        if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
-        _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
+        if (nt) {
+            _mm256_stream_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
+            if (!lion) _mm256_stream_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+            _mm256_stream_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
+        } else {
+            _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
+            if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
+            _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
+        }
         _mm256_storeu_si256((__m256i *)(o + i), _mm256_packus_epi32(h0, h1));
         klo = _mm256_add_epi32(klo, step16);
         khi = _mm256_add_epi32(khi, step16);
     }
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
@@ -1054,29 +1091,46 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
     const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m512i zero = _mm512_setzero_si512();
     const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    int64_t i = lo;
+    int nt = 0;  /* out of place (the twin): streaming stores, as in zo256_adam16x_body */
+    if (s->src_m != NULL) {
+        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        if (a >= 0) {
+            zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            i = a;
+            nt = 1;
+        }
+    }
     __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)lo)),
+        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)),
                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
         _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
-    int64_t i = lo;
     for (; i + 16 <= hi; i += 16) {
         __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, i), 16);
-        __m512i m32 = _mm512_slli_epi32(zo512_load_u16(m, i), 16);
-        __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(v, i), 16);
-        __m512i x32 = _mm512_or_si512(_mm512_slli_epi32(zo512_load_u16(hw, i), 16), zo512_load_u16(rem, i));
+        __m512i m32 = _mm512_slli_epi32(zo512_load_u16(rm, i), 16);
+        __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(rv, i), 16);
+        __m512i x32 = _mm512_or_si512(_mm512_slli_epi32(zo512_load_u16(hw, i), 16), zo512_load_u16(rr, i));
         __m512i rnd = sr ? zo512_fold(kw) : zero, m0, v0 = zero;
         /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
         __m512i xb = _mm512_sub_epi32(x32, _mm512_slli_epi32(_mm512_and_si512(x32, _mm512_set1_epi32(0x8000)), 1));
         __m512 pi = zo512_opt16_core(lion, _mm512_castsi512_ps(g32), _mm512_castsi512_ps(xb), m32, v32, rnd, &m0, &v0,
                                      h, sr, zo_flags_);
-        zo512_store_u16(m, i, m0);
-        if (!lion) zo512_store_u16(v, i, v0);
-        zo512_store_u16(rem, i, _mm512_castps_si512(pi));
+        if (nt) {
+            _mm256_stream_si256((__m256i *)(m + i), _mm512_cvtepi32_epi16(m0));
+            if (!lion) _mm256_stream_si256((__m256i *)(v + i), _mm512_cvtepi32_epi16(v0));
+            _mm256_stream_si256((__m256i *)(rem + i), _mm512_cvtepi32_epi16(_mm512_castps_si512(pi)));
+        } else {
+            zo512_store_u16(m, i, m0);
+            if (!lion) zo512_store_u16(v, i, v0);
+            zo512_store_u16(rem, i, _mm512_castps_si512(pi));
+        }
         zo512_store_u16(o, i, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(pi), _mm512_set1_epi32(0x8000)), 16));
         kw = _mm512_add_epi32(kw, step16);
     }
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 

@@ -83,6 +83,9 @@ cdef extern from "_kernels.h" nogil:
         unsigned int key
         unsigned int index_base
         int rounding
+        const unsigned short *src_m
+        const unsigned short *src_v
+        const unsigned short *src_rem
     void zo_adam16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
                          int64_t lo, int64_t hi, const zo_hparams *h, const zo_state16 *s)
     void zo_lion16_chunk(int level, float *p, const void *g, int gk, void *out, int ok,
@@ -423,6 +426,17 @@ cdef _Buf _source(obj, str name, _Buf dst, Py_ssize_t n):
     return b
 
 
+cdef _Buf _source16(obj, str name, _Buf dst, Py_ssize_t n):
+    """An out-of-place bf16-state update's source: 16-bit words of length n, apart from
+    its destination."""
+    cdef _Buf b = _words(obj, name, False, n)
+    cdef size_t lo = <size_t>b.view.buf
+    cdef size_t dlo = <size_t>dst.view.buf
+    if n and lo < dlo + 2 * n and dlo < lo + 2 * n:
+        raise ValueError(f"{name} overlaps the array it is read for: pass read_from=None to update in place")
+    return b
+
+
 _ROUNDINGS = {"nearest": ZO_ROUND_NEAREST, "stochastic": ZO_ROUND_STOCHASTIC}
 
 
@@ -543,7 +557,7 @@ def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=Non
                    step, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                    adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None, predict=0.0,
                    rounding="stochastic", sr_key=0, index_base=0,
-                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0, read_from=None):
     """adam_step with bf16 moments (state_dtype="bf16"): the same fp32 arithmetic,
     m and v read from and rounded back to bf16 words.
 
@@ -556,13 +570,33 @@ def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=Non
     rounding: "stochastic" (unbiased, keyed by sr_key and the element's model-wide
     index index_base + i, so neither threads nor sharding change a bit) or "nearest".
     param_out is required: the weights are the one output the caller cannot skip.
+    read_from: None (in place), or, with the exact master, (param_src, exp_avg_src,
+    exp_avg_sq_src): the old remainder and moments are read from these (uint16 words of
+    the same length, apart from the destinations) and the new ones written to param,
+    exp_avg, exp_avg_sq (adam_step's read_from); the same bits as in place.
     """
     cdef zo_hparams h
     _adam_hparams(&h, step, lr, beta1, beta2, eps, weight_decay, adamw, grad_scale, predict)
     cdef zo_state16 s
+    s.src_m = NULL  # in place unless read_from says otherwise
+    s.src_v = NULL
+    s.src_rem = NULL
     cdef _Call c = _prepare16(param, exp_avg, exp_avg_sq, grad, param_out, master_hi, grad_dtype, out_dtype,
                               predict, rounding, sr_key, index_base, num_threads, progress, progress_tag,
                               progress_block, progress_base, &s)
+    cdef _Buf sp, sm, sv
+    if read_from is not None:
+        if master_hi is None:
+            raise ValueError("read_from needs the exact master (master_hi): with an fp32 master the update is in "
+                             "place only")
+        if not isinstance(read_from, (tuple, list)) or len(read_from) != 3:
+            raise TypeError("read_from must be None or (param_src, exp_avg_src, exp_avg_sq_src)")
+        sp = _source16(read_from[0], "param_src", c.p, c.n)
+        sm = _source16(read_from[1], "exp_avg_src", c.s1, c.n)
+        sv = _source16(read_from[2], "exp_avg_sq_src", c.s2, c.n)
+        s.src_rem = <const unsigned short *>sp.view.buf
+        s.src_m = <const unsigned short *>sm.view.buf
+        s.src_v = <const unsigned short *>sv.view.buf
     _run(K_ADAM16, &h, c, &s)
 
 
@@ -576,6 +610,9 @@ def lion_step_bf16(param, exp_avg, grad, param_out, *, master_hi=None, lr, beta1
     cdef zo_hparams h
     _lion_hparams(&h, lr, beta1, beta2, weight_decay, grad_scale)
     cdef zo_state16 s
+    s.src_m = NULL  # in place (adam_step_bf16's read_from sets these)
+    s.src_v = NULL
+    s.src_rem = NULL
     cdef _Call c = _prepare16(param, exp_avg, None, grad, param_out, master_hi, grad_dtype, out_dtype, 0.0,
                               rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
                               progress_base, &s)
@@ -591,6 +628,9 @@ def split_master(src, master_hi, master_rem, *, num_threads=0):
     cdef _Buf bh = _words(master_hi, "master_hi", True, bs.n)
     cdef _Buf br = _words(master_rem, "master_rem", True, bs.n)
     cdef zo_state16 s
+    s.src_m = NULL  # in place (adam_step_bf16's read_from sets these)
+    s.src_v = NULL
+    s.src_rem = NULL
     s.rem = <unsigned short *>br.view.buf
     cdef int nt = _threads(num_threads)
     with nogil:
@@ -605,6 +645,9 @@ def join_master(master_hi, master_rem, dst, *, num_threads=0):
     cdef _Buf bh = _words(master_hi, "master_hi", False, bd.n)
     cdef _Buf br = _words(master_rem, "master_rem", False, bd.n)
     cdef zo_state16 s
+    s.src_m = NULL  # in place (adam_step_bf16's read_from sets these)
+    s.src_v = NULL
+    s.src_rem = NULL
     s.hi = <const unsigned short *>bh.view.buf
     s.rem = <unsigned short *>br.view.buf
     cdef int nt = _threads(num_threads)
@@ -626,6 +669,9 @@ def stream_probe_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=
     cdef _Buf bo = cp.o
     cdef _Buf bh = cp.bh
     cdef zo_state16 s
+    s.src_m = NULL  # in place (adam_step_bf16's read_from sets these)
+    s.src_v = NULL
+    s.src_rem = NULL
     s.m = <unsigned short *>bm.view.buf
     s.v = <unsigned short *>bv.view.buf
     s.rem = <unsigned short *>bp.view.buf if exact else NULL

@@ -37,7 +37,8 @@ updated; otherwise the log is restored and the whole STEP runs.  Either way the
 bytes are those of a STEP alone: the update is elementwise (int8: blockwise, and the
 speculated prefix ends on a block), so splitting it changes nothing.
 
-The twin (fp32 state of Adam/AdamW, and undo_log_bytes for the whole update): the
+The twin (Adam/AdamW with fp32 state or bf16 state and the exact master, and
+undo_log_bytes for the whole update): the
 pieces write the new state out of place into a twin of the state and the log saves
 only the out weights slot.  A kept STEP updates the rest into the twin as well and
 flips (the twin becomes the state); a rolled-back one restores the weights slot and

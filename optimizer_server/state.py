@@ -62,11 +62,12 @@ def _widen(w: np.ndarray) -> np.ndarray:
     return (w.astype(np.uint32) << 16).view(np.float32)
 
 
-def _zeros64(numel: int) -> np.ndarray:
-    """np.zeros(numel, float32) starting on a 64-byte line: the twin's out-of-place
+def _zeros64(numel: int, dtype=np.float32) -> np.ndarray:
+    """np.zeros(numel, dtype) starting on a 64-byte line: the twin's out-of-place
     update streams its stores, which need the state's arrays aligned alike."""
-    buf = np.zeros(numel + 16, np.float32)
-    off = (-buf.ctypes.data % 64) // 4
+    item = np.dtype(dtype).itemsize
+    buf = np.zeros(numel + 64 // item, dtype)
+    off = (-buf.ctypes.data % 64) // item
     return buf[off:off + numel]
 
 
@@ -100,9 +101,8 @@ class ShardStateArrays:
         mdt = {"fp32": np.float32, "bf16": np.uint16, "int8": np.uint8}[state_dtype]
         # np.zeros: pages stay untouched until the first update writes them
         self.master = None if exact_master else _zeros64(numel)
-        self.remainder = np.zeros(numel, np.uint16) if exact_master else None
-        self.moments = {name: _zeros64(numel) if mdt is np.float32 else np.zeros(numel, mdt)
-                        for name in STATE_ARRAYS[optimizer]}
+        self.remainder = _zeros64(numel, np.uint16) if exact_master else None
+        self.moments = {name: _zeros64(numel, mdt) for name in STATE_ARRAYS[optimizer]}
         # int8: each moment's per-block scales (all zero: every code decodes to 0)
         self.scales = ({name: np.zeros(nblocks(numel), np.float32) for name in self.moments}
                        if state_dtype == "int8" else {})
@@ -114,13 +114,21 @@ class ShardStateArrays:
     # ------------------------------------------------------------------ the twin
     @property
     def can_twin(self) -> bool:
-        """fp32 state of Adam/AdamW: the kernel that updates out of place (read_from)."""
-        return self.state_dtype == "fp32" and self.optimizer in ("adam", "adamw")
+        """Adam/AdamW with fp32 state, or bf16 state and the exact master: the kernels
+        that update out of place (read_from)."""
+        return self.optimizer in ("adam", "adamw") and (
+            self.state_dtype == "fp32" or (self.state_dtype == "bf16" and self.exact_master))
+
+    def _mirrored(self) -> dict:
+        """The arrays an update rewrites in place, which the twin mirrors: the master (or
+        the exact master's remainder) and the moments."""
+        first = {"remainder": self.remainder} if self.exact_master else {"master": self.master}
+        return {**first, **self.moments}
 
     def make_twin(self) -> None:
-        """Allocate the twin (np.zeros: its pages are committed by prefault_twin)."""
+        """Allocate the twin (zeros: its pages are committed by prefault_twin)."""
         assert self.can_twin and self.twin is None
-        self.twin = {name: _zeros64(self.numel) for name in ("master", *self.moments)}
+        self.twin = {name: _zeros64(self.numel, a.dtype) for name, a in self._mirrored().items()}
         self._twin_faulted = False
 
     def prefault_twin(self) -> None:
@@ -131,15 +139,19 @@ class ShardStateArrays:
                 a[::1024] = 0
             # the state's moments too: np.zeros left them untouched until an update wrote
             # them, and after the first flip they are the twin (each page keeps its value)
-            for a in (self.master, *self.moments.values()):
-                a.view(np.uint32)[::1024] |= 0  # a real write (a[::k] = a[::k] is skipped)
+            for a in self._mirrored().values():
+                w = a.view(np.uint8)
+                w[::4096] |= 0  # a real write (a[::k] = a[::k] is skipped)
             self._twin_faulted = True
 
     def flip(self) -> None:
         """After a STEP that wrote the whole new state into the twin (part of it while
         speculating): the twin becomes the state, and the old state the twin."""
         t = self.twin
-        self.master, t["master"] = t["master"], self.master
+        if self.exact_master:
+            self.remainder, t["remainder"] = t["remainder"], self.remainder
+        else:
+            self.master, t["master"] = t["master"], self.master
         for name in self.moments:
             self.moments[name], t[name] = t[name], self.moments[name]
 
@@ -202,8 +214,9 @@ class ShardStateArrays:
         hold older weights: two slots alternate) gets the master's 16 bits."""
         sl = slice(lo, hi)
         if twin:
+            cur = self._mirrored()
             for name, a in self.twin.items():
-                np.copyto(a[sl], self.master[sl] if name == "master" else self.moments[name][sl])
+                np.copyto(a[sl], cur[name][sl])
         if self.exact_master:
             if out_slot != self.hi_slot:
                 np.copyto(slots[out_slot][sl], slots[self.hi_slot][sl])
@@ -216,12 +229,20 @@ class ShardStateArrays:
         kw: the dtype, scale, thread and progress keywords every kernel takes.
         twin: read the state and write the new one into the twin (the state stays)."""
         sl = slice(lo, hi)
-        if twin:
+        if twin:  # adam/adamw (can_twin): the new state into the twin, read from the state
             t, st = self.twin, self.moments
-            cpu_adam.adam_step(t["master"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl], slots[out_slot][sl],
-                               step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw",
-                               read_from=(self.master[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl]), **kw)
+            hp = dict(step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                      weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw")
+            if self.exact_master:
+                cpu_adam.adam_step_bf16(t["remainder"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl],
+                                        slots[out_slot][sl], master_hi=slots[self.hi_slot][sl],
+                                        sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo,
+                                        read_from=(self.remainder[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl]),
+                                        **hp, **kw)
+            else:
+                cpu_adam.adam_step(t["master"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl],
+                                   slots[out_slot][sl], read_from=(self.master[sl], st["exp_avg"][sl],
+                                                                   st["exp_avg_sq"][sl]), **hp, **kw)
             return
         g, o = gin[sl], slots[out_slot][sl]
         st = self.moments

@@ -21,9 +21,10 @@ order only matters for clarity), and empties the log; clear() empties it when th
 speculated bytes are kept.  The log is owned by one shard and used only on that
 shard's update thread.
 
-With the state's twin (fp32 Adam/AdamW state and a log that covers the whole
-update: ShardStateArrays.make_twin) the speculative update writes the new master,
-m and v beside the old ones, and the log holds only the out weights slot.
+With the state's twin (Adam/AdamW with fp32 state, or bf16 state and the exact
+master, and a log that covers the whole update: ShardStateArrays.make_twin) the
+speculative update writes the new state beside the old, and the log holds only
+the out weights slot.
 """
 from __future__ import annotations
 

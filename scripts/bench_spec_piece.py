@@ -1,9 +1,10 @@
 """What speculating costs on the server, per element: a plain update against a
 speculated one with the undo log and with the state's twin, in the same run.
 
-    python scripts/bench_spec_piece.py [--numel 32M] [--reps 3] [--no-write]
+    python scripts/bench_spec_piece.py [--numel 32M] [--reps 3] [--states fp32,bf16] [--no-write]
 
-One shard (fp32 state, AdamW, bf16 gradients and weights, one thread), driven
+One shard per state (fp32 state; bf16 state with the exact master), AdamW, bf16
+gradients and weights, one thread, driven
 in-process through optimizer_server.shard.Shard as the server's update thread
 drives it: a STEP alone (the baseline), and SPECULATE of the whole shard then
 its STEP, with undo_log_bytes one byte under the whole update's writes (the undo
@@ -37,9 +38,12 @@ from optimizer_server.shard import Shard  # noqa: E402
 from optimizer_server.shm import Segment, ShardLayout  # noqa: E402
 
 
-def make_shard(n: int, undo_log_bytes: int) -> Shard:
+WHOLE = {"fp32": 14, "bf16": 8}  # B/element one update writes: the state and the bf16 weights slot
+
+
+def make_shard(n: int, state: str, undo_log_bytes: int) -> Shard:
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=n, dtype="bf16",
-                  optimizer="adamw", undo_log_bytes=undo_log_bytes)
+                  optimizer="adamw", undo_log_bytes=undo_log_bytes, state_dtype=state, exact_master=state == "bf16")
     layout = ShardLayout(numel=n, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=1 << 20)
     seg = Segment.create(f"zo-bench-spec-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
     sh = Shard("s", msg, seg, layout, 1)
@@ -91,18 +95,11 @@ def run(sh: Shard, k: int, speculate: bool) -> tuple[float, float]:
     return dt, st.s
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--numel", default="32M")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
-    n = parse_size(a.numel)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
-    whole = 14 * n  # fp32 master, m, v and the bf16 weights slot: what one update writes
+def measure(n: int, state: str, reps: int, label: str) -> list[str]:
+    """One state dtype's rows: a plain update, and speculation with the log and the twin."""
+    whole = WHOLE[state] * n
     variants = {"undo log": whole - 1, "twin": whole}
-    shards = {name: make_shard(n, b) for name, b in variants.items()}
+    shards = {name: make_shard(n, state, b) for name, b in variants.items()}
     try:
         for name, sh in shards.items():
             assert (sh.arrays.twin is not None) == (name == "twin"), name
@@ -111,7 +108,7 @@ def main() -> int:
         times = {v: [] for v in ("plain", *variants)}
         saves = {v: [] for v in variants}
         k = 3
-        for _ in range(a.reps):  # interleaved, so that drift hits every variant alike
+        for _ in range(reps):  # interleaved, so that drift hits every variant alike
             for name, sh in shards.items():
                 times["plain"].append(run(sh, k, False)[0] / n)
                 dt, save = run(sh, k + 1, True)
@@ -122,17 +119,34 @@ def main() -> int:
         for sh in shards.values():
             sh.close()
     ns = {v: 1e9 * statistics.median(t) for v, t in times.items()}
-    rows = [f"| {a.numel} | plain update | {ns['plain']:.2f} | - | 1.00x |"]
+    rows = [f"| {label} | {state} | plain update | {ns['plain']:.2f} | - | 1.00x |"]
     for name in variants:
         save = 1e9 * statistics.median(saves[name])
-        rows.append(f"| {a.numel} | speculated, {name} | {ns[name]:.2f} | {save:.2f} | {ns[name] / ns['plain']:.2f}x |")
+        rows.append(f"| {label} | {state} | speculated, {name} | {ns[name]:.2f} | {save:.2f} | "
+                    f"{ns[name] / ns['plain']:.2f}x |")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--numel", default="32M")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--states", default="fp32,bf16", help="state dtypes (bf16: with the exact master)")
+    ap.add_argument("--no-write", action="store_true")
+    a = ap.parse_args()
+    n = parse_size(a.numel)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    rows = []
+    for state in a.states.split(","):
+        rows += measure(n, state, a.reps, a.numel)
     for r in rows:
         print(r)
-    body = (f"## Speculation's cost per element (scripts/bench_spec_piece.py)\n\n{machine_line()}; one shard, fp32 "
+    body = (f"## Speculation's cost per element (scripts/bench_spec_piece.py)\n\n{machine_line()}; one shard per "
             f"state, AdamW, bf16, one thread on one core; median of {a.reps} interleaved updates per variant (the "
             f"plain one measured beside both shards).\n\n"
-            "| shard | update | ns/element | of which the undo log's save | / plain |\n|---|---|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+            "| shard | state | update | ns/element | of which the undo log's save | / plain |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     if not a.no_write:
         update_section("bench_spec_piece", body)
     return 0

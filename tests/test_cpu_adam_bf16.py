@@ -346,3 +346,40 @@ def test_lion_with_a_bf16_moment(level):
     err = np.linalg.norm(pe - p) / np.linalg.norm(p - p0)
     print(f"lion displacement rel err {err:.2e}")
     assert err < 5e-2
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exact_master_out_of_place_is_bitwise_in_place(level, shift, threads):
+    """read_from with the exact master (speculation's twin for bf16 state): the old
+    remainder and moments read from other arrays, the new ones written with streaming
+    stores where the destinations share a 32-byte line start (plain stores otherwise);
+    the same bits as in place for the state and the weights, the sources untouched,
+    over ranges that start off a line and over two threads.  Without master_hi (an
+    fp32 master) it is refused."""
+    from optimizer_server.state import _zeros64
+    rng = seeded_rng()
+    n = 3 * 262144 + 77 if threads > 1 else 4099  # past MIN_PARALLEL when split
+    hi = bf16_words(rng.standard_normal(n))
+    rem = rng.integers(0, 1 << 16, n).astype(np.uint16)
+    m, v = bf16_words(rng.standard_normal(n) * 1e-2), bf16_words(np.abs(rng.standard_normal(n)) * 1e-4)
+    g = bf16_words(rng.standard_normal(n) * 0.1)
+    kw = dict(step=5, lr=1e-3, weight_decay=0.1, grad_dtype="bf16", out_dtype="bf16", sr_key=99, num_threads=threads)
+    ref = [rem.copy(), m.copy(), v.copy()]
+    ref_out = np.zeros(n, np.uint16)
+    ca.adam_step_bf16(*ref, g, ref_out, master_hi=hi, index_base=3, **kw)
+    dst = [_zeros64(n + 32, np.uint16)[shift * (i + 1) % 3:][:n] for i in range(3)]
+    out = np.zeros(n, np.uint16)
+    src = [rem.copy(), m.copy(), v.copy()]
+    for lo, end in [(0, 1000), (1000, 1003), (1003, n)]:
+        ca.adam_step_bf16(*(a[lo:end] for a in dst), g[lo:end], out[lo:end], master_hi=hi[lo:end],
+                          read_from=tuple(a[lo:end] for a in src), index_base=3 + lo, **kw)
+    for a, b in zip(dst, ref):
+        assert np.array_equal(a, b)
+    assert np.array_equal(out, ref_out)
+    for a, b in zip(src, (rem, m, v)):
+        assert np.array_equal(a, b)
+    with pytest.raises(ValueError, match="exact master"):
+        ca.adam_step_bf16(np.zeros(n, np.float32), *dst[1:], g, out, read_from=tuple(src), **kw)
+    with pytest.raises(ValueError, match="overlaps"):
+        ca.adam_step_bf16(*src, g, out, master_hi=hi, read_from=(src[0], dst[1], dst[2]), **kw)

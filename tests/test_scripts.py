@@ -42,8 +42,10 @@ def test_bench_transport_tiny():
 def test_bench_spec_piece_tiny():
     out = run("bench_spec_piece.py", "--numel", "64K", "--reps", "1", "--no-write")
     rows = [line for line in out.splitlines() if line.startswith("| 64K |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["plain update", "speculated, undo log", "speculated, twin"]
-    assert all(r.count("|") == 6 for r in rows)
+    kinds = ["plain update", "speculated, undo log", "speculated, twin"]
+    assert [(r.split("|")[2].strip(), r.split("|")[3].strip()) for r in rows] == \
+        [(st, k) for st in ("fp32", "bf16") for k in kinds]
+    assert all(r.count("|") == 7 for r in rows)
 
 
 def test_bench_pipeline_tiny():

@@ -432,12 +432,12 @@ def test_segment_bytes_per_param():
 
 
 # ----------------------------------------------------------------------------- parts of the server on their own
-def _shard(numel=100, optimizer="adamw", **hello):
+def _shard(numel=100, optimizer="adamw", dtype="fp16", **hello):
     from optimizer_server import protocol as P
     from optimizer_server.shard import Shard
     from optimizer_server.shm import Segment, ShardLayout
     from tests.conftest import PREFIX
-    msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype="fp16",
+    msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype=dtype,
                   optimizer=optimizer, **hello)
     layout = ShardLayout(numel=numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=40)
     seg = Segment.create(f"{PREFIX}unit-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
@@ -535,6 +535,13 @@ def _init_ones(sh) -> None:
         sh.init_chunk(lo, min(40, sh.numel - lo))
 
 
+def _master(sh) -> np.ndarray:
+    """The shard's fp32 master (joined, for the exact master)."""
+    out = np.empty(sh.numel, np.float32)
+    sh.arrays.get_master(0, out, sh.weights16_slots)
+    return out
+
+
 def _step_both(shards, step) -> None:
     """The same STEP on a speculating shard and its reference: the same bytes after."""
     for sh in shards:
@@ -542,25 +549,34 @@ def _step_both(shards, step) -> None:
         sh.step(step)
         sh.finish_update()
     sp, ref = shards
-    for a, b in [(sp.arrays.master, ref.arrays.master), (sp.weights16, ref.weights16)] + \
+    for a, b in [(_master(sp), _master(ref)), (sp.weights16, ref.weights16)] + \
             [(sp.arrays.moments[k], ref.arrays.moments[k]) for k in ref.arrays.moments]:
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), step.step
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "lion"], ids=["twin", "undo-log"])
-def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, optimizer):
+SUBPIECE_CASES = {  # HELLO of each: the twin, the undo log, the twin of bf16 state with the exact master
+    "twin": dict(optimizer="adamw"),
+    "undo-log": dict(optimizer="lion"),
+    "twin-bf16-exact": dict(optimizer="adamw", dtype="bf16", state_dtype="bf16", exact_master=True),
+}
+
+
+@pytest.mark.parametrize("case", list(SUBPIECE_CASES))
+def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, case):
     """A speculative piece saved and updated sub-piece by sub-piece (SPEC_SUBPIECE, here
     cut to 256 elements) leaves the bytes one update of the piece leaves, and a
     rollback restores every sub-piece; the undo log is capped at one whole update's
     writes and its pages are committed before the first piece, not during it.  AdamW
     with fp32 state writes the new state into the state's twin and logs only the
-    weights slot; Lion logs what it overwrites (master, m and the weights)."""
+    weights slot (bf16 state with the exact master: its remainder and moments); Lion
+    logs what it overwrites (master, m and the weights)."""
     import optimizer_server.shard as S
     from optimizer_server import protocol as P
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000
     spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n)
-    shards = [_shard(numel=n, undo_log_bytes=1 << 30, optimizer=optimizer), _shard(numel=n, optimizer=optimizer)]
+    hello = SUBPIECE_CASES[case]
+    shards = [_shard(numel=n, undo_log_bytes=1 << 30, **hello), _shard(numel=n, **hello)]
     try:
         rng = seeded_rng()
         g = (rng.standard_normal(n) * 0.1).astype(np.float16)
@@ -568,18 +584,18 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, o
             _init_ones(sh)
             sh.grads[0].view(np.float16)[:] = g
         sp, ref = shards
-        twin = optimizer == "adamw"
+        twin = hello["optimizer"] == "adamw"
         logged = 1 if twin else 3  # arrays saved per sub-piece
         assert (sp.arrays.twin is not None) == twin
-        # 2 B of fp16 weights with the twin (12 B of fp32 master, m and v beside the state);
+        # 2 B of 16-bit weights with the twin (the state mirrored beside itself, not logged);
         # else fp32 master and m, and the weights
         assert sp.undo.capacity == (2 if twin else 10) * n and not sp.undo.faulted
-        m0 = sp.arrays.master.copy()
+        m0 = _master(sp)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)  # four sub-pieces
         assert sp.undo.faulted and len(sp.undo._entries) == 4 * logged
         assert sp.rollback() == n
-        np.testing.assert_array_equal(sp.arrays.master, m0)
+        np.testing.assert_array_equal(_master(sp), m0)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)
         _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
