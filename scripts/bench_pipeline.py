@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", default="",
                     help="with --state-dtypes or --speculation: trace each variant's last pass into DIR/VARIANT "
                          "(scripts/trace_report.py reads one)")
-    ap.add_argument("--spec-states", default="fp32,int8", help="with --speculation: the state dtypes")
+    ap.add_argument("--spec-states", default="fp32,int8", help="with --speculation: the state dtypes (fp32, bf16, int8)")
     ap.add_argument("--spec-clips", default="none,1.0", help="with --speculation: no clipping (none), clip 1.0")
     a = ap.parse_args(argv)
     if a.state_dtypes:
@@ -383,8 +383,8 @@ def main_spec(a) -> int:
     server_cores, worker_cores = _core_split()
     corpus = Corpus.load(seed=0, max_bytes=8 << 20)
     states, clips = a.spec_states.split(","), a.spec_clips.split(",")
-    if not set(clips) <= {"none", "1.0"} or not set(states) <= {"fp32", "int8"}:
-        raise SystemExit("--spec-clips takes none and 1.0, --spec-states fp32 and int8")
+    if not set(clips) <= {"none", "1.0"} or not set(states) <= {"fp32", "bf16", "int8"}:
+        raise SystemExit("--spec-clips takes none and 1.0, --spec-states fp32, bf16 and int8")
     combos = [(st, "noclip" if clip == "none" else "clip") for st in states for clip in clips]
 
     def vname(m, st, clip):
