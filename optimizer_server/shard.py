@@ -42,8 +42,8 @@ undo_log_bytes for the whole update): the
 pieces write the new state out of place into a twin of the state and the log saves
 only the out weights slot.  A kept STEP updates the rest into the twin as well and
 flips (the twin becomes the state); a rolled-back one restores the weights slot and
-updates in place, since the state itself was never written.  Saving 14 B/element
-into the log had cost more than the update of those elements (BENCHMARKS.md).
+updates in place, since the state itself was never written.  Saving the state into
+the log had cost more than the update of those elements (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -142,9 +142,10 @@ class Shard:
         whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
         if hello.undo_log_bytes >= whole and self.arrays.can_twin:
             # room for all of it, and a kernel that updates out of place: speculation writes
-            # the new state into a twin of it (12 B/param) and the log keeps only the weights
-            # slot (2): a rollback restores no state, and a piece moves no more bytes than a
-            # plain update (saving the state into the log cost more than updating it)
+            # the new state into a twin of it (12 B/param with fp32 state, 6 with bf16) and the
+            # log keeps only the weights slot (2): a rollback restores no state, and a piece
+            # moves about the bytes of a plain update (saving the state into the log had cost
+            # more than updating it)
             self.arrays.make_twin()
             whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
         self.undo = UndoLog(min(hello.undo_log_bytes, whole)) if hello.undo_log_bytes else None
@@ -423,7 +424,7 @@ class Shard:
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
         gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
         if self.arrays.state_dtype == "int8":
-            assert not twin, "the twin is fp32 state's"
+            assert not twin, "int8 state has no twin (can_twin)"
             self._step_blocks(msg, ranges, gin, lo, hi, progress)
         elif msg.reverse and progress:
             # back to front, one progress block per call, each published as "done from the

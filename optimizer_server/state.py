@@ -107,8 +107,9 @@ class ShardStateArrays:
         self.scales = ({name: np.zeros(nblocks(numel), np.float32) for name in self.moments}
                        if state_dtype == "int8" else {})
         self.hi_slot = 0
-        # speculation's twin (make_twin): a second master, m and v that an out-of-place
-        # update writes while the current ones stay as they were, so undoing it is free
+        # speculation's twin (make_twin): a second master (or remainder) and moments that an
+        # out-of-place update writes while the current ones stay as they were, so undoing it
+        # is free
         self.twin: dict | None = None
 
     # ------------------------------------------------------------------ the twin
@@ -136,7 +137,7 @@ class ShardStateArrays:
         writes them: first touches inside a piece made it 10-20x slower (undo.py)."""
         if self.twin is not None and not self._twin_faulted:
             for a in self.twin.values():
-                a[::1024] = 0
+                a.view(np.uint8)[::4096] = 0
             # the state's moments too: np.zeros left them untouched until an update wrote
             # them, and after the first flip they are the twin (each page keeps its value)
             for a in self._mirrored().values():
