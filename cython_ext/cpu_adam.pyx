@@ -711,6 +711,7 @@ def adagrad_step(param, state_sum, grad, param_out=None, *, lr, eps=1e-10, weigh
     h.decay = 1.0
     h.l2 = <float>wd
     h.predict = 0.0
+    h.src_p = h.src_m = h.src_v = NULL
     _run(K_ADAGRAD, &h, c)
 
 
@@ -734,6 +735,7 @@ cdef int _lion_hparams(zo_hparams *h, lr, beta1, beta2, weight_decay, grad_scale
     h.decay = <float>(1.0 - dlr * wd)
     h.l2 = 0.0
     h.predict = 0.0
+    h.src_p = h.src_m = h.src_v = NULL  # read only by fp32 Adam: set for hygiene
     return 0
 
 
