@@ -414,25 +414,20 @@ def adam_step(param, exp_avg, exp_avg_sq, grad, param_out=None, *,
     _run(K_ADAM, &h, c)
 
 
-cdef _Buf _source(obj, str name, _Buf dst, Py_ssize_t n):
-    """An out-of-place update's source: float32 of length n, apart from its destination."""
-    cdef _Buf b = _get(obj, name, False)
-    _check_f32(b, name)
-    _check_len(b, name, n)
+cdef _Buf _source(obj, str name, _Buf dst, Py_ssize_t n, bint words=False):
+    """An out-of-place update's source (read_from): float32, or with words 16-bit words
+    (bf16 state), of length n and apart from its destination."""
+    cdef _Buf b
+    if words:
+        b = _words(obj, name, False, n)
+    else:
+        b = _get(obj, name, False)
+        _check_f32(b, name)
+        _check_len(b, name, n)
+    cdef size_t nbytes = n * b.itemsize
     cdef size_t lo = <size_t>b.view.buf
     cdef size_t dlo = <size_t>dst.view.buf
-    if n and lo < dlo + 4 * n and dlo < lo + 4 * n:
-        raise ValueError(f"{name} overlaps the array it is read for: pass read_from=None to update in place")
-    return b
-
-
-cdef _Buf _source16(obj, str name, _Buf dst, Py_ssize_t n):
-    """An out-of-place bf16-state update's source: 16-bit words of length n, apart from
-    its destination."""
-    cdef _Buf b = _words(obj, name, False, n)
-    cdef size_t lo = <size_t>b.view.buf
-    cdef size_t dlo = <size_t>dst.view.buf
-    if n and lo < dlo + 2 * n and dlo < lo + 2 * n:
+    if n and lo < dlo + nbytes and dlo < lo + nbytes:
         raise ValueError(f"{name} overlaps the array it is read for: pass read_from=None to update in place")
     return b
 
@@ -591,9 +586,9 @@ def adam_step_bf16(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=Non
                              "place only")
         if not isinstance(read_from, (tuple, list)) or len(read_from) != 3:
             raise TypeError("read_from must be None or (param_src, exp_avg_src, exp_avg_sq_src)")
-        sp = _source16(read_from[0], "param_src", c.p, c.n)
-        sm = _source16(read_from[1], "exp_avg_src", c.s1, c.n)
-        sv = _source16(read_from[2], "exp_avg_sq_src", c.s2, c.n)
+        sp = _source(read_from[0], "param_src", c.p, c.n, True)
+        sm = _source(read_from[1], "exp_avg_src", c.s1, c.n, True)
+        sv = _source(read_from[2], "exp_avg_sq_src", c.s2, c.n, True)
         s.src_rem = <const unsigned short *>sp.view.buf
         s.src_m = <const unsigned short *>sm.view.buf
         s.src_v = <const unsigned short *>sv.view.buf

@@ -230,27 +230,16 @@ class ShardStateArrays:
         kw: the dtype, scale, thread and progress keywords every kernel takes.
         twin: read the state and write the new one into the twin (the state stays)."""
         sl = slice(lo, hi)
-        if twin:  # adam/adamw (can_twin): the new state into the twin, read from the state
-            t, st = self.twin, self.moments
-            hp = dict(step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                      weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw")
-            if self.exact_master:
-                cpu_adam.adam_step_bf16(t["remainder"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl],
-                                        slots[out_slot][sl], master_hi=slots[self.hi_slot][sl],
-                                        sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo,
-                                        read_from=(self.remainder[sl], st["exp_avg"][sl], st["exp_avg_sq"][sl]),
-                                        **hp, **kw)
-            else:
-                cpu_adam.adam_step(t["master"][sl], t["exp_avg"][sl], t["exp_avg_sq"][sl], gin[sl],
-                                   slots[out_slot][sl], read_from=(self.master[sl], st["exp_avg"][sl],
-                                                                   st["exp_avg_sq"][sl]), **hp, **kw)
-            return
         g, o = gin[sl], slots[out_slot][sl]
-        st = self.moments
+        dst = cur = self._mirrored()
+        if twin:  # adam/adamw (can_twin): the old state is read, the new one goes to the twin
+            dst = self.twin
+            kw = dict(kw, read_from=tuple(a[sl] for a in cur.values()))  # (master or remainder, m, v)
+        st = {name: dst[name] for name in self.moments}
+        p = dst["remainder" if self.exact_master else "master"][sl]
         if self.state_dtype == "bf16":
             # adam, adamw and lion (refused at HELLO otherwise)
             extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
-            p = self.remainder[sl] if self.exact_master else self.master[sl]
             sr = dict(sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
             if self.optimizer == "lion":
                 cpu_adam.lion_step_bf16(p, st["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
@@ -261,7 +250,6 @@ class ShardStateArrays:
                                     weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **sr,
                                     **extra, **kw)
             return
-        p = self.master[sl]
         if self.optimizer in ("adamw", "adam"):
             cpu_adam.adam_step(p, st["exp_avg"][sl], st["exp_avg_sq"][sl], g, o,
                                step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],

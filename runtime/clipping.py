@@ -42,9 +42,10 @@ def install() -> None:
         cls.clip_grad_norm_ = _accelerator_clip_grad_norm_
 
 
-def _engine_of(params: list):
-    """The one engine that trains these parameters, or None when none does."""
+def _engine_of(parameters) -> tuple[list, object]:
+    """(the parameters as a list, the one engine that trains them or None)."""
     from .engine import owner_of
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = {}
     others = False
     for p in params:
@@ -54,19 +55,18 @@ def _engine_of(params: list):
         elif p.grad is not None:
             others = True
     if not owners:
-        return None
+        return params, None
     if len(owners) > 1 or others:
         raise ValueError("clip_grad_norm_ got parameters of several offload engines, or offloaded parameters "
                          "together with others that hold .grad: clip each optimizer's parameters in a call of "
                          "their own (optimizer.clip_grad_norm_(max_norm))")
     (engine,) = owners.values()
-    return engine
+    return params, engine
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     """torch.nn.utils.clip_grad_norm_, which offloaded parameters reach through their engine."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engine = _engine_of(params)
+    params, engine = _engine_of(parameters)
     if engine is None:
         torch_fn = _TORCH.get("torch.nn.utils.clip_grad") or _TORCH["torch.nn.utils"]
         return torch_fn(params, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
@@ -76,8 +76,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
 
 def _accelerator_clip_grad_norm_(self, parameters, max_norm, norm_type=2):
     """accelerate.Accelerator.clip_grad_norm_, which offloaded parameters reach through their engine."""
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    engine = _engine_of(params)
+    params, engine = _engine_of(parameters)
     if engine is None:
         return _TORCH["accelerate"](self, params, max_norm, norm_type=norm_type)
     return torch.tensor(engine.clip_grad_norm_(max_norm, norm_type=norm_type))

@@ -36,9 +36,7 @@ from optimizer_server import protocol as P  # noqa: E402
 from optimizer_server import undo as U  # noqa: E402
 from optimizer_server.shard import Shard  # noqa: E402
 from optimizer_server.shm import Segment, ShardLayout  # noqa: E402
-
-
-WHOLE = {"fp32": 14, "bf16": 8}  # B/element one update writes: the state and the bf16 weights slot
+from optimizer_server.state import bytes_per_param  # noqa: E402
 
 
 def make_shard(n: int, state: str, undo_log_bytes: int) -> Shard:
@@ -97,7 +95,8 @@ def run(sh: Shard, k: int, speculate: bool) -> tuple[float, float]:
 
 def measure(n: int, state: str, reps: int, label: str) -> list[str]:
     """One state dtype's rows: a plain update, and speculation with the log and the twin."""
-    whole = WHOLE[state] * n
+    # what one update writes: the state (bf16: with the exact master) and the bf16 weights slot
+    whole = int(n * (bytes_per_param("adamw", state, exact_master=state == "bf16") + 2))
     variants = {"undo log": whole - 1, "twin": whole}
     shards = {name: make_shard(n, state, b) for name, b in variants.items()}
     try:
