@@ -23,7 +23,7 @@ import time
 import numpy as np
 import zmq
 
-from cython_ext.cpu_adam import load_progress
+from cython_ext.cpu_adam import load_progress, store_progress
 
 from . import protocol as P
 from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
@@ -89,6 +89,7 @@ class ShardClient:
         self.weights16 = self.weights16_slots[0]
         self.staging = self.segment.array(np.float32, ok.staging_offset, ok.staging_numel)
         self.progress = self.segment.array(np.uint64, ok.progress_offset, 1)
+        self.ready = self.segment.array(np.uint64, ok.ready_offset, 1)  # this worker writes it
         self._hb_stop = threading.Event()
         self._hb_interval_s = heartbeat_interval_s
         self._hb = threading.Thread(target=self._heartbeat_loop, name="zo-heartbeat", daemon=True)
@@ -221,6 +222,13 @@ class ShardClient:
         self._send_step(P.Speculate, "SPECULATE", step, slot, lr, grad_scale, hparams, predict, out_slot, groups,
                         reverse, upto=int(upto))
 
+    def announce(self, step: int, upto: int) -> None:
+        """The gradients of [0, upto) are final in the slot of step's coming STEP: the
+        ready word (optimizer_server.shm), which the server follows after step's first
+        SPECULATE.  Call it before that SPECULATE too, so that it says this step."""
+        self._check_usable()
+        store_progress(self.ready, tag=step, done=int(upto))
+
     def wait_done(self, timeout_s: float | None = None) -> P.Done:
         self._check_usable()
         if self._inflight is None:
@@ -312,7 +320,7 @@ class ShardClient:
             pass
         finally:
             self.grads = []
-            self.weights16 = self.staging = self.progress = None
+            self.weights16 = self.staging = self.progress = self.ready = None
             self.weights16_slots = []
             if self.segment is not None:
                 self.segment.close()

@@ -64,6 +64,10 @@ restored first and the whole STEP runs.  Any other request that touches the stat
 GET_MASTER, SAVE, LOAD, INIT, BYE) restores it first.  DONE.speculated / rolled_back say
 which happened; a SPECULATE the server cannot use is dropped and counted
 (STATS_OK.speculate_dropped, last_drop_reason), since a hint has nobody to answer.
+Version 11 added the ready word (HELLO_OK.ready_offset; drawn in ShardLayout): after a
+step's first SPECULATE, the worker stores how far the gradients are final there instead
+of sending a SPECULATE per bucket, and the server follows it until the STEP (a SPECULATE
+that says more still counts).
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
@@ -77,7 +81,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -235,6 +239,7 @@ class HelloOk(Message):
     staging_offset: int
     staging_numel: int     # INIT/GET_MASTER move at most this many fp32 elements each
     progress_offset: int
+    ready_offset: int      # the worker's ready word (speculation)
     server_pid: int
     version: int = PROTOCOL_VERSION
 
@@ -298,7 +303,9 @@ class Step(Message):
 class Speculate(Step):
     """One-way: the STEP the worker expects to send (its fields), and that the gradients
     of shard elements [0, upto) are final in `slot`.  Never answered (see the module
-    docstring); each one repeats the whole assumption, so the server keeps no partial one."""
+    docstring); each one repeats the whole assumption, so the server keeps no partial one.
+    After the first of a step the worker says how far the gradients are final in the
+    ready word instead (ShardLayout); a later SPECULATE still counts."""
     TYPE: ClassVar[str] = "SPECULATE"
     upto: int = 0
 

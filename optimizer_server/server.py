@@ -39,6 +39,10 @@ log = logging.getLogger("optimizer_server")
 
 POLL_INTERVAL_MS = 50            # how often the loop looks at signals and heartbeats
 SETTLE_TIMEOUT_S = 120.0         # bound on the speculative pieces queued before a rollback
+# How long the update thread sleeps between looks at a worker's ready word while it
+# follows a speculation: a piece of 2^20 elements takes ~1 ms, so a look every
+# 0.1 ms costs the update little, and the sleep leaves the core to backward.
+READY_POLL_S = 1e-4
 SHUTDOWN_UPDATE_WAIT_S = 30.0    # bound on finishing the update in flight at exit
 
 
@@ -212,6 +216,7 @@ class OptimizerServer:
             return None  # a hint: never answered
         if shard.busy:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
+        shard.stop_following()  # any request but SPECULATE ends the ready word's pieces
         if shard.speculating and not isinstance(msg, (P.Step, P.Bye)):
             # what the request reads or replaces must not hold speculated values
             why = self._settle(session, shard)
@@ -293,18 +298,27 @@ class OptimizerServer:
         return P.HelloOk(session=session, segment=name, segment_bytes=layout.total_bytes, numel=msg.numel,
                          grad_offsets=list(layout.grad_offsets), weights_offsets=list(layout.weights_offsets),
                          staging_offset=layout.staging_offset, staging_numel=layout.staging_numel,
-                         progress_offset=layout.progress_offset,
+                         progress_offset=layout.progress_offset, ready_offset=layout.ready_offset,
                          server_pid=os.getpid()).encode()
 
     # ------------------------------------------------------------------ speculation
     def _speculate(self, session: str, shard: Shard, msg: P.Speculate) -> None:
+        first = shard.spec is None
         piece = shard.accept_speculation(msg)
         if isinstance(piece, str):
             shard.drop_speculation(piece)
             log.debug("rank %d: SPECULATE %d dropped: %s", shard.rank, msg.step, piece)
-        elif piece is not None:
-            for a, b in piece:
-                self.executors[session].submit(self._traced_speculate, shard, msg.step, a, b)
+            return
+        ex = self.executors[session]
+        for a, b in piece or []:
+            ex.submit(self._traced_speculate, shard, msg.step, a, b)
+        if first and shard.spec is not None:
+            # the rest of the step comes through the ready word, not a message a bucket
+            ex.submit(self._follow, shard, msg.step)
+
+    def _follow(self, shard: Shard, step: int) -> None:
+        shard.follow(step, poll_s=READY_POLL_S, idle_s=SETTLE_TIMEOUT_S,
+                     run=lambda a, b: self._traced_speculate(shard, step, a, b))
 
     def _traced_speculate(self, shard: Shard, step: int, a: int, b: int) -> None:
         with self.tracer.span("speculate", rank=shard.rank, step=step, lo=a, hi=b):
@@ -387,6 +401,8 @@ class OptimizerServer:
 
     def _drop(self, session: str, reason: str, level: int = logging.WARNING) -> None:
         shard = self.shards.pop(session, None)
+        if shard is not None:
+            shard.stop_following()
         ex = self.executors.pop(session, None)
         if ex is not None:
             ex.shutdown(wait=True)

@@ -35,7 +35,9 @@ speculated prefix equal the assumed ones (the same grad_scale, slots, prediction
 per-range hyper-parameters and step counts), the prefix is kept and only the rest is
 updated; otherwise the log is restored and the whole STEP runs.  Either way the
 bytes are those of a STEP alone: the update is elementwise (int8: blockwise, and the
-speculated prefix ends on a block), so splitting it changes nothing.
+speculated prefix ends on a block), so splitting it changes nothing.  After the
+step's first SPECULATE the update thread follows the worker's ready word (``follow``,
+protocol v11) and speculates each piece as its gradients land, until the STEP.
 
 The twin (Adam/AdamW with fp32 state or bf16 state and the exact master, and
 undo_log_bytes for the whole update): the
@@ -125,6 +127,7 @@ class Shard:
         self.weights16 = self.weights16_slots[0]  # INIT and LOAD write this one
         self.staging = segment.array(np.float32, self.layout.staging_offset, self.layout.staging_numel)
         self.progress = segment.array(np.uint64, self.layout.progress_offset, 1)
+        self.ready = segment.array(np.uint64, self.layout.ready_offset, 1)  # the worker writes it
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
         self.steps = 0
         self.skipped = 0
@@ -163,7 +166,7 @@ class Shard:
     def close(self) -> None:
         """Drop views, unmap and unlink the segment (the server created it)."""
         self.grads = []
-        self.weights16 = self.staging = self.progress = None
+        self.weights16 = self.staging = self.progress = self.ready = None
         self.weights16_slots = []
         self.segment.close()
         self.segment.unlink()
@@ -278,9 +281,39 @@ class Shard:
         if b <= a or self.spec.full:
             return None
         self.spec.queued = b
-        step = max(P.QBLOCK, self._block_floor(self.progress_block)) if self.arrays.state_dtype == "int8" \
-            else self.progress_block
+        step = self._piece
         return [(x, min(b, x + step)) for x in range(a, b, step)]
+
+    @property
+    def _piece(self) -> int:
+        """A speculative piece's length: a progress block (int8: whole blocks)."""
+        if self.arrays.state_dtype == "int8":
+            return max(P.QBLOCK, self._block_floor(self.progress_block))
+        return self.progress_block
+
+    def follow(self, step: int, *, poll_s: float, idle_s: float, run=None) -> None:
+        """Update thread, queued after the pieces of a step's first SPECULATE: speculate
+        on as the worker's ready word says more gradients are final (tag `step`), a piece
+        at a time, until the STEP or any other request closes the speculation, the undo
+        log is full, the shard is done, or idle_s pass with nothing new (the worker
+        stopped short: its STEP does the rest).  Sleeps poll_s between looks.
+        run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
+        run = run or self.speculate
+        sp = self.spec
+        last = time.monotonic()
+        while sp is self.spec and sp is not None and not (sp.closed or sp.full) and sp.done < self.numel:
+            said = self._block_floor(min(self.numel, cpu_adam.load_progress(self.ready, tag=step)))
+            upto = max(said, sp.queued)  # a later SPECULATE still counts
+            if upto > sp.done:
+                a = sp.done
+                run(a, min(upto, a + self._piece))
+                if sp.done == a:  # it did not fit the log (full) or was closed meanwhile
+                    return
+                last = time.monotonic()
+            elif time.monotonic() - last > idle_s:
+                return
+            else:
+                time.sleep(poll_s)
 
     def _block_floor(self, b: int) -> int:
         """int8: b rounded down to a whole block (a block's scale depends on all of it),
@@ -288,6 +321,12 @@ class Shard:
         if self.arrays.state_dtype == "int8" and b < self.numel:
             return b - b % P.QBLOCK
         return b
+
+    def stop_following(self) -> None:
+        """Socket thread: a request other than SPECULATE came (or the worker is gone), so
+        ``follow`` returns after its piece and queued pieces do nothing."""
+        if self.spec is not None:
+            self.spec.closed = True
 
     def drop_speculation(self, why: str) -> None:
         self.speculate_dropped += 1

@@ -31,11 +31,11 @@ def _round_up(x: int, a: int = PAGE) -> int:
 class ShardLayout:
     """Where everything lies in one shard's segment (offsets in bytes):
 
-     0                                   grad_offsets[1]      weights_offsets[0]         progress_offset
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
-     | grad slot 0     | grad slot 1     |  padding  | weights16 slot 0| (slot 1)| progress | to 4 KiB
-     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |
-     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . .
+     0                                   grad_offsets[1]      weights_offsets[0]         progress_offset  ready_offset
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . +--------+ . .
+     | grad slot 0     | grad slot 1     |  padding  | weights16 slot 0| (slot 1)| progress |     | ready  | to
+     | numel x 2 B     | numel x 2 B     |  to 4 KiB | numel x 2 B     | to 64 B | uint64   |     | uint64 | 4 KiB
+     +-----------------+-----------------+ . . . . . +-----------------+ . . . . +----------+ . . +--------+ . .
      |<- staging fp32: staging_numel x 4 B ->|
 
     Gradient slots (grad_slots, 1 or 2): the worker writes a step's 16-bit
@@ -59,6 +59,13 @@ class ShardLayout:
     during an update, (step << 40) | weights16 elements already final, after each
     block (cython_ext.cpu_adam, release store); 0 after INIT and LOAD.  The worker
     reads it (acquire) to copy finished weights up while the update still runs.
+
+    The ready word, on the next cache line, is written by the worker alone, the
+    other way round: while backward runs, (step << 40) | gradient elements [0, n)
+    already final in the slot, after each bucket lands (release store).  The
+    server reads it (acquire) only between a step's first SPECULATE and its STEP,
+    to speculate further without a message per bucket; the worker stores it before
+    that SPECULATE, so no older value is read for the step.
 
     Host RAM per parameter: 12 private (the server's master, m, v) + 4 shared (one
     gradient slot, one weights slot) = 16; +2 for a second gradient slot, +2 for a
@@ -95,8 +102,13 @@ class ShardLayout:
         return _round_up(self.weights_offsets[-1] + 2 * self.numel, 64)
 
     @property
+    def ready_offset(self) -> int:
+        # a line of its own too: the worker writes it while the server polls it
+        return self.progress_offset + 64
+
+    @property
     def total_bytes(self) -> int:
-        return _round_up(self.progress_offset + 8)
+        return _round_up(self.ready_offset + 8)
 
 
 class Segment:

@@ -1,9 +1,12 @@
 """Speculation during backward (OffloadConfig.undo_log_bytes > 0, one rank).
 
 As backward completes gradient buckets front to back, the prefix of the shard whose
-gradients are final in the host slot grows; each time it does, the engine sends
+gradients are final in the host slot grows.  The first time it does, the engine sends
 SPECULATE: the STEP it will send if no clip fires and nothing overflows, and how
-far the gradients are final.  The server updates that prefix at once, undo-logged
+far the gradients are final; after that it only stores how far in the shared ready
+word (optimizer_server.shm), which the server follows: a message a bucket had cost
+the worker's core a wake of ZeroMQ's I/O thread each (BENCHMARKS.md) and
+the server's core a request.  The server updates that prefix at once, undo-logged
 (optimizer_server.shard: Speculation), so the update runs inside backward.  step()
 sends the real STEP as always; the server keeps the speculated part when the values
 match and otherwise restores it and runs the whole update, so the result is bitwise
@@ -15,7 +18,8 @@ Phases of one step (Phase):
     any       begin(): the step's last backward starts       ARMED     (or IDLE: backing off; from
                                                                         ARMED/SENT: a step() that failed)
     ARMED     ready(upto): a first SPECULATE goes out        SENT
-    SENT      ready(upto): the prefix grew, SPECULATE again  SENT
+    SENT      ready(upto): the prefix grew, the ready word    SENT
+                says so
     ARMED,    end(): the step was sent or skipped            IDLE
       SENT
 
@@ -84,8 +88,11 @@ class Speculator:
                 self.phase = Phase.IDLE
                 return
             self.counters.spec_steps += 1
-        with self.tracer.span("speculate_signal", step=self.k, upto=upto):
-            self.cycle.speculate(self.k, upto=upto, **self._args)
+        if self.phase is Phase.SENT:
+            self.cycle.announce(self.k, upto)
+        else:
+            with self.tracer.span("speculate_signal", step=self.k, upto=upto):
+                self.cycle.speculate(self.k, upto=upto, **self._args)
         self.sent = upto
         self.phase = Phase.SENT
 

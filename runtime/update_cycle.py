@@ -157,8 +157,15 @@ class UpdateCycle:
             # queued from it must have run (long done by the time backward's first bucket is)
             self._reads.synchronize()
             self._reads = None
+        self.client.announce(k, upto)  # first: the server follows the word once SPECULATE is in
         self.client.speculate(k, grad_slot, lr, grad_scale, hparams, upto=upto, predict=predict,
                               out_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
+
+    def announce(self, k: int, upto: int) -> None:
+        """After update k's SPECULATE: the gradients of [0, upto) are final (the ready
+        word; no message)."""
+        self._expect("announce", Phase.IDLE, Phase.ON_DEVICE)
+        self.client.announce(k, upto)
 
     def pump(self, free: int, early: bool = True) -> int:
         """Copy what is both published and below `free` (shard elements) up; returns

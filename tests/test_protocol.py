@@ -13,7 +13,7 @@ SAMPLES = [
             hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64, weight_slots=2, grad_slots=1,
             staging_numel=7, state_dtype="bf16", exact_master=False, frees_bytes=40, undo_log_bytes=1 << 20),
     P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
-              weights_offsets=[4096, 8192], staging_offset=0, staging_numel=10, progress_offset=8256,
+              weights_offsets=[4096, 8192], staging_offset=0, staging_numel=10, progress_offset=8256, ready_offset=8320,
               server_pid=1),
     P.Init(session="s", offset=16, count=8),
     P.Step(session="s", step=3, slot=1, lr=1e-3, grad_scale=0.5, hparams={"weight_decay": 0.1}, out_slot=1,

@@ -96,10 +96,14 @@ class _Cycle:
     can_speculate = True
 
     def __init__(self):
-        self.sent = []
+        self.sent = []       # SPECULATE messages
+        self.announced = []  # ready-word stores after them
 
     def speculate(self, k, *, upto, **args):
         self.sent.append((k, upto))
+
+    def announce(self, k, upto):
+        self.announced.append((k, upto))
 
 
 class _Tracer:
@@ -120,7 +124,10 @@ def test_speculator_phases_and_backoff():
     sp.ready(10)
     sp.ready(10)  # no growth: nothing new
     sp.ready(30)
-    assert sp.phase is Phase.SENT and cyc.sent == [(1, 10), (1, 30)] and c.spec_steps == 1
+    sp.ready(40)
+    # one message a step; the prefix's growth after it goes through the ready word
+    assert sp.phase is Phase.SENT and cyc.sent == [(1, 10)] and cyc.announced == [(1, 30), (1, 40)]
+    assert c.spec_steps == 1
     sp.end()
     assert sp.phase is Phase.IDLE
     # rollbacks in a row: 1, 2, 4, ... steps without speculation, up to MAX_BACKOFF
