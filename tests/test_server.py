@@ -153,9 +153,10 @@ def wait_speculated(client, n: int, timeout_s: float = 30.0) -> None:
 
 
 def test_speculation_kept_rolled_back_and_settled_bitwise(server):
-    """SPECULATE against the same STEPs without it (a second shard): a matching STEP keeps
-    the speculated prefix, a different grad_scale rolls it back, and SKIP and GET_MASTER
-    settle a pending one first; the master and weights stay bitwise the reference's."""
+    """SPECULATE against the same STEPs without it (a second shard), the rest of each
+    step's gradients said final by the ready word: a matching STEP keeps the speculated
+    prefix, a different grad_scale rolls it back, and SKIP and GET_MASTER settle a
+    pending one first; the master and weights stay bitwise the reference's."""
     from optimizer_server import ShardClient
     n = 5000
     rng = seeded_rng()
@@ -170,8 +171,12 @@ def test_speculation_kept_rolled_back_and_settled_bitwise(server):
             spec.grads[0].view(np.float16)[:] = g
             ref.grads[0].view(np.float16)[:] = g
             actual = 0.5 if t % 2 == 0 else 1.0  # even steps: "a clip fired", the assumption was wrong
+            spec.announce(t, n // 3)
             spec.speculate(t, 0, 1e-2, 1.0, None, upto=n // 3)
-            spec.speculate(t, 0, 1e-2, 1.0, None, upto=n)
+            if t == 1:  # a second SPECULATE still counts
+                spec.speculate(t, 0, 1e-2, 1.0, None, upto=n)
+            else:       # the ready word, followed by the server's update thread
+                spec.announce(t, n)
             wait_speculated(spec, n)  # else the STEP may come first and take the pieces over
             d = spec.step(t, 0, 1e-2, actual)
             ref.step(t, 0, 1e-2, actual)
@@ -527,6 +532,54 @@ def test_shard_speculation_states():
     finally:
         sh.close()
 
+
+
+def test_shard_follows_the_ready_word_of_its_step_only():
+    """After a step's first SPECULATE the update thread speculates on as the worker's
+    ready word grows (the tag names the step: another step's word counts for nothing),
+    and stops when the word stops growing, when the STEP or any other request closes
+    the speculation, or at the shard's end; the result is the bytes of a STEP alone."""
+    from cython_ext import cpu_adam
+    from optimizer_server import protocol as P
+    n = 1000
+    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=100)
+    shards = [_shard(numel=n, progress_block=128, undo_log_bytes=1 << 30), _shard(numel=n)]
+    try:
+        rng = seeded_rng()
+        g = (rng.standard_normal(n) * 0.1).astype(np.float16)
+        for sh in shards:
+            _init_ones(sh)
+            sh.grads[0].view(np.float16)[:] = g
+        sp = shards[0]
+        ran = []
+
+        def follow(step=1):
+            sp.follow(step, poll_s=0.0, idle_s=0.05, run=lambda a, b: (ran.append((a, b)), sp.speculate(a, b)))
+        cpu_adam.store_progress(sp.ready, tag=0, done=n)  # an older step's word: not this one's
+        for a, b in sp.accept_speculation(spec):
+            sp.speculate(a, b)
+        follow()  # nothing new for step 1: returns after idle_s
+        assert sp.spec.done == 100 and ran == []
+        cpu_adam.store_progress(sp.ready, tag=1, done=300)
+        follow()  # a piece at most a progress block long
+        assert sp.spec.done == 300 and ran == [(100, 228), (228, 300)]
+        cpu_adam.store_progress(sp.ready, tag=1, done=n)
+        sp.stop_following()  # a request came: what the word says more is left to the STEP
+        follow()
+        assert sp.spec.done == 300 and len(ran) == 2
+        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
+        assert sp.last_speculated == 300
+        # step 2: the word grows to the end, and following stops there
+        spec2 = P.Speculate(session="s", step=2, slot=0, lr=1e-3, upto=0)
+        assert sp.accept_speculation(spec2) is None and sp.spec is not None  # nothing final yet
+        cpu_adam.store_progress(sp.ready, tag=2, done=n)
+        follow(2)
+        assert sp.spec.done == n
+        _step_both(shards, P.Step(session="s", step=2, slot=0, lr=1e-3))
+        assert sp.last_speculated == n
+    finally:
+        for sh in shards:
+            sh.close()
 
 def _init_ones(sh) -> None:
     """INIT a unit shard (staging of 40) with a master of ones."""
