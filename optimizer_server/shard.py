@@ -145,12 +145,14 @@ class Shard:
         whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
         if hello.undo_log_bytes >= whole and self.arrays.can_twin:
             # room for all of it, and a kernel that updates out of place: speculation writes
-            # the new state into a twin of it (12 B/param with fp32 state, 6 with bf16) and the
-            # log keeps only the weights slot (2): a rollback restores no state, and a piece
-            # moves about the bytes of a plain update (saving the state into the log had cost
-            # more than updating it)
+            # the new state into a twin of it (12 B/param with fp32 state, 6 with bf16): a
+            # rollback restores no state, and a piece moves about the bytes of a plain update
+            # (saving the state into the log had cost more than updating it).  The log keeps
+            # the weights slot (2) only where there is one; with two, a STEP writes the one
+            # the worker does not compute with (update_writes)
             self.arrays.make_twin()
-            whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
+            out = 1 if len(self.weights16_slots) > 1 else 0
+            whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, out))
         self.undo = UndoLog(min(hello.undo_log_bytes, whole)) if hello.undo_log_bytes else None
         self.spec: Speculation | None = None
         self.speculate_dropped = 0

@@ -289,10 +289,16 @@ class ShardStateArrays:
         a speculative update): the master or remainder, each moment, the int8 scales of
         the blocks it touches, and the out weights slot (which may be the exact master's
         high halves).  The high halves in hi_slot are only read when out_slot differs.
-        With the twin, only the out slot: the state itself is not overwritten."""
+        With the twin, the state itself is not overwritten, and the out slot is saved
+        only when it is the one weights slot (the worker's current weights, which a
+        SKIP leaves as they were) or holds the exact master's high halves (out_slot ==
+        hi_slot).  Of two slots, a STEP writes the one the worker does not compute with:
+        its old bytes are the weights before the current ones, which nothing reads
+        again and the next STEP rewrites whole."""
         sl = slice(lo, hi)
         if self.twin is not None:
-            return [slots[out_slot][sl]]
+            logged = len(slots) == 1 or (self.exact_master and out_slot == self.hi_slot)
+            return [slots[out_slot][sl]] if logged else []
         out = [self.remainder[sl] if self.exact_master else self.master[sl]]
         out += [a[sl] for a in self.moments.values()]
         out += [a[lo // QBLOCK:nblocks(hi)] for a in self.scales.values()]

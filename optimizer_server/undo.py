@@ -24,7 +24,8 @@ shard's update thread.
 With the state's twin (Adam/AdamW with fp32 state, or bf16 state and the exact
 master, and a log that covers the whole update: ShardStateArrays.make_twin) the
 speculative update writes the new state beside the old, and the log holds only
-the out weights slot.
+the out weights slot, and that only where it is the one weights slot or holds
+the exact master's high halves: with two slots it stays empty.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ its STEP, with undo_log_bytes one byte under the whole update's writes (the undo
 log: the state's old bytes are copied into the log first; its last element is
 left to the STEP) and with enough for
 all of it (the twin: the new state is written beside the old, only the weights
-slot is logged).  The first speculation of each shard commits the log's (and
+slot is logged, and with two weights slots, as a CPU worker has, nothing is).  The first speculation of each shard commits the log's (and
 the twin's) pages and is not timed.  Speculation's time is split into the log's
 save and the update.  Writes BENCHMARKS.md section "bench_spec_piece".
 """
@@ -39,9 +39,10 @@ from optimizer_server.shm import Segment, ShardLayout  # noqa: E402
 from optimizer_server.state import bytes_per_param  # noqa: E402
 
 
-def make_shard(n: int, state: str, undo_log_bytes: int) -> Shard:
+def make_shard(n: int, state: str, undo_log_bytes: int, weight_slots: int = 1) -> Shard:
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=n, dtype="bf16",
-                  optimizer="adamw", undo_log_bytes=undo_log_bytes, state_dtype=state, exact_master=state == "bf16")
+                  optimizer="adamw", undo_log_bytes=undo_log_bytes, state_dtype=state, exact_master=state == "bf16",
+                  weight_slots=weight_slots)
     layout = ShardLayout(numel=n, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=1 << 20)
     seg = Segment.create(f"zo-bench-spec-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
     sh = Shard("s", msg, seg, layout, 1)
@@ -77,11 +78,14 @@ class SaveTimer:
 
 def run(sh: Shard, k: int, speculate: bool) -> tuple[float, float]:
     """Update k (speculated whole, then its STEP, or a STEP alone): (seconds, seconds saving)."""
-    step = P.Step(session="s", step=k, slot=0, lr=1e-3)
+    # of two weights slots, each STEP writes the other one (as a CPU worker's do)
+    out = k % 2 if len(sh.weights16_slots) > 1 else 0
+    step = P.Step(session="s", step=k, slot=0, lr=1e-3, out_slot=out)
     with SaveTimer() as st:
         t0 = time.perf_counter()
         if speculate:
-            assert sh.accept_speculation(P.Speculate(session="s", step=k, slot=0, lr=1e-3, upto=sh.numel))
+            assert sh.accept_speculation(P.Speculate(session="s", step=k, slot=0, lr=1e-3, upto=sh.numel,
+                                                     out_slot=out))
             sh.speculate(0, sh.numel)
         assert sh.accept_step(step) is None
         sh.step(step)
@@ -97,11 +101,12 @@ def measure(n: int, state: str, reps: int, label: str) -> list[str]:
     """One state dtype's rows: a plain update, and speculation with the log and the twin."""
     # what one update writes: the state (bf16: with the exact master) and the bf16 weights slot
     whole = int(n * (bytes_per_param("adamw", state, exact_master=state == "bf16") + 2))
-    variants = {"undo log": whole - 1, "twin": whole}
-    shards = {name: make_shard(n, state, b) for name, b in variants.items()}
+    # the twin with one weights slot logs it (a GPU worker's); with two (a CPU worker's) nothing
+    variants = {"undo log": (whole - 1, 1), "twin": (whole, 1), "twin, two weights slots": (whole, 2)}
+    shards = {name: make_shard(n, state, b, slots) for name, (b, slots) in variants.items()}
     try:
         for name, sh in shards.items():
-            assert (sh.arrays.twin is not None) == (name == "twin"), name
+            assert (sh.arrays.twin is not None) == name.startswith("twin"), name
             run(sh, 1, True)  # commits the log's and the twin's pages: not timed
             run(sh, 2, False)
         times = {v: [] for v in ("plain", *variants)}

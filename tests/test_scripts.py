@@ -42,7 +42,7 @@ def test_bench_transport_tiny():
 def test_bench_spec_piece_tiny():
     out = run("bench_spec_piece.py", "--numel", "64K", "--reps", "1", "--no-write")
     rows = [line for line in out.splitlines() if line.startswith("| 64K |")]
-    kinds = ["plain update", "speculated, undo log", "speculated, twin"]
+    kinds = ["plain update", "speculated, undo log", "speculated, twin", "speculated, twin, two weights slots"]
     assert [(r.split("|")[2].strip(), r.split("|")[3].strip()) for r in rows] == \
         [(st, k) for st in ("fp32", "bf16") for k in kinds]
     assert all(r.count("|") == 7 for r in rows)

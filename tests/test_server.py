@@ -611,6 +611,7 @@ SUBPIECE_CASES = {  # HELLO of each: the twin, the undo log, the twin of bf16 st
     "twin": dict(optimizer="adamw"),
     "undo-log": dict(optimizer="lion"),
     "twin-bf16-exact": dict(optimizer="adamw", dtype="bf16", state_dtype="bf16", exact_master=True),
+    "twin-two-slots": dict(optimizer="adamw", weight_slots=2),  # the out slot is not the worker's: not logged
 }
 
 
@@ -627,8 +628,9 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     from optimizer_server import protocol as P
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000
-    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n)
     hello = SUBPIECE_CASES[case]
+    out = hello.get("weight_slots", 1) - 1  # of two slots, the one the worker does not compute with
+    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n, out_slot=out)
     shards = [_shard(numel=n, undo_log_bytes=1 << 30, **hello), _shard(numel=n, **hello)]
     try:
         rng = seeded_rng()
@@ -638,11 +640,11 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
             sh.grads[0].view(np.float16)[:] = g
         sp, ref = shards
         twin = hello["optimizer"] == "adamw"
-        logged = 1 if twin else 3  # arrays saved per sub-piece
+        logged = (1 - out if twin else 3)  # arrays saved per sub-piece
         assert (sp.arrays.twin is not None) == twin
-        # 2 B of 16-bit weights with the twin (the state mirrored beside itself, not logged);
-        # else fp32 master and m, and the weights
-        assert sp.undo.capacity == (2 if twin else 10) * n and not sp.undo.faulted
+        # with the twin (the state mirrored beside itself, not logged) 2 B of 16-bit weights
+        # when there is one slot, nothing with two; else fp32 master and m, and the weights
+        assert sp.undo.capacity == (2 * (1 - out) if twin else 10) * n and not sp.undo.faulted
         m0 = _master(sp)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)  # four sub-pieces
@@ -651,8 +653,9 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
         np.testing.assert_array_equal(_master(sp), m0)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)
-        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
+        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3, out_slot=out))
         assert (sp.last_speculated, sp.last_rolled_back) == (n, 0)
+        assert np.array_equal(sp.weights16_slots[out], ref.weights16_slots[out])
     finally:
         for sh in shards:
             sh.close()
