@@ -357,8 +357,10 @@ class Shard:
         twin = self.arrays.twin is not None
         # saved and updated a sub-piece at a time: the save reads what the update reads
         # next, so a sub-piece that fits the last-level cache is read from memory once
-        for x in range(a, b, SPEC_SUBPIECE):
-            y = min(b, x + SPEC_SUBPIECE)
+        # (with nothing to save, the twin with two weights slots, one kernel call)
+        sub = SPEC_SUBPIECE if self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot) else b - a
+        for x in range(a, b, sub):
+            y = min(b, x + sub)
             saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.out_slot))
             assert saved, "the piece's bytes fit, so each of its sub-pieces does"
             self._run(sp.msg, ranges, x, y, progress=False, twin=twin)
