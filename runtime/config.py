@@ -47,7 +47,7 @@ class OffloadConfig:
         as far as that forward lasts; several ranks: the first forward hook waits for
         the whole update (exact, little overlap).  Not with dpu (a choice between the
         two: dpu hides more and computes on weights one update old).
-    undo_log_bytes: speculation during backward (one rank; sync or overlap_update, not dpu):
+    undo_log_bytes: speculation during backward (sync or overlap_update, not dpu; any ranks):
         0 (default) turns it off.  Otherwise, as each bucket's gradients land in the host
         slot the server updates them at once, assuming no clipping and no overflow, after
         saving what it overwrites in an undo log of at most this many bytes of host RAM

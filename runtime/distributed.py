@@ -134,6 +134,10 @@ class BucketReduce:
             self.acc.div_(self.world_size)
         return self.acc
 
+    def done(self) -> bool:
+        """Whether wait() would return at once (gloo: the all-reduce has finished)."""
+        return all(work.is_completed() for _, work in self.works)
+
     def record_stream(self, stream) -> None:
         """The buffers are read on `stream` (CUDA): keep them alive for it."""
         for acc, _ in self.works:

@@ -120,10 +120,6 @@ class OffloadEngine:
         # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
         # DONE before the next backward anyway.
         self._grad_slots = cfg.dpu_grad_slots if cfg.dpu else 1
-        if cfg.undo_log_bytes and self.world_size > 1:
-            raise ValueError(f"undo_log_bytes={cfg.undo_log_bytes} (speculation during backward) runs on one rank: with "
-                             f"{self.world_size} ranks a shard's gradients are final only after backward's reduces; "
-                             f"set undo_log_bytes=0 (overlap_update still works)")
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
         group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts

@@ -18,10 +18,13 @@ alone); step() drops it.  Topologies:
                     asynchronously and is waited for at the end of backward.
 
 Speculation (runtime.speculation): ``on_ready(n)`` hears that the gradients of shard
-elements [0, n) are final in the host slot, as that prefix grows during backward (one
-rank only): parameter by parameter on the CPU, whose hooks copy straight into the
-slot; bucket by bucket on CUDA, once the copy stream's event for the bucket has
-passed.  It hears of growth by at least ``ready_every`` elements (and of the end), so
+elements [0, n) are final in the host slot, as that prefix grows during backward:
+parameter by parameter on one CPU rank, whose hooks copy straight into the slot;
+bucket by bucket on CUDA, once the copy stream's event for the bucket has passed
+(after its reduce, with several ranks); with gloo, once a bucket's all-reduce has
+finished and a hook has copied it down.  Across ranks the shards are contiguous and
+backward fills the flat space front to back, so the first ranks' shards get their
+final gradients during backward and the last rank's mostly at its end.  It hears of growth by at least ``ready_every`` elements (and of the end), so
 the server gets pieces worth a kernel call.  What finish() completes (unused
 parameters, gradients of earlier micro-batches) is not announced: its step counts are
 not the ones speculation assumes.
@@ -93,7 +96,6 @@ class GradientsDown:
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
         self.rank, self.world_size = rank, world_size
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
-        assert on_ready is None or world_size == 1, "speculation runs on one rank"
         self.on_ready = on_ready
         self.ready_every = max(1, ready_every)
         self.cuda = device.type == "cuda"
@@ -174,6 +176,7 @@ class GradStep:
         """End of backward: a gradient that only earlier micro-batches produced (it sits in
         .grad: the last backward never reached the parameter) goes down now; parameters
         with none at all are zeros in the slot and reported by ``totals`` as unused."""
+        self.finishing = True
         for b in self.d.flat.buckets:
             if self.remaining[b.index] == 0:
                 continue
@@ -230,6 +233,7 @@ class GradStep:
         while self.issued < len(bs) and self.remaining[self.issued] == 0:
             self._bucket_done(bs[self.issued])
             self.issued += 1
+        self._announce()
 
     def _announce(self) -> None:
         """Tell on_ready how far the host slot holds final gradients: the prefix of buckets
@@ -237,6 +241,15 @@ class GradStep:
         d = self.d
         if d.on_ready is None or self.finishing:
             return
+        hi = min(max(self._ready_hi() - d.shard_lo, 0), d.pad_lo)  # never the padding: finish() zeroes it
+        if hi - self.announced >= d.ready_every or (hi == d.pad_lo and hi > self.announced):
+            self.announced = hi
+            d.on_ready(hi)
+
+    def _ready_hi(self) -> int:
+        """Flat elements [0, hi) whose final gradients are in the host slot (as far as
+        this rank's shard goes)."""
+        d = self.d
         n = self.ready_front
         if d.cuda:
             bs = d.flat.buckets
@@ -249,10 +262,7 @@ class GradStep:
                 n += 1
             hi = spans[n].offset if n < len(spans) else d.flat.padded_numel
         self.ready_front = n
-        hi = min(max(hi - d.shard_lo, 0), d.pad_lo)  # never the padding: finish() zeroes it
-        if hi - self.announced >= d.ready_every or (hi == d.pad_lo and hi > self.announced):
-            self.announced = hi
-            d.on_ready(hi)
+        return hi
 
     def _unseen(self, b: Bucket):
         return (s for s in b.params if id(s.param) not in self.seen)
@@ -371,21 +381,30 @@ class DeviceBucketStep(GradStep):
 
 
 class GlooStep(DeviceBucketStep):
+    """Each complete bucket's all-reduce starts at once and backward goes on; a reduce
+    that has finished is copied down (our shard's part) the next time a hook runs, in
+    bucket order, so that speculation hears of it during backward; finish() waits for
+    the rest."""
+
     def __init__(self, down: GradientsDown, slot: int):
         super().__init__(down, slot)
-        self.pending: list = []  # (bucket, lo, hi, fp32 buffer, work) of reduces started in backward
+        self.pending: list = []  # (bucket, lo, hi, reduce) of reduces started, in bucket order
+        self.landed = 0          # flat elements [0, landed) are averaged and in the host slot
 
     def _bucket_done(self, b: Bucket) -> None:
-        # gloo: start the all-reduce and let backward go on; finished in _finish_reduces
         lo, hi = self._shard_part(b)
         with self.d.tracer.span("grad_reduce_start", bucket=b.index):
             self.pending.append((b, lo, hi, self.d.coll.start_bucket_reduce(self.bufs[b.index], b.lo)))
         self.bufs[b.index] = None
 
-    def _finish_reduces(self) -> None:
-        """Wait for the all-reduces started during backward; copy our shard's parts down."""
+    def _land(self, block: bool) -> None:
+        """Copy our shard's part of the finished reduces down, in bucket order (block:
+        wait for each; else stop at the first still running)."""
         d = self.d
-        for b, lo, hi, red in self.pending:
+        while self.pending:
+            b, lo, hi, red = self.pending[0]
+            if not block and not red.done():
+                return
             with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
                 acc = red.wait()
                 if hi > lo:
@@ -394,4 +413,12 @@ class GlooStep(DeviceBucketStep):
                     host.copy_(acc[lo - b.lo:hi - b.lo])  # fp32 average -> 16 bits, one rounding
                     self.sq_host += d.host_sumsq(self.slot, lo - d.shard_lo, hi - d.shard_lo)
                     d.counters.bytes_to_host += 2 * (hi - lo)
-        self.pending = []
+            self.pending.pop(0)
+            self.landed = b.hi
+
+    def _ready_hi(self) -> int:
+        self._land(block=False)
+        return self.landed
+
+    def _finish_reduces(self) -> None:
+        self._land(block=True)

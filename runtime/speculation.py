@@ -1,4 +1,4 @@
-"""Speculation during backward (OffloadConfig.undo_log_bytes > 0, one rank).
+"""Speculation during backward (OffloadConfig.undo_log_bytes > 0).
 
 As backward completes gradient buckets front to back, the prefix of the shard whose
 gradients are final in the host slot grows.  The first time it does, the engine sends

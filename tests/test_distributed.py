@@ -77,20 +77,30 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
 
 def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
     """overlap_update across ranks (the first forward hook lands the update and its
-    all-gather): master and weights on both ranks bitwise those of sync."""
+    all-gather), and with speculation during backward (each rank's server speculates
+    on its shard as the gloo all-reduces finish): master and weights on both ranks
+    bitwise those of sync, with the clip at 1.0 firing on some steps and without it."""
     res = {}
-    for mode in ("sync-clip", "overlap-clip"):
+    for mode in ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec"):
         d = tmp_path / mode
         d.mkdir()
         p = launch(d, mode, 12)
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out
         res[mode] = [torch.load(d / f"rank{r}.pt") for r in range(2)]
-    for r in range(2):
-        a, b = res["sync-clip"][r], res["overlap-clip"][r]
-        for k in a["master"]:
-            assert torch.equal(a["master"][k], b["master"][k]), (r, k)
-            assert torch.equal(a["w16"][k], b["w16"][k]), (r, k)
+    for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec")):
+        for r in range(2):
+            a, b = res[ref][r], res[mode][r]
+            for k in a["master"]:
+                assert torch.equal(a["master"][k], b["master"][k]), (mode, r, k)
+                assert torch.equal(a["w16"][k], b["w16"][k]), (mode, r, k)
+    # rank 0's shard (the last layers: their gradients come first) was speculated and
+    # kept without the clip; with it, some speculations were kept and some rolled back
+    st = res["overlap-spec"][0]["stats"]
+    assert st["spec_kept_steps"] > 0 and st["spec_kept_numel"] > 0, st
+    st = res["overlap-spec-clip"][0]["stats"]
+    print("rank 0 with the clip:", {k: v for k, v in st.items() if k.startswith("spec")})
+    assert st["spec_kept_steps"] > 0 and st["spec_rollback_steps"] > 0, st
 
 
 def test_overflow_on_one_rank_skips_everywhere(tmp_path):

@@ -7,7 +7,8 @@ rank's final master weights, 16-bit weights and stats to OUT_DIR.
 MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
-overlap-clip / sync-clip (overlap_update against sync, clipping at 1.0) |
+overlap-clip / sync-clip (overlap_update against sync, clipping at CLIP) |
+overlap-spec-clip / overlap-spec (with speculation: an undo log for the whole shard) |
 unused-dpu (a layer with no gradient on any rank every third step, one only rank 0's
 rows use every third, and one never used).
 """
@@ -21,6 +22,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from runtime import OffloadConfig, OffloadEngine  # noqa: E402
+
+
+SPEC_WAIT_S = 0.1  # spec modes: see main()
+CLIP = 0.25  # clip modes: the global norm falls from ~0.5 to ~0.2 over 12 steps, so it fires on some
 
 
 def make_model(mode: str = ""):
@@ -74,8 +79,9 @@ def groups(model, mode: str):
 def config(mode: str) -> OffloadConfig:
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
                          dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
-                         overlap_update=mode.startswith("overlap"), clip_grad_norm=1.0 if "clip" in mode else None,
+                         overlap_update=mode.startswith("overlap"), clip_grad_norm=CLIP if "clip" in mode else None,
                          state_dtype="bf16" if "bf16state" in mode else "int8" if "int8state" in mode else "fp32",
+                         undo_log_bytes=(1 << 30) if "spec" in mode else 0,
                          progress_block_numel=256,  # many published blocks per shard: partial copies
                          staging_numel=500)  # the initial shard and master_state_dict in chunks
 
@@ -93,6 +99,11 @@ def main():
         extra["master_at_load"] = eng.master_state_dict()
         extra["w16_at_load"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     first = eng.iteration + 1
+    if "spec" in mode:
+        # a backward this small ends before a gloo all-reduce does: the first layer (the
+        # last in backward) waits for the others' reduces, so that its hook lands them
+        # and tells the server during backward, as a longer backward would
+        model[0].weight.register_hook(lambda g: (time.sleep(SPEC_WAIT_S), g)[1])
     for t in range(first, first + steps):
         if mode == "raise" and rank == 1 and t == 2:
             raise RuntimeError("worker 1 fails on purpose")
@@ -106,6 +117,8 @@ def main():
             h = next(model.parameters()).register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
         loss = torch.nn.functional.mse_loss(forward(model, x.to(dt), t, rank * n).float(), y)
         eng.backward(loss)
+        if "spec" in mode:
+            time.sleep(SPEC_WAIT_S)  # the server speculates what it heard of before the STEP
         eng.step()
         if h is not None:
             h.remove()
