@@ -101,6 +101,11 @@ DEFAULT_HPARAMS = {
 SPEC_SUBPIECE = 1 << 18
 assert SPEC_SUBPIECE % P.QBLOCK == 0
 
+# follow()'s longest sleep between looks at the ready word: a bucket of a large model's
+# CPU backward can take seconds, and a look every 0.1 ms through it would wake the
+# server's core ten thousand times a second for nothing
+MAX_READY_POLL_S = 0.001
+
 
 class Shard:
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
@@ -298,11 +303,13 @@ class Shard:
         on as the worker's ready word says more gradients are final (tag `step`), a piece
         at a time, until the STEP or any other request closes the speculation, the undo
         log is full, the shard is done, or idle_s pass with nothing new (the worker
-        stopped short: its STEP does the rest).  Sleeps poll_s between looks.
+        stopped short: its STEP does the rest).  Sleeps poll_s between looks, doubling
+        up to MAX_READY_POLL_S while nothing new comes (a long backward polls less).
         run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
         run = run or self.speculate
         sp = self.spec
         last = time.monotonic()
+        delay = poll_s
         while sp is self.spec and sp is not None and not (sp.closed or sp.full) and sp.done < self.numel:
             said = self._block_floor(min(self.numel, cpu_adam.load_progress(self.ready, tag=step)))
             upto = max(said, sp.queued)  # a later SPECULATE still counts
@@ -311,11 +318,12 @@ class Shard:
                 run(a, min(upto, a + self._piece))
                 if sp.done == a:  # it did not fit the log (full) or was closed meanwhile
                     return
-                last = time.monotonic()
+                last, delay = time.monotonic(), poll_s
             elif time.monotonic() - last > idle_s:
                 return
             else:
-                time.sleep(poll_s)
+                time.sleep(delay)
+                delay = min(2 * delay, max(poll_s, MAX_READY_POLL_S))
 
     def _block_floor(self, b: int) -> int:
         """int8: b rounded down to a whole block (a block's scale depends on all of it),
