@@ -534,58 +534,27 @@ def test_shard_speculation_states():
 
 
 
-def test_shard_follows_the_ready_word_of_its_step_only():
-    """After a step's first SPECULATE the update thread speculates on as the worker's
-    ready word grows (the tag names the step: another step's word counts for nothing),
-    and stops when the word stops growing, when the STEP or any other request closes
-    the speculation, or at the shard's end; the result is the bytes of a STEP alone."""
-    from cython_ext import cpu_adam
-    from optimizer_server import protocol as P
-    n = 1000
-    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=100)
-    shards = [_shard(numel=n, progress_block=128, undo_log_bytes=1 << 30), _shard(numel=n)]
-    try:
-        rng = seeded_rng()
-        g = (rng.standard_normal(n) * 0.1).astype(np.float16)
-        for sh in shards:
-            _init_ones(sh)
-            sh.grads[0].view(np.float16)[:] = g
-        sp = shards[0]
-        ran = []
-
-        def follow(step=1):
-            sp.follow(step, poll_s=0.0, idle_s=0.05, run=lambda a, b: (ran.append((a, b)), sp.speculate(a, b)))
-        cpu_adam.store_progress(sp.ready, tag=0, done=n)  # an older step's word: not this one's
-        for a, b in sp.accept_speculation(spec):
-            sp.speculate(a, b)
-        follow()  # nothing new for step 1: returns after idle_s
-        assert sp.spec.done == 100 and ran == []
-        cpu_adam.store_progress(sp.ready, tag=1, done=300)
-        follow()  # a piece at most a progress block long
-        assert sp.spec.done == 300 and ran == [(100, 228), (228, 300)]
-        cpu_adam.store_progress(sp.ready, tag=1, done=n)
-        sp.stop_following()  # a request came: what the word says more is left to the STEP
-        follow()
-        assert sp.spec.done == 300 and len(ran) == 2
-        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
-        assert sp.last_speculated == 300
-        # step 2: the word grows to the end, and following stops there
-        spec2 = P.Speculate(session="s", step=2, slot=0, lr=1e-3, upto=0)
-        assert sp.accept_speculation(spec2) is None and sp.spec is not None  # nothing final yet
-        cpu_adam.store_progress(sp.ready, tag=2, done=n)
-        follow(2)
-        assert sp.spec.done == n
-        _step_both(shards, P.Step(session="s", step=2, slot=0, lr=1e-3))
-        assert sp.last_speculated == n
-    finally:
-        for sh in shards:
-            sh.close()
-
 def _init_ones(sh) -> None:
     """INIT a unit shard (staging of 40) with a master of ones."""
     sh.staging[:40] = 1.0
     for lo in range(0, sh.numel, 40):
         sh.init_chunk(lo, min(40, sh.numel - lo))
+
+
+def _speculating_pair(n: int, spec_hello: dict, **hello) -> list:
+    """[a shard with an undo log for all of it (and spec_hello), its reference without],
+    both INIT to ones, with the same seeded gradients in slot 0."""
+    shards = [_shard(numel=n, undo_log_bytes=1 << 30, **spec_hello, **hello), _shard(numel=n, **hello)]
+    try:
+        g = (seeded_rng().standard_normal(n) * 0.1).astype(np.float16)
+        for sh in shards:
+            _init_ones(sh)
+            sh.grads[0].view(np.float16)[:] = g
+    except BaseException:
+        for sh in shards:
+            sh.close()
+        raise
+    return shards
 
 
 def _master(sh) -> np.ndarray:
@@ -631,13 +600,8 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     hello = SUBPIECE_CASES[case]
     out = hello.get("weight_slots", 1) - 1  # of two slots, the one the worker does not compute with
     spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n, out_slot=out)
-    shards = [_shard(numel=n, undo_log_bytes=1 << 30, **hello), _shard(numel=n, **hello)]
+    shards = _speculating_pair(n, {}, **hello)
     try:
-        rng = seeded_rng()
-        g = (rng.standard_normal(n) * 0.1).astype(np.float16)
-        for sh in shards:
-            _init_ones(sh)
-            sh.grads[0].view(np.float16)[:] = g
         sp, ref = shards
         twin = hello["optimizer"] == "adamw"
         logged = (1 - out if twin else 3)  # arrays saved per sub-piece
@@ -660,6 +624,48 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
         for sh in shards:
             sh.close()
 
+
+def test_shard_follows_the_ready_word_of_its_step_only():
+    """After a step's first SPECULATE the update thread speculates on as the worker's
+    ready word grows (the tag names the step: another step's word counts for nothing),
+    and stops when the word stops growing, when the STEP or any other request closes
+    the speculation, or at the shard's end; the result is the bytes of a STEP alone."""
+    from cython_ext import cpu_adam
+    from optimizer_server import protocol as P
+    n = 1000
+    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=100)
+    shards = _speculating_pair(n, dict(progress_block=128))
+    try:
+        sp = shards[0]
+        ran = []
+
+        def follow(step=1):
+            sp.follow(step, poll_s=0.0, idle_s=0.05, run=lambda a, b: (ran.append((a, b)), sp.speculate(a, b)))
+        cpu_adam.store_progress(sp.ready, tag=0, done=n)  # an older step's word: not this one's
+        for a, b in sp.accept_speculation(spec):
+            sp.speculate(a, b)
+        follow()  # nothing new for step 1: returns after idle_s
+        assert sp.spec.done == 100 and ran == []
+        cpu_adam.store_progress(sp.ready, tag=1, done=300)
+        follow()  # a piece at most a progress block long
+        assert sp.spec.done == 300 and ran == [(100, 228), (228, 300)]
+        cpu_adam.store_progress(sp.ready, tag=1, done=n)
+        sp.stop_following()  # a request came: what the word says more is left to the STEP
+        follow()
+        assert sp.spec.done == 300 and len(ran) == 2
+        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
+        assert sp.last_speculated == 300
+        # step 2: the word grows to the end, and following stops there
+        spec2 = P.Speculate(session="s", step=2, slot=0, lr=1e-3, upto=0)
+        assert sp.accept_speculation(spec2) is None and sp.spec is not None  # nothing final yet
+        cpu_adam.store_progress(sp.ready, tag=2, done=n)
+        follow(2)
+        assert sp.spec.done == n
+        _step_both(shards, P.Step(session="s", step=2, slot=0, lr=1e-3))
+        assert sp.last_speculated == n
+    finally:
+        for sh in shards:
+            sh.close()
 
 def test_shutdown_does_not_wait_for_a_stuck_update_without_bound(tmp_path, monkeypatch):
     """SHUTDOWN_UPDATE_WAIT_S bounds the wait for the update in flight: an update
