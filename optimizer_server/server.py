@@ -39,9 +39,9 @@ log = logging.getLogger("optimizer_server")
 
 POLL_INTERVAL_MS = 50            # how often the loop looks at signals and heartbeats
 SETTLE_TIMEOUT_S = 120.0         # bound on the speculative pieces queued before a rollback
-# How long the update thread sleeps between looks at a worker's ready word while it
-# follows a speculation: a piece of 2^20 elements takes ~1 ms, so a look every
-# 0.1 ms costs the update little, and the sleep leaves the core to backward.
+# How long the update thread first sleeps between looks at a worker's ready word while
+# it follows a speculation (Shard.follow): a piece of 2^20 elements takes about a
+# millisecond, so a look every 0.1 ms delays it little, and the sleep leaves the core.
 READY_POLL_S = 1e-4
 SHUTDOWN_UPDATE_WAIT_S = 30.0    # bound on finishing the update in flight at exit
 
