@@ -4,6 +4,9 @@ update runs during the next forward; a slowed server or a slowed forward changes
 the timing, never a bit."""
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -53,12 +56,22 @@ def wide_gpt():
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=256, seq_len=16))
 
 
+def _hold_server(eng, t):
+    """Before every third step(): the server is held stopped for 0.2 s, so that the STEP
+    waits in its socket and the next forward's hooks wait for their weights on any
+    machine (the race is made, not hoped for)."""
+    if t % 3 == 0:
+        pid = eng._server.pid
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(0.2, os.kill, (pid, signal.SIGCONT)).start()
+
+
 def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypatch):
-    """The scalar kernel (several times slower): the forward's hooks must wait for their
-    weights, and the result is still sync's."""
+    """The scalar kernel (several times slower) and a server held stopped now and then:
+    the forward's hooks must wait for their weights, and the result is still sync's."""
     monkeypatch.setenv("ZERO_OFFLOAD_SIMD", "scalar")
     sync = run(tmp_path, wide_gpt, gpt_batch, "bf16", False, clip_grad_norm=1.2)
-    over = run(tmp_path, wide_gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2)
+    over = run(tmp_path, wide_gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2, before_step=_hold_server)
     assert over[0] == sync[0] and over[2] == sync[2]
     assert over[4]["overlap_wait_s"] > 0
 
