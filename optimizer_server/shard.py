@@ -145,18 +145,18 @@ class Shard:
         self.update_times: list[float] = []
         self.bytes_read = 0
         self.bytes_written = 0
-        # a step saves each element once at most: a log larger than one whole update's
-        # writes would only hold pages nothing uses
-        whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, 0))
+        # a step saves each element once at most: a log larger than what one whole update
+        # overwrites would only hold pages nothing uses (the update of a STEP that writes the
+        # slot the worker does not compute with: the other one of two)
+        out = 1 if len(self.weights16_slots) > 1 else 0
+        whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, out))
         if hello.undo_log_bytes >= whole and self.arrays.can_twin:
             # room for all of it, and a kernel that updates out of place: speculation writes
             # the new state into a twin of it (12 B/param with fp32 state, 6 with bf16): a
             # rollback restores no state, and a piece moves about the bytes of a plain update
             # (saving the state into the log had cost more than updating it).  The log keeps
-            # the weights slot (2) only where there is one; with two, a STEP writes the one
-            # the worker does not compute with (update_writes)
+            # the weights slot (2) only where there is one (update_writes)
             self.arrays.make_twin()
-            out = 1 if len(self.weights16_slots) > 1 else 0
             whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, out))
         self.undo = UndoLog(min(hello.undo_log_bytes, whole)) if hello.undo_log_bytes else None
         self.spec: Speculation | None = None

@@ -285,24 +285,23 @@ class ShardStateArrays:
                                 index_base=index_base + lo, **extra, **kw)
 
     def update_writes(self, lo: int, hi: int, slots: list, out_slot: int) -> list[np.ndarray]:
-        """Every array slice an update of [lo, hi) may write (what the undo log saves before
-        a speculative update): the master or remainder, each moment, the int8 scales of
-        the blocks it touches, and the out weights slot (which may be the exact master's
-        high halves).  The high halves in hi_slot are only read when out_slot differs.
-        With the twin, the state itself is not overwritten, and the out slot is saved
-        only when it is the one weights slot (the worker's current weights, which a
-        SKIP leaves as they were) or holds the exact master's high halves (out_slot ==
-        hi_slot).  Of two slots, a STEP writes the one the worker does not compute with:
-        its old bytes are the weights before the current ones, which nothing reads
-        again and the next STEP rewrites whole."""
+        """The array slices an update of [lo, hi) overwrites that a rollback must put back
+        (what the undo log saves before a speculative update): the master or remainder,
+        each moment and the int8 scales of the blocks it touches (none of them with the
+        twin, which leaves the state as it is), and the out weights slot where it is the
+        one weights slot (the worker's current weights, which a SKIP leaves as they
+        were) or holds the exact master's high halves (out_slot == hi_slot; they are
+        read from hi_slot when out_slot differs).  Of two slots, a STEP writes the one
+        the worker does not compute with: its old bytes are the weights before the
+        current ones, which nothing reads again and the next STEP rewrites whole."""
         sl = slice(lo, hi)
+        slot = [slots[out_slot][sl]] if len(slots) == 1 or (self.exact_master and out_slot == self.hi_slot) else []
         if self.twin is not None:
-            logged = len(slots) == 1 or (self.exact_master and out_slot == self.hi_slot)
-            return [slots[out_slot][sl]] if logged else []
+            return slot
         out = [self.remainder[sl] if self.exact_master else self.master[sl]]
         out += [a[sl] for a in self.moments.values()]
         out += [a[lo // QBLOCK:nblocks(hi)] for a in self.scales.values()]
-        out.append(slots[out_slot][sl])
+        out += slot
         return out
 
     def finish_step(self, out_slot: int) -> None:

@@ -12,7 +12,8 @@ step after step through a long warm-up: BENCHMARKS.md), filled front to back:
     [ entry 0 bytes | entry 1 bytes | ... | free ]
       entry = a copy of one array slice an update of [lo, hi) writes
               (ShardStateArrays.update_writes: master or remainder, the moments,
-              int8 scales, the out weights slot)
+              int8 scales, and the out weights slot where it is the one slot or
+              holds the exact master's high halves)
 
 save() appends a range's slices, or refuses (returns False, nothing written) when
 they do not fit: speculation then stops there and the STEP updates the rest.
@@ -24,8 +25,7 @@ shard's update thread.
 With the state's twin (Adam/AdamW with fp32 state, or bf16 state and the exact
 master, and a log that covers the whole update: ShardStateArrays.make_twin) the
 speculative update writes the new state beside the old, and the log holds only
-the out weights slot, and that only where it is the one weights slot or holds
-the exact master's high halves: with two slots it stays empty.
+the out weights slot, where it is saved at all: with two slots it stays empty.
 """
 from __future__ import annotations
 

@@ -51,13 +51,15 @@ class OffloadConfig:
         0 (default) turns it off.  Otherwise, as each bucket's gradients land in the host
         slot the server updates them at once, assuming no clipping and no overflow, after
         saving what it overwrites in an undo log of at most this many bytes of host RAM
-        (14 B/param of model with fp32 state, 8 with bf16 state, 6.03 with int8: the
-        state plus the weights slot); it stops where the log is full.  With adam/adamw
-        and fp32 state, or bf16 state with the exact master, a log that holds all of it
-        (14 or 8 B/param) is spent instead on a twin of the state (12 or 6) and a log of
-        the weights slot (2): the update writes the new state beside the old, so
-        speculating moves about the bytes of a plain update and a rollback copies no
-        state back (BENCHMARKS.md).  step() then keeps
+        (the state: 12 B/param of model with fp32 state, 6 with bf16 state, 4.03 with
+        int8; plus the weights slot's 2 where there is one weights slot, as on a GPU:
+        a CPU worker has two, and a STEP writes the one it does not compute with); it
+        stops where the log is full.  With adam/adamw and fp32 state, or bf16 state
+        with the exact master, a log that holds all of it is spent instead on a twin of
+        the state (12 or 6 B/param) and a log of the weights slot (2, where it is
+        logged): the update writes the new state beside the old, so speculating moves
+        about the bytes of a plain update and a rollback copies no state back
+        (BENCHMARKS.md).  step() then keeps
         the speculated part when its values turn out as assumed, else the server puts the
         saved bytes back and runs the whole update (a clip that fires, an overflow, an lr
         changed after backward): bitwise the synchronous result either way.  It pays when

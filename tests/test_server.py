@@ -581,6 +581,7 @@ SUBPIECE_CASES = {  # HELLO of each: the twin, the undo log, the twin of bf16 st
     "undo-log": dict(optimizer="lion"),
     "twin-bf16-exact": dict(optimizer="adamw", dtype="bf16", state_dtype="bf16", exact_master=True),
     "twin-two-slots": dict(optimizer="adamw", weight_slots=2),  # the out slot is not the worker's: not logged
+    "undo-log-two-slots": dict(optimizer="lion", weight_slots=2),  # master and m only
 }
 
 
@@ -604,11 +605,11 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     try:
         sp, ref = shards
         twin = hello["optimizer"] == "adamw"
-        logged = (1 - out if twin else 3)  # arrays saved per sub-piece
+        logged = (0 if twin else 2) + (1 - out)  # arrays saved per sub-piece
         assert (sp.arrays.twin is not None) == twin
-        # with the twin (the state mirrored beside itself, not logged) 2 B of 16-bit weights
-        # when there is one slot, nothing with two; else fp32 master and m, and the weights
-        assert sp.undo.capacity == (2 * (1 - out) if twin else 10) * n and not sp.undo.faulted
+        # the twin's state is mirrored beside itself, not logged; Lion's fp32 master and m
+        # are (8 B); the 16-bit weights (2 B) only when there is one slot
+        assert sp.undo.capacity == ((0 if twin else 8) + 2 * (1 - out)) * n and not sp.undo.faulted
         m0 = _master(sp)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)  # four sub-pieces
