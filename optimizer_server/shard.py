@@ -355,7 +355,8 @@ class Shard:
             b = self._block_floor(a + room)
             if b <= a:
                 return
-        if not self.undo.fits(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)):
+        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
+        if not self.undo.fits(writes):
             sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
             return
         self.undo.prefault()
@@ -366,7 +367,7 @@ class Shard:
         # saved and updated a sub-piece at a time: the save reads what the update reads
         # next, so a sub-piece that fits the last-level cache is read from memory once
         # (with nothing to save, the twin with two weights slots, one kernel call)
-        sub = SPEC_SUBPIECE if self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot) else b - a
+        sub = SPEC_SUBPIECE if writes else b - a
         for x in range(a, b, sub):
             y = min(b, x + sub)
             saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.out_slot))

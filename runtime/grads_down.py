@@ -24,8 +24,9 @@ bucket by bucket on CUDA, once the copy stream's event for the bucket has passed
 (after its reduce, with several ranks); with gloo, once a bucket's all-reduce has
 finished and a hook has copied it down.  Across ranks the shards are contiguous and
 backward fills the flat space front to back, so the first ranks' shards get their
-final gradients during backward and the last rank's mostly at its end.  It hears of growth by at least ``ready_every`` elements (and of the end), so
-the server gets pieces worth a kernel call.  What finish() completes (unused
+final gradients during backward and the last rank's mostly at its end.  It hears of
+growth by at least ``ready_every`` elements (and of the end), so the server gets
+pieces worth a kernel call.  What finish() completes (unused
 parameters, gradients of earlier micro-batches) is not announced: its step counts are
 not the ones speculation assumes.
 
