@@ -112,12 +112,13 @@ cdef extern from "_kernels_int8.h" nogil:
         unsigned int key
         unsigned int index_base
         int rounding
+        int lion
     ctypedef struct zo_seg8:
         int64_t lo
         int64_t hi
         zo_hparams h
         int keep
-    void zo_adam8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
+    void zo_opt8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                         const zo_seg8 *segs, int nseg, const zo_state8 *s)
     void zo8_quantize_chunk(const float *src, unsigned char *codes, float *scales, int which, int64_t lo, int64_t hi)
     void zo8_dequantize_chunk(const unsigned char *codes, const float *scales, float *dst, int which,
@@ -1029,11 +1030,18 @@ cdef class _Segs:
             free(self.a)
 
 
-cdef _Segs _segments(segments, Py_ssize_t n, adamw, grad_scale, predict):
-    """[(lo, hi, hparams or None), ...] tiling [0, n), validated and folded."""
+# the hyper-parameters a segment of each int8 rule may give (step and lr required for Adam, lr for Lion)
+_SEG_KEYS = {0: ({"step", "lr"}, {"beta1", "beta2", "eps", "weight_decay"}),
+             1: ({"lr"}, {"beta1", "beta2", "weight_decay"})}
+
+
+cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predict):
+    """[(lo, hi, hparams or None), ...] tiling [0, n), validated and folded (Adam's
+    hyper-parameters, or Lion's with lion)."""
     cdef _Segs sg = _Segs()
     cdef Py_ssize_t k
     cdef int64_t at = 0
+    need, may = _SEG_KEYS[lion]
     segments = list(segments)
     if not segments:
         raise ValueError("segments must cover the arrays: give at least one (lo, hi, hparams)")
@@ -1055,12 +1063,15 @@ cdef _Segs _segments(segments, Py_ssize_t n, adamw, grad_scale, predict):
         if hp is None:
             sg.a[k].h.predict = 0.0
             continue
-        unknown = set(hp) - {"step", "lr", "beta1", "beta2", "eps", "weight_decay"}
-        if unknown or "step" not in hp or "lr" not in hp:
-            raise ValueError(f"segments[{k}]'s hparams need step and lr (and may give beta1, beta2, eps, "
-                             f"weight_decay), got {sorted(hp)}")
-        _adam_hparams(&sg.a[k].h, hp["step"], hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.999),
-                      hp.get("eps", 1e-8), hp.get("weight_decay", 0.0), adamw, grad_scale, predict)
+        if set(hp) - need - may or need - set(hp):
+            raise ValueError(f"segments[{k}]'s hparams need {' and '.join(sorted(need))} (and may give "
+                             f"{', '.join(sorted(may))}), got {sorted(hp)}")
+        if lion:
+            _lion_hparams(&sg.a[k].h, hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.99),
+                          hp.get("weight_decay", 0.0), grad_scale)
+        else:
+            _adam_hparams(&sg.a[k].h, hp["step"], hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.999),
+                          hp.get("eps", 1e-8), hp.get("weight_decay", 0.0), adamw, grad_scale, predict)
     if at != n:
         raise ValueError(f"segments cover [0, {at}) but the arrays have {n} elements")
     return sg
@@ -1098,6 +1109,39 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
                                 weight_decay=weight_decay))] if n else []
     elif step is not None or lr is not None:
         raise TypeError("give step and lr, or segments with their own, not both")
+    _step_int8(cp, bm, bv, bms, bvs, segments, 0, adamw, grad_scale, predict, rounding, sr_key, index_base,
+               num_threads, progress, progress_tag, progress_block, progress_base)
+
+
+def lion_step_int8(param, exp_avg, exp_avg_scale, grad, param_out, *, master_hi=None, lr=None, beta1=0.9,
+                   beta2=0.99, weight_decay=0.0, segments=None, grad_scale=1.0, num_threads=0, grad_dtype=None,
+                   out_dtype=None, rounding="stochastic", sr_key=0, index_base=0,
+                   progress=None, progress_tag=0, progress_block=0, progress_base=0):
+    """lion_step with a block-wise 8-bit moment (state_dtype="int8"): lion_step's fp32
+    arithmetic, m decoded from its codes (adam_step_int8's m) and encoded back with
+    each block's new scale.  lr, beta1, beta2, weight_decay: one set, or segments
+    whose hparams give lr (and may give beta1, beta2, weight_decay); the rest as in
+    adam_step_int8."""
+    cdef _Compact cp = _compact(param, grad, param_out, master_hi, grad_dtype, out_dtype, 0.0)
+    cdef Py_ssize_t n = cp.n
+    cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
+    cdef _Buf bms = _scales(exp_avg_scale, "exp_avg_scale", True, n)
+    if segments is None:
+        if lr is None:
+            raise TypeError("lion_step_int8 needs lr (or segments)")
+        segments = [(0, n, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay))] if n else []
+    elif lr is not None:
+        raise TypeError("give lr, or segments with their own, not both")
+    _step_int8(cp, bm, None, bms, None, segments, 1, True, grad_scale, 0.0, rounding, sr_key, index_base,
+               num_threads, progress, progress_tag, progress_block, progress_base)
+
+
+cdef _step_int8(_Compact cp, _Buf bm, _Buf bv, _Buf bms, _Buf bvs, segments, int lion, adamw, grad_scale,
+                predict, rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
+                progress_base):
+    """adam_step_int8's and lion_step_int8's common part, after their buffers are checked
+    (bv, bvs None: Lion): the keywords validated, then the blocks run."""
+    cdef Py_ssize_t n = cp.n
     _check_rounding(rounding, sr_key, index_base)
     cdef _Progress pg = _progress(progress, progress_tag, progress_block, n, progress_base)
     cdef int nt = _threads(num_threads)
@@ -1105,17 +1149,18 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
         if pg.word != NULL:
             zo_progress_store(pg.word, pg.tagbits | pg.base)
         return
-    cdef _Segs sg = _segments(segments, n, adamw, grad_scale, predict)
+    cdef _Segs sg = _segments(segments, n, lion, adamw, grad_scale, predict)
     cdef zo_state8 s
     s.m = <unsigned char *>bm.view.buf
-    s.v = <unsigned char *>bv.view.buf
+    s.v = NULL if lion else <unsigned char *>bv.view.buf
     s.ms = <float *>bms.view.buf
-    s.vs = <float *>bvs.view.buf
+    s.vs = NULL if lion else <float *>bvs.view.buf
     s.rem = <unsigned short *>cp.p.view.buf if cp.exact else NULL
     s.hi = <const unsigned short *>cp.bh.view.buf if cp.exact else NULL
     s.key = <unsigned int>sr_key
     s.index_base = <unsigned int>(index_base & 0xffffffff)
     s.rounding = _ROUNDINGS[rounding]
+    s.lion = lion
     cdef float *p = NULL if cp.exact else <float *>cp.p.view.buf
     cdef const void *g = cp.g.view.buf
     cdef void *o = cp.o.view.buf
@@ -1146,14 +1191,14 @@ cdef void _run8_range(int level, float *p, const void *g, int gk, void *o, int o
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
-        zo_adam8_chunk(level, p, g, gk, o, ok, b0, b1, segs, nseg, s)
+        zo_opt8_chunk(level, p, g, gk, o, ok, b0, b1, segs, nseg, s)
         return
     for c in prange(nchunks, num_threads=nt, schedule="static"):
         lo = b0 + c * CHUNK
         hi = lo + CHUNK
         if hi > b1:
             hi = b1
-        zo_adam8_chunk(level, p, g, gk, o, ok, lo, hi, segs, nseg, s)
+        zo_opt8_chunk(level, p, g, gk, o, ok, lo, hi, segs, nseg, s)
 
 
 _MOMENTS8 = {"exp_avg": 0, "exp_avg_sq": 1}

@@ -58,12 +58,14 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
     avail = read_mem_available() + msg.frees_bytes
     if max_ram_fraction and need > avail * max_ram_fraction:
         smaller = ""
-        if msg.state_dtype == "fp32" and msg.optimizer in P.INT8_OPTIMIZERS:
-            smaller = "state_dtype='bf16' or 'int8' (6 or 4 B/param of optimizer state instead of 12), "
-        elif msg.state_dtype == "fp32" and msg.optimizer in P.COMPACT_OPTIMIZERS:
-            smaller = "state_dtype='bf16' (6 B/param of optimizer state instead of 12), "
-        elif msg.state_dtype == "bf16" and msg.optimizer in P.INT8_OPTIMIZERS:
-            smaller = "state_dtype='int8' (4 B/param of optimizer state instead of 6), "
+        if msg.optimizer in P.COMPACT_OPTIMIZERS:  # the smaller state dtypes, with their B/param
+            now = bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)
+            fit = [(d, bytes_per_param(msg.optimizer, d, True)) for d in P.STATE_DTYPES[1:]]
+            fit = [(d, b) for d, b in fit if b < now]
+            if fit:
+                smaller = (f"state_dtype={' or '.join(repr(d) for d, _ in fit)} "
+                           f"({' or '.join(f'{b:.3g}' for _, b in fit)} B/param of optimizer state instead of "
+                           f"{now:.3g}, with bf16 weights), ")
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
                                     f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
                                     f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up; "

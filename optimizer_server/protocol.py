@@ -89,7 +89,6 @@ DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (confi
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
 STATE_DTYPES = ("fp32", "bf16", "int8")    # the one list of optimizer-state dtypes (optimizer_server.state)
 COMPACT_OPTIMIZERS = ("adamw", "adam", "lion")  # the optimizers that take a state dtype other than fp32
-INT8_OPTIMIZERS = ("adamw", "adam")        # ... and of those, the ones with int8 moments
 QBLOCK = 256                           # elements per int8 block (one scale per moment); cython_ext agrees
 MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
@@ -194,9 +193,6 @@ class Hello(Message):
         _require(self.state_dtype == "fp32" or self.optimizer in COMPACT_OPTIMIZERS,
                  f"state_dtype {self.state_dtype!r} is implemented for {COMPACT_OPTIMIZERS}, not {self.optimizer!r}: "
                  f"use state_dtype='fp32'")
-        _require(self.state_dtype != "int8" or self.optimizer in INT8_OPTIMIZERS,
-                 f"state_dtype 'int8' is implemented for {INT8_OPTIMIZERS}, not {self.optimizer!r}: use "
-                 f"state_dtype='bf16'")
         _require(self.state_dtype != "int8" or self.world_size == 1 or self.numel % QBLOCK == 0,
                  f"state_dtype 'int8' with {self.world_size} ranks needs shards of a multiple of {QBLOCK} elements "
                  f"(its blocks must not straddle two ranks), got {self.numel}: pad the flat space to a multiple "

@@ -500,8 +500,9 @@ class Shard:
         kernel publishing its progress) or, reversed, one per progress block from the
         end; each call gets every range's hyper-parameters (None: kept)."""
         segs = [(a, b, None if updates == 0 else dict(h, updates=updates)) for a, b, h, updates in ranges]
-        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads,
-                  predict=msg.predict)
+        kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads)
+        if msg.predict:  # the server refused it for optimizers other than adam/adamw
+            kw["predict"] = msg.predict
         run = dict(step=msg.step, gin=gin, slots=self.weights16_slots, out_slot=msg.out_slot,
                    index_base=self.index_base)
         if hi <= lo:

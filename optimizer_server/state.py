@@ -4,7 +4,7 @@ What the server holds per parameter, privately (the shared segment adds 4 B:
 one gradient slot and one weights slot, optimizer_server.shm):
 
     state_dtype  master                          moments (Adam: m, v)   private  + shared
-                                                 (Lion: m; 2 B less)
+                                                 (Lion: m alone)
     fp32         fp32                   4 B      fp32  4 + 4 B          12 B     16 B
     bf16         exact (bf16 weights)   2 B      bf16  2 + 2 B           6 B     10 B
     bf16         fp32 (fp16 weights,    4 B      bf16  2 + 2 B           8 B     12 B
@@ -25,8 +25,9 @@ last STEP wrote (after INIT, slot 0; after LOAD, the slot LOAD names).
 bf16 moments are rounded stochastically, keyed by (step, model-wide element
 index): deterministic, and independent of threads and of the sharding.
 
-int8 moments (adam/adamw) are codes in blocks of QBLOCK = 256 elements with one
-fp32 scale per block and moment (cython_ext/_kernels_int8.h draws the codes).
+int8 moments (adam/adamw: m and v; lion: m) are codes in blocks of QBLOCK = 256
+elements with one fp32 scale per block and moment (cython_ext/_kernels_int8.h draws
+the codes).
 A block's scale depends on all of its elements, so an update handles whole
 blocks: one kernel call over the shard whose segments carry each range's
 hyper-parameters (update_blocks), and shards start on a block (HELLO refuses
@@ -44,7 +45,7 @@ import numpy as np
 from cython_ext import cpu_adam
 
 from .checkpoint import LEGACY_INT8
-from .protocol import COMPACT_OPTIMIZERS, INT8_OPTIMIZERS, QBLOCK, STATE_DTYPES
+from .protocol import COMPACT_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
 
 assert QBLOCK == cpu_adam.QBLOCK, "protocol.QBLOCK and the int8 kernel's block disagree"
@@ -91,7 +92,6 @@ class ShardStateArrays:
     def __init__(self, optimizer: str, numel: int, *, state_dtype: str, exact_master: bool, seed: int = 0):
         assert state_dtype in STATE_DTYPES
         assert state_dtype == "fp32" or optimizer in COMPACT_OPTIMIZERS, "refused at HELLO"
-        assert state_dtype != "int8" or optimizer in INT8_OPTIMIZERS, "refused at HELLO"
         assert not exact_master or state_dtype != "fp32", "refused at HELLO"
         self.optimizer = optimizer
         self.numel = numel
@@ -269,20 +269,27 @@ class ShardStateArrays:
         assert self.state_dtype == "int8" and lo % QBLOCK == 0 and (hi % QBLOCK == 0 or hi == self.numel)
         sl = slice(lo, hi)
         bl = slice(lo // QBLOCK, nblocks(hi))
+        lion = self.optimizer == "lion"
         segs = []
         for a, b, h in segments:
             a, b = max(a, lo) - lo, min(b, hi) - lo
             if b > a:
-                segs.append((a, b, None if h is None else dict(
-                    step=h["updates"], lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                    weight_decay=h["weight_decay"])))
+                hp = None
+                if h is not None:  # Lion has no bias correction and no eps
+                    hp = dict(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"])
+                    if not lion:
+                        hp.update(step=h["updates"], eps=h["eps"])
+                segs.append((a, b, hp))
         extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
+        extra.update(segments=segs, sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
         p = self.remainder[sl] if self.exact_master else self.master[sl]
-        m, v = self.moments["exp_avg"], self.moments["exp_avg_sq"]
-        ms, vs = self.scales["exp_avg"], self.scales["exp_avg_sq"]
-        cpu_adam.adam_step_int8(p, m[sl], v[sl], ms[bl], vs[bl], gin[sl], slots[out_slot][sl], segments=segs,
-                                adamw=self.optimizer == "adamw", sr_key=cpu_adam.rounding_key(step, self.seed),
-                                index_base=index_base + lo, **extra, **kw)
+        m, ms = self.moments["exp_avg"], self.scales["exp_avg"]
+        if lion:
+            cpu_adam.lion_step_int8(p, m[sl], ms[bl], gin[sl], slots[out_slot][sl], **extra, **kw)
+            return
+        v, vs = self.moments["exp_avg_sq"], self.scales["exp_avg_sq"]
+        cpu_adam.adam_step_int8(p, m[sl], v[sl], ms[bl], vs[bl], gin[sl], slots[out_slot][sl],
+                                adamw=self.optimizer == "adamw", **extra, **kw)
 
     def update_writes(self, lo: int, hi: int, slots: list, out_slot: int) -> list[np.ndarray]:
         """The array slices an update of [lo, hi) overwrites that a rollback must put back

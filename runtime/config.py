@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable, Union
 
 from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
-from optimizer_server.protocol import COMPACT_OPTIMIZERS, DTYPES, INT8_OPTIMIZERS, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
+from optimizer_server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
 
@@ -71,8 +71,9 @@ class OffloadConfig:
         master, the fp32 master kept as the weights' bf16 plus a 16-bit remainder, the
         same fp32 bits as an fp32 master: 6 B/param plus 4 shared, and an update that
         moves 18 B/param instead of 28 (optimizer_server.state; README: which to pick);
-        or "int8" (adam/adamw): m and v as 8-bit codes with a scale per block of 256
-        (cython_ext/_kernels_int8.h), the same exact master: 4.03 B/param plus 4 shared.
+        or "int8": m and v (Lion: m) as 8-bit codes with a scale per block of 256
+        (cython_ext/_kernels_int8.h), the same exact master: 4.03 B/param plus 4 shared
+        (Lion: 3.02).
     bucket_numel: gradient elements per bucket copied to the host as one transfer.
     cpu_zero_copy: when the device is this CPU and there is one rank, the model's 16-bit
         weights live in the shared segment (two slots): the server writes the next weights
@@ -192,9 +193,6 @@ class OffloadConfig:
         if self.state_dtype != "fp32" and self.optimizer not in COMPACT_OPTIMIZERS:
             raise ValueError(f"state_dtype {self.state_dtype!r} works with optimizer {' or '.join(COMPACT_OPTIMIZERS)}, "
                              f"not {self.optimizer!r}: use state_dtype='fp32'")
-        if self.state_dtype == "int8" and self.optimizer not in INT8_OPTIMIZERS:
-            raise ValueError(f"state_dtype 'int8' works with optimizer {' or '.join(INT8_OPTIMIZERS)}, not "
-                             f"{self.optimizer!r}: use state_dtype='bf16' (one bf16 moment for lion)")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
             raise ValueError(f"bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
         if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= 1):

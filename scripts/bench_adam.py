@@ -23,6 +23,9 @@ moves), each against the bound of its own access pattern in the same run:
   int8        adam_step_int8: fp32 master, int8 m, v            16 B/param
   int8-exact  adam_step_int8: the exact master                  14 B/param
 (the int8 scales, 0.03 B/param read and written, are left out of the counts)
+    python scripts/bench_adam.py --state-dtypes --lion  # section "bench_lion_state"
+the same for Lion's one moment (fp32 20, bf16 16, bf16-exact 14, int8 14, int8-exact
+12 B/param), each against fp32 state's Lion in the same run (no bound loops of its own)
 """
 from __future__ import annotations
 
@@ -179,6 +182,67 @@ def bench_state(n: int, threads: int, reps: int, rng) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+LION_BYTES = {"fp32": 20, "bf16": 16, "bf16-exact": 14, "int8": 14, "int8-exact": 12}
+
+
+def bench_lion_state(n: int, threads: int, reps: int, rng) -> dict[str, float]:
+    """Median ms of Lion's update with each state dtype, interleaved."""
+    p, m, _, _, _ = make_state(n, rng)
+    g = cpu_adam_words(rng.standard_normal(n, dtype=np.float32))
+    out = np.empty(n, np.uint16)
+    hi, rem = np.empty(n, np.uint16), np.empty(n, np.uint16)
+    cpu_adam.split_master(p, hi, rem)
+    nb = (n + cpu_adam.QBLOCK - 1) // cpu_adam.QBLOCK
+    m8, ms8 = np.empty(n, np.uint8), np.empty(nb, np.float32)
+    cpu_adam.quantize_int8(m, m8, ms8, moment="exp_avg")
+    st = {k: (p.copy(), rem.copy(), hi.copy()) for k in LION_BYTES}
+    m16 = {k: cpu_adam_words(m) for k in ("bf16", "bf16-exact")}
+    m8s = {k: (m8.copy(), ms8.copy()) for k in ("int8", "int8-exact")}
+    kw = dict(lr=1e-4, weight_decay=0.1, num_threads=threads, grad_dtype="bf16", out_dtype="bf16")
+    runs = {
+        "fp32": lambda t: cpu_adam.lion_step(st["fp32"][0], m, g, out, **kw),
+        "bf16": lambda t: cpu_adam.lion_step_bf16(st["bf16"][0], m16["bf16"], g, out, sr_key=t, **kw),
+        # one weights slot: hi is read and written in place, as the server does
+        "bf16-exact": lambda t: cpu_adam.lion_step_bf16(st["bf16-exact"][1], m16["bf16-exact"], g, st["bf16-exact"][2],
+                                                        master_hi=st["bf16-exact"][2], sr_key=t, **kw),
+        "int8": lambda t: cpu_adam.lion_step_int8(st["int8"][0], *m8s["int8"], g, out, sr_key=t, **kw),
+        "int8-exact": lambda t: cpu_adam.lion_step_int8(st["int8-exact"][1], *m8s["int8-exact"], g, st["int8-exact"][2],
+                                                        master_hi=st["int8-exact"][2], sr_key=t, **kw),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for step in range(1, reps + 2):
+        for name, fn in runs.items():
+            flush_cache()
+            t0 = time.perf_counter()
+            fn(step)
+            dt = time.perf_counter() - t0
+            if step > 1:
+                times[name].append(dt)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def main_lion_state(sizes, threads, reps, write) -> int:
+    rng = np.random.default_rng(0)
+    print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()}")
+    rows = ["| N | threads | state | B/param | ms | speed-up vs fp32 state | bytes ratio vs fp32 |",
+            "|" + "---|" * 7]
+    for n in sizes:
+        for t in threads:
+            r = bench_lion_state(n, t, reps, rng)
+            for name, b in LION_BYTES.items():
+                row = (f"| {size_label(n)} | {t} | {name} | {b} | {r[name]:.1f} | {r['fp32'] / r[name]:.2f}x | "
+                       f"{LION_BYTES['fp32'] / b:.2f}x |")
+                print(row, flush=True)
+                rows.append(row)
+    body = (f"## CPU Lion step by state dtype (scripts/bench_adam.py --state-dtypes --lion)\n\n{machine_line()}; "
+            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; bf16 gradients and weights; "
+            f"median of {reps} steps, 256 MiB cache flush before each, all variants interleaved in one run.\n\n"
+            + "\n".join(rows) + "\n")
+    if write:
+        update_section("bench_lion_state", body)
+    return 0
+
+
 def cpu_adam_words(x: np.ndarray) -> np.ndarray:
     out = np.empty(x.size, np.uint16)
     cpu_adam.cast_to_16(np.ascontiguousarray(x, np.float32), out, out_dtype="bf16")
@@ -217,11 +281,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="timed steps per configuration (median reported)")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--state-dtypes", action="store_true", help="compare the state dtypes (section bench_adam_state)")
+    ap.add_argument("--lion", action="store_true", help="with --state-dtypes: Lion's (section bench_lion_state)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
+    if args.lion and not args.state_dtypes:
+        ap.error("--lion compares Lion's state dtypes: give --state-dtypes too")
     if args.state_dtypes:
-        return main_state(sizes, threads, args.reps, not args.no_write)
+        main_fn = main_lion_state if args.lion else main_state
+        return main_fn(sizes, threads, args.reps, not args.no_write)
     rng = np.random.default_rng(0)
     print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()} deepspeed={'yes' if try_deepspeed() else 'no'}")
     head = ("| N | threads | bound ms | ours ms | torch fused+casts ms | ds+casts ms "

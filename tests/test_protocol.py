@@ -88,7 +88,6 @@ def _hello_dict(**over):
     (_raw(_hello_dict(staging_numel=-1)), "staging_numel"),
     (_raw(_hello_dict(state_dtype="fp64")), "state_dtype must be one of"),
     (_raw(_hello_dict(state_dtype="int8")), "multiple of 256"),  # 2 ranks, numel 10: a block across ranks
-    (_raw(_hello_dict(state_dtype="int8", optimizer="lion", world_size=1, rank=0)), "'int8' is implemented for"),
     (_raw(_hello_dict(state_dtype="bf16", optimizer="adagrad")), "state_dtype 'bf16' is implemented for"),
     (_raw(_hello_dict(exact_master=True)), "exact_master needs bf16"),       # the sample's weights are fp16
     (_raw(_hello_dict(exact_master=1)), "'exact_master' must be a bool"),

@@ -220,6 +220,8 @@ def test_handshake_refusals_allocate_nothing(server):
     assert isinstance(r, P.Error) and r.code == P.E_VERSION and str(P.PROTOCOL_VERSION) in r.message
     r = hello_error(server.address, token=server.token, numel=1 << 39)
     assert isinstance(r, P.Error) and r.code == P.E_RESOURCE and "available" in r.message
+    # the smaller state dtypes, with what each keeps per parameter (optimizer_server.state)
+    assert "state_dtype='bf16' or 'int8' (6 or 4.03 B/param of optimizer state instead of 12" in r.message
     assert our_segments() == segs
 
 

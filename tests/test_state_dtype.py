@@ -77,13 +77,18 @@ def test_compact_state_trains_close_to_fp32_state(variant, sd):
     assert err < BOUNDS[sd][1]
 
 
+# Lion's one moment (lr and weight decay as Lion's paper advises against AdamW's)
+LION = dict(optimizer="lion", lr=1e-4, weight_decay=0.1)
+
+
 @pytest.mark.parametrize("sd,variant", [("bf16", "sync"), ("bf16", "dpu"), ("bf16", "copy-path"),
-                                        ("bf16", "dpu-predict"), ("int8", "sync"), ("int8", "dpu-predict")])
+                                        ("bf16", "dpu-predict"), ("int8", "sync"), ("int8", "dpu-predict"),
+                                        ("int8", "lion")])
 def test_checkpoint_resume_is_bitwise(tmp_path, sd, variant):
     """Save at step 10, resume in a new engine and server: losses, master, m and v
     (int8: codes and scales) equal the uninterrupted run's (DPU: the update in flight
     at the save too)."""
-    kw, _ = VARIANTS[variant]
+    kw = LION if variant == "lion" else VARIANTS[variant][0]
     c = lambda: cfg(state_dtype=sd, **kw)  # noqa: E731
     model = gpt()
     with OffloadEngine(copy.deepcopy(model), c()) as eng:
@@ -104,7 +109,8 @@ def test_checkpoint_resume_is_bitwise(tmp_path, sd, variant):
     for k in state:
         assert np.array_equal(state[k], full_state[k]), k
     assert state["r0.exp_avg"].dtype == (np.uint16 if sd == "bf16" else np.uint8)  # the moments are saved compact
-    assert ("r0.exp_avg_sq.scale" in state) == (sd == "int8")
+    assert ("r0.exp_avg.scale" in state) == (sd == "int8")
+    assert ("r0.exp_avg_sq" in state) == (variant != "lion")
 
 
 def convert_fp32_checkpoint(tmp_path, model, sd):
@@ -234,16 +240,20 @@ def test_a_format_1_int8_checkpoint_loads_through_its_power_law_codes(tmp_path):
             eng.load_checkpoint(str(tmp_path / "old"))
 
 
-def test_lion_with_bf16_state_trains_close_to_fp32_state():
+@pytest.mark.parametrize("sd", ["bf16", "int8"])
+def test_lion_with_compact_state_trains_close_to_fp32_state(sd):
+    """30 steps of Lion: losses and the master's displacement against the fp32-state
+    run.  Measured here: bf16 loss difference 0.0001 and displacement error 0.054;
+    int8 0.0002 and 0.082.  Bounds 0.05 and 0.15 (bf16), 0.05 and 0.3 (int8)."""
     model = gpt()
     p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    ref_losses, ref, _ = train(model, 30, state_dtype="fp32", optimizer="lion", lr=1e-4, weight_decay=0.1)
-    losses, got, exact = train(model, 30, state_dtype="bf16", optimizer="lion", lr=1e-4, weight_decay=0.1)
+    ref_losses, ref, _ = train(model, 30, state_dtype="fp32", **LION)
+    losses, got, exact = train(model, 30, state_dtype=sd, **LION)
     assert exact
     dl = max(abs(a - b) for a, b in zip(losses, ref_losses))
     err = rel_err(got - p0, ref - p0)
-    print(f"lion: max loss difference {dl:.4f}, displacement rel err {err:.4f}")
-    assert dl < 0.05 and err < 0.15
+    print(f"lion {sd}: max loss difference {dl:.4f}, displacement rel err {err:.4f}")
+    assert dl < 0.05 and err < (0.15 if sd == "bf16" else 0.3)
 
 
 def test_offload_adamw_takes_state_dtype():
@@ -268,7 +278,6 @@ def test_offload_adamw_takes_state_dtype():
 
 
 @pytest.mark.parametrize("kw,word", [
-    (dict(state_dtype="int8", optimizer="lion"), "bf16"),
     (dict(state_dtype="fp64"), "state_dtype"),
     (dict(state_dtype="bf16", optimizer="adagrad"), "adagrad"),
 ])
