@@ -17,8 +17,16 @@ resume_from_checkpoint goes on bitwise.
 `offload`: OffloadAdamW's offload options (an OffloadConfig's fields as a dict, or
 an OffloadConfig): dtype (bf16, the default; the weights are 16-bit whatever
 args.bf16 says, and args.fp16 is refused: it needs loss scaling a plain backward
-does not do), dpu, server_threads, ...  optim in TrainingArguments is ignored: the
-optimizer is AdamW in the optimizer server.
+does not do), dpu, server_threads, ...
+
+TrainingArguments.optim picks the optimizer state as Trainer would: the AdamW
+names (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...) keep fp32 state
+(the default), the 8-bit AdamW names (adamw_8bit, adamw_bnb_8bit,
+paged_adamw_8bit, adamw_torch_8bit) state_dtype="int8" (block-wise 8-bit moments,
+as bitsandbytes and torchao keep them); offload={"state_dtype": ...} may choose
+any state dtype for the former and must agree with the latter.  Any other optim
+(Lion, Adagrad, Adafactor, SGD, ...) is refused before training: the server would
+run AdamW instead (OffloadEngine with OffloadConfig(optimizer="lion") runs Lion).
 """
 from __future__ import annotations
 
@@ -32,6 +40,12 @@ from .config import OffloadConfig
 from .offload_adamw import OffloadAdamW
 
 CHECKPOINT_SUBDIR = "zero_offload"   # checkpoint-N/zero_offload: the engine's checkpoint
+# TrainingArguments.optim values that are AdamW, and the state dtype each implies
+# (None: offload's state_dtype, fp32 by default)
+ADAMW_OPTIMS = {"adamw_torch": None, "adamw_torch_fused": None, "adamw_torch_xla": None,
+                "adamw_torch_npu_fused": None, "adamw_apex_fused": None, "adamw_anyprecision": None,
+                "adamw_hf": None, "paged_adamw_32bit": None,
+                "adamw_8bit": "int8", "adamw_bnb_8bit": "int8", "paged_adamw_8bit": "int8", "adamw_torch_8bit": "int8"}
 SCHEDULER_FILE = "scheduler.pt"     # Trainer's own name for the scheduler's state
 
 
@@ -49,9 +63,27 @@ class OffloadTrainer(Trainer):
                                  f"adam_epsilon, weight_decay, gradient_accumulation_steps, max_grad_norm); "
                                  f"set it there")
         super().__init__(*args, **kwargs)
+        self._state_dtype_from_optim()
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
+
+    def _state_dtype_from_optim(self) -> None:
+        """TrainingArguments.optim as a state dtype (module docstring), or a ValueError
+        before anything trains."""
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if optim not in ADAMW_OPTIMS:
+            raise ValueError(f"OffloadTrainer offloads AdamW, not optim={optim!r}: use optim='adamw_torch' (fp32 "
+                             f"state; offload={{'state_dtype': 'bf16'}} or 'int8' for less host RAM) or an 8-bit "
+                             f"AdamW such as 'adamw_8bit'; for Lion use OffloadEngine with "
+                             f"OffloadConfig(optimizer='lion')")
+        want = ADAMW_OPTIMS[optim]
+        have = self.offload_options.get("state_dtype")
+        if want is not None and have not in (None, want):
+            raise ValueError(f"optim={optim!r} keeps 8-bit moments (state_dtype={want!r}) but offload asks for "
+                             f"state_dtype={have!r}: drop one of them")
+        if want is not None:
+            self.offload_options["state_dtype"] = want
 
     def create_optimizer(self, model=None):
         """OffloadAdamW with Trainer's groups and hyper-parameters (module docstring)."""

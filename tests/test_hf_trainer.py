@@ -100,3 +100,27 @@ def test_fp16_and_misplaced_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="learning_rate"):
         OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path, bf16=False), train_dataset=TextWindows(),
                        offload={"lr": 1e-3})
+
+
+def test_optim_picks_the_state_dtype_and_other_optimizers_are_refused(tmp_path):
+    """optim="adamw_8bit" trains exactly as offload={"state_dtype": "int8"} does (the
+    logged losses and grad norms equal, and the optimizer's config says int8); a
+    non-AdamW optim, or an 8-bit one against another state dtype, is refused at
+    construction, before a server starts."""
+    def logs(optim, offload):
+        rec = Record()
+        t = OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path / optim, max_steps=6, optim=optim),
+                           train_dataset=TextWindows(), callbacks=[rec], offload=dict(offload, server_threads=1))
+        t.create_optimizer()
+        sd = t.offload_optimizer.engine.cfg.state_dtype
+        t.train()
+        return rec.logs, sd
+    by_name, sd = logs("adamw_8bit", {})
+    explicit, _ = logs("adamw_torch", {"state_dtype": "int8"})
+    assert sd == "int8" and len(by_name) == 6
+    assert by_name == explicit
+    for optim, offload, word in [("lion_8bit", {}, "OffloadEngine"), ("adafactor", {}, "offloads AdamW"),
+                                 ("adamw_8bit", {"state_dtype": "bf16"}, "drop one")]:
+        with pytest.raises(ValueError, match=word):
+            OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path, optim=optim), train_dataset=TextWindows(),
+                           offload=offload)

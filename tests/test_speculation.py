@@ -36,6 +36,9 @@ CASES = {
     "int8-state-groups": (gpt, gpt_batch, "bf16", True, dict(state_dtype="int8", groups=two_groups,
                                                               clip_grad_norm=1.2)),
     "lion": (mlp, mlp_batch, "bf16", True, dict(optimizer="lion", lr=1e-4, clip_grad_norm=0.22)),
+    # Lion's one int8 moment: the undo log saves its codes and scales
+    "lion-int8-state": (mlp, mlp_batch, "bf16", True, dict(optimizer="lion", lr=1e-4, state_dtype="int8",
+                                                            clip_grad_norm=0.22)),
     # a slower device: each module's forward takes a little longer (the ordering makes it exact)
     "slow-forward": (gpt, gpt_batch, "bf16", True, dict(slow_forward=True, clip_grad_norm=1.2)),
 }
