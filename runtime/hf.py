@@ -19,14 +19,15 @@ an OffloadConfig): dtype (bf16, the default; the weights are 16-bit whatever
 args.bf16 says, and args.fp16 is refused: it needs loss scaling a plain backward
 does not do), dpu, server_threads, ...
 
-TrainingArguments.optim picks the optimizer state as Trainer would: the AdamW
-names (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...) keep fp32 state
-(the default), the 8-bit AdamW names (adamw_8bit, adamw_bnb_8bit,
-paged_adamw_8bit, adamw_torch_8bit) state_dtype="int8" (block-wise 8-bit moments,
-as bitsandbytes and torchao keep them); offload={"state_dtype": ...} may choose
-any state dtype for the former and must agree with the latter.  Any other optim
-(Lion, Adagrad, Adafactor, SGD, ...) is refused before training: the server would
-run AdamW instead (OffloadEngine with OffloadConfig(optimizer="lion") runs Lion).
+TrainingArguments.optim picks the optimizer and its state as Trainer would: the
+AdamW names (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...) OffloadAdamW
+with fp32 state (the default), the 8-bit ones (adamw_8bit, adamw_bnb_8bit,
+paged_adamw_8bit, adamw_torch_8bit) with state_dtype="int8" (block-wise 8-bit
+moments, as bitsandbytes and torchao keep them); lion_32bit and paged_lion_32bit
+OffloadLion, lion_8bit and paged_lion_8bit OffloadLion with int8 state (betas
+from adam_beta1/2, as Trainer gives bitsandbytes' Lion).  offload={"state_dtype":
+...} may choose any state dtype for a 32-bit name and must agree with an 8-bit
+one.  Any other optim (Adagrad, Adafactor, SGD, ...) is refused before training.
 """
 from __future__ import annotations
 
@@ -38,14 +39,18 @@ from transformers import Trainer
 
 from .config import OffloadConfig
 from .offload_adamw import OffloadAdamW
+from .offload_lion import OffloadLion
 
 CHECKPOINT_SUBDIR = "zero_offload"   # checkpoint-N/zero_offload: the engine's checkpoint
-# TrainingArguments.optim values that are AdamW, and the state dtype each implies
-# (None: offload's state_dtype, fp32 by default)
-ADAMW_OPTIMS = {"adamw_torch": None, "adamw_torch_fused": None, "adamw_torch_xla": None,
-                "adamw_torch_npu_fused": None, "adamw_apex_fused": None, "adamw_anyprecision": None,
-                "adamw_hf": None, "paged_adamw_32bit": None,
-                "adamw_8bit": "int8", "adamw_bnb_8bit": "int8", "paged_adamw_8bit": "int8", "adamw_torch_8bit": "int8"}
+# TrainingArguments.optim values offloaded: the optimizer class and the state dtype each
+# implies (None: offload's state_dtype, fp32 by default)
+OPTIMS = {**{name: (OffloadAdamW, None) for name in (
+              "adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adamw_apex_fused",
+              "adamw_anyprecision", "adamw_hf", "paged_adamw_32bit")},
+          **{name: (OffloadAdamW, "int8") for name in (
+              "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "adamw_torch_8bit")},
+          "lion_32bit": (OffloadLion, None), "paged_lion_32bit": (OffloadLion, None),
+          "lion_8bit": (OffloadLion, "int8"), "paged_lion_8bit": (OffloadLion, "int8")}
 SCHEDULER_FILE = "scheduler.pt"     # Trainer's own name for the scheduler's state
 
 
@@ -72,12 +77,11 @@ class OffloadTrainer(Trainer):
         """TrainingArguments.optim as a state dtype (module docstring), or a ValueError
         before anything trains."""
         optim = getattr(self.args.optim, "value", self.args.optim)
-        if optim not in ADAMW_OPTIMS:
-            raise ValueError(f"OffloadTrainer offloads AdamW, not optim={optim!r}: use optim='adamw_torch' (fp32 "
-                             f"state; offload={{'state_dtype': 'bf16'}} or 'int8' for less host RAM) or an 8-bit "
-                             f"AdamW such as 'adamw_8bit'; for Lion use OffloadEngine with "
-                             f"OffloadConfig(optimizer='lion')")
-        want = ADAMW_OPTIMS[optim]
+        if optim not in OPTIMS:
+            raise ValueError(f"OffloadTrainer offloads AdamW and Lion, not optim={optim!r}: use one of "
+                             f"{', '.join(sorted(OPTIMS))} (for less host RAM, an 8-bit one or "
+                             f"offload={{'state_dtype': 'bf16'}})")
+        self.optimizer_cls, want = OPTIMS[optim]
         have = self.offload_options.get("state_dtype")
         if want is not None and have not in (None, want):
             raise ValueError(f"optim={optim!r} keeps 8-bit moments (state_dtype={want!r}) but offload asks for "
@@ -86,7 +90,7 @@ class OffloadTrainer(Trainer):
             self.offload_options["state_dtype"] = want
 
     def create_optimizer(self, model=None):
-        """OffloadAdamW with Trainer's groups and hyper-parameters (module docstring)."""
+        """OffloadAdamW or OffloadLion (optim) with Trainer's groups and hyper-parameters (module docstring)."""
         opt_model = self.model if model is None else model
         if self.optimizer is None:
             decay = set(self.get_decay_parameter_names(opt_model))
@@ -96,16 +100,17 @@ class OffloadTrainer(Trainer):
             groups = [g for g in groups if g["params"]]
             opts = dict(self.offload_options)
             opts.setdefault("dtype", "bf16")
-            self.optimizer = OffloadAdamW(groups, lr=self.args.learning_rate,
-                                          betas=(self.args.adam_beta1, self.args.adam_beta2),
-                                          eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay,
-                                          model=opt_model, grad_accumulation_steps=self.args.gradient_accumulation_steps,
-                                          **opts)
+            hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
+                      weight_decay=self.args.weight_decay)
+            if self.optimizer_cls is OffloadAdamW:
+                hp["eps"] = self.args.adam_epsilon
+            self.optimizer = self.optimizer_cls(groups, **hp, model=opt_model,
+                                                grad_accumulation_steps=self.args.gradient_accumulation_steps, **opts)
         return self.optimizer
 
     @property
     def offload_optimizer(self) -> OffloadAdamW:
-        """The OffloadAdamW under Accelerate's wrapper."""
+        """The OffloadAdamW (or OffloadLion, its subclass) under Accelerate's wrapper."""
         opt = self.optimizer
         while not isinstance(opt, OffloadAdamW) and hasattr(opt, "optimizer"):
             opt = opt.optimizer

@@ -58,6 +58,8 @@ class _Params(torch.nn.Module):
 
 
 class OffloadAdamW(torch.optim.Optimizer):
+    OPTIMIZER = "adamw"  # the server's update (OffloadConfig.optimizer)
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, model: torch.nn.Module | None = None,
                  offload: OffloadConfig | None = None, state_dir: str | None = None,
@@ -74,22 +76,28 @@ class OffloadAdamW(torch.optim.Optimizer):
                 raise ValueError(f"OffloadAdamW does not implement {k}={options[k]!r} (torch.optim.AdamW's); "
                                  f"leave it at {default}")
             options.pop(k, None)
+        self._build(params, dict(lr=lr, betas=tuple(betas), eps=float(eps), weight_decay=float(weight_decay)),
+                    model, offload, state_dir, options)
+
+    def _build(self, params, defaults: dict, model, offload, state_dir, options: dict) -> None:
+        """The engine for params with the optimizer's own defaults (lr, betas, weight_decay,
+        and eps where it has one), which override the offload config's."""
+        lr = defaults["lr"]
         if callable(lr) or isinstance(lr, torch.Tensor):
             raise TypeError(f"lr must be a float (drive it with a torch LR scheduler), got {type(lr).__name__}")
+        defaults["lr"] = float(lr)
         if offload is not None and options:
             raise TypeError("pass either offload=OffloadConfig(...) or its fields as keywords, not both")
         if offload is None:
             options.setdefault("dtype", "bf16")
             offload = OffloadConfig(**options)
-        cfg = dataclasses.replace(offload, lr=float(lr), betas=tuple(betas), eps=float(eps),
-                                  weight_decay=float(weight_decay), optimizer="adamw")
-        defaults = dict(lr=float(lr), betas=tuple(betas), eps=float(eps), weight_decay=float(weight_decay))
+        cfg = dataclasses.replace(offload, optimizer=self.OPTIMIZER, **defaults)
         super().__init__(params, defaults)
         params_all = [p for g in self.param_groups for p in g["params"]]
         if model is None:
             if cfg.overlap_update:
                 raise ValueError("overlap_update waits in the model's forward pre-hooks, so it needs the model: "
-                                 "pass OffloadAdamW(..., model=model)")
+                                 f"pass {type(self).__name__}(..., model=model)")
             model = _Params(params_all)
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
         self.state_dir = state_dir
@@ -103,8 +111,8 @@ class OffloadAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
-            raise ValueError("OffloadAdamW lays its parameters out in the optimizer server when it is built: "
-                             "pass every param group to the constructor")
+            raise ValueError(f"{type(self).__name__} lays its parameters out in the optimizer server when it is "
+                             f"built: pass every param group to the constructor")
         super().add_param_group(param_group)
 
     @torch.no_grad()
@@ -138,12 +146,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore a state_dict() of an OffloadAdamW: its groups' values, and master, m
-        and v (and the device weights as they were) from its checkpoint."""
+        """Restore a state_dict() of this optimizer's class: its groups' values, and master,
+        m and v (and the device weights as they were) from its checkpoint."""
         own = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
         if own is None:
-            raise ValueError("this state dict is not an OffloadAdamW's (it has no master, m and v): a torch "
-                             "optimizer's state cannot be loaded here; start from the model's weights instead")
+            raise ValueError(f"this state dict is not an {type(self).__name__}'s (it has no master, m and v): a "
+                             f"torch optimizer's state cannot be loaded here; start from the model's weights instead")
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
                                                        for a, b in zip(saved, self.param_groups)):
@@ -154,7 +162,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         elif own.get("instance") != self._instance or own.get("iteration") != self.engine.iteration:
             raise ValueError("this state dict was taken without state_dir, so it holds no master, m and v and "
                              "restores only into the optimizer it came from at the step it was taken: build "
-                             "OffloadAdamW(..., state_dir='...') to save them with state_dict()")
+                             f"{type(self).__name__}(..., state_dir='...') to save them with state_dict()")
         for g, s in zip(self.param_groups, saved):
             for k, v in s.items():
                 if k != "params":

@@ -55,7 +55,8 @@ class ServerOptimizer(torch.optim.Optimizer):
         out = []
         for g in self.param_groups:
             b1, b2 = (float(b) for b in g["betas"])
-            eps, wd = float(g["eps"]), float(g["weight_decay"])
+            # Lion's groups (OffloadLion) have no eps: the config's stands in, unused
+            eps, wd = float(g.get("eps", self._cfg.eps)), float(g["weight_decay"])
             if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
                 raise ValueError(f"betas in param_groups are {g['betas']!r}; each must be in [0, 1)")
             if not (eps > 0 and math.isfinite(eps)) or not (wd >= 0 and math.isfinite(wd)):

@@ -102,24 +102,31 @@ def test_fp16_and_misplaced_options_are_refused(tmp_path):
                        offload={"lr": 1e-3})
 
 
-def test_optim_picks_the_state_dtype_and_other_optimizers_are_refused(tmp_path):
-    """optim="adamw_8bit" trains exactly as offload={"state_dtype": "int8"} does (the
-    logged losses and grad norms equal, and the optimizer's config says int8); a
-    non-AdamW optim, or an 8-bit one against another state dtype, is refused at
-    construction, before a server starts."""
+@pytest.mark.parametrize("eight,thirty_two,optimizer", [("adamw_8bit", "adamw_torch", "adamw"),
+                                                       ("lion_8bit", "lion_32bit", "lion")])
+def test_optim_picks_the_optimizer_and_state_dtype(tmp_path, eight, thirty_two, optimizer):
+    """An 8-bit optim name trains exactly as its 32-bit one with offload={"state_dtype":
+    "int8"} does (the logged losses and grad norms equal; the optimizer's config says
+    which optimizer and int8)."""
     def logs(optim, offload):
         rec = Record()
-        t = OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path / optim, max_steps=6, optim=optim),
+        t = OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path / optim, max_steps=6, optim=optim,
+                                                        learning_rate=3e-4 if optimizer == "lion" else 3e-3),
                            train_dataset=TextWindows(), callbacks=[rec], offload=dict(offload, server_threads=1))
         t.create_optimizer()
-        sd = t.offload_optimizer.engine.cfg.state_dtype
+        cfg = t.offload_optimizer.engine.cfg
         t.train()
-        return rec.logs, sd
-    by_name, sd = logs("adamw_8bit", {})
-    explicit, _ = logs("adamw_torch", {"state_dtype": "int8"})
-    assert sd == "int8" and len(by_name) == 6
+        return rec.logs, (cfg.optimizer, cfg.state_dtype)
+    by_name, picked = logs(eight, {})
+    explicit, _ = logs(thirty_two, {"state_dtype": "int8"})
+    assert picked == (optimizer, "int8") and len(by_name) == 6
     assert by_name == explicit
-    for optim, offload, word in [("lion_8bit", {}, "OffloadEngine"), ("adafactor", {}, "offloads AdamW"),
+
+
+def test_other_optimizers_and_contradictions_are_refused(tmp_path):
+    """A non-AdamW, non-Lion optim, or an 8-bit one against another state dtype, is
+    refused at construction, before a server starts."""
+    for optim, offload, word in [("adagrad", {}, "offloads AdamW and Lion"), ("adafactor", {}, "lion_8bit"),
                                  ("adamw_8bit", {"state_dtype": "bf16"}, "drop one")]:
         with pytest.raises(ValueError, match=word):
             OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path, optim=optim), train_dataset=TextWindows(),
