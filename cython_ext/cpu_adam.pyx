@@ -119,7 +119,7 @@ cdef extern from "_kernels_int8.h" nogil:
         zo_hparams h
         int keep
     void zo_opt8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
-                        const zo_seg8 *segs, int nseg, const zo_state8 *s)
+                       const zo_seg8 *segs, int nseg, const zo_state8 *s)
     void zo8_quantize_chunk(const float *src, unsigned char *codes, float *scales, int which, int64_t lo, int64_t hi)
     void zo8_dequantize_chunk(const unsigned char *codes, const float *scales, float *dst, int which,
                               int64_t lo, int64_t hi)
@@ -1030,9 +1030,9 @@ cdef class _Segs:
             free(self.a)
 
 
-# the hyper-parameters a segment of each int8 rule may give (step and lr required for Adam, lr for Lion)
-_SEG_KEYS = {0: ({"step", "lr"}, {"beta1", "beta2", "eps", "weight_decay"}),
-             1: ({"lr"}, {"beta1", "beta2", "weight_decay"})}
+# the hyper-parameters a segment needs and may give, per optimizer of the int8 kernel
+_SEG_KEYS = {"adam": ({"step", "lr"}, {"beta1", "beta2", "eps", "weight_decay"}),
+             "lion": ({"lr"}, {"beta1", "beta2", "weight_decay"})}
 
 
 cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predict):
@@ -1041,7 +1041,7 @@ cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predic
     cdef _Segs sg = _Segs()
     cdef Py_ssize_t k
     cdef int64_t at = 0
-    need, may = _SEG_KEYS[lion]
+    need, may = _SEG_KEYS["lion" if lion else "adam"]
     segments = list(segments)
     if not segments:
         raise ValueError("segments must cover the arrays: give at least one (lo, hi, hparams)")

@@ -12,5 +12,5 @@ from .engine import OffloadEngine
 from .offload_adamw import OffloadAdamW
 from .offload_lion import OffloadLion
 
-__all__ = ["OffloadAdamW", "OffloadLion", "OffloadEngine", "OffloadConfig", "OptimizerServerError", "OptimizerServerDeadError",
-           "OptimizerServerTimeoutError"]
+__all__ = ["OffloadAdamW", "OffloadLion", "OffloadEngine", "OffloadConfig", "OptimizerServerError",
+           "OptimizerServerDeadError", "OptimizerServerTimeoutError"]

@@ -68,20 +68,20 @@ class OffloadTrainer(Trainer):
                                  f"adam_epsilon, weight_decay, gradient_accumulation_steps, max_grad_norm); "
                                  f"set it there")
         super().__init__(*args, **kwargs)
-        self._state_dtype_from_optim()
+        self._optimizer_from_optim()
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
 
-    def _state_dtype_from_optim(self) -> None:
-        """TrainingArguments.optim as a state dtype (module docstring), or a ValueError
-        before anything trains."""
+    def _optimizer_from_optim(self) -> None:
+        """TrainingArguments.optim as an optimizer class and a state dtype (module
+        docstring), or a ValueError before anything trains."""
         optim = getattr(self.args.optim, "value", self.args.optim)
         if optim not in OPTIMS:
             raise ValueError(f"OffloadTrainer offloads AdamW and Lion, not optim={optim!r}: use one of "
                              f"{', '.join(sorted(OPTIMS))} (for less host RAM, an 8-bit one or "
                              f"offload={{'state_dtype': 'bf16'}})")
-        self.optimizer_cls, want = OPTIMS[optim]
+        self.offload_optimizer_cls, want = OPTIMS[optim]
         have = self.offload_options.get("state_dtype")
         if want is not None and have not in (None, want):
             raise ValueError(f"optim={optim!r} keeps 8-bit moments (state_dtype={want!r}) but offload asks for "
@@ -102,9 +102,9 @@ class OffloadTrainer(Trainer):
             opts.setdefault("dtype", "bf16")
             hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                       weight_decay=self.args.weight_decay)
-            if self.optimizer_cls is OffloadAdamW:
+            if self.offload_optimizer_cls is OffloadAdamW:
                 hp["eps"] = self.args.adam_epsilon
-            self.optimizer = self.optimizer_cls(groups, **hp, model=opt_model,
+            self.optimizer = self.offload_optimizer_cls(groups, **hp, model=opt_model,
                                                 grad_accumulation_steps=self.args.gradient_accumulation_steps, **opts)
         return self.optimizer
 
