@@ -115,16 +115,7 @@ def bench(n: int, threads: int, reps: int, rng) -> dict[str, float]:
     runs = {"ours": run_ours, "torch": run_torch, "bound": run_bound}
     if dsopt is not None:
         runs["ds"] = run_ds
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for step in range(1, reps + 2):
-        for name, fn in runs.items():  # interleaved: drift hits all alike
-            flush_cache()
-            t0 = time.perf_counter()
-            fn(step)
-            dt = time.perf_counter() - t0
-            if step > 1:  # first call warms page tables and thread pools
-                times[name].append(dt)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return interleaved(runs, reps)
 
 
 STATE_BYTES = {"fp32": 28, "bf16": 20, "bf16-exact": 18, "int8": 16, "int8-exact": 14}
@@ -166,19 +157,27 @@ def bench_state(n: int, threads: int, reps: int, rng) -> dict[str, float]:
         "int8-exact bound": lambda t: cpu_adam.stream_probe_int8(rem8, m8b, v8b, g, hi8, master_hi=hi8,
                                                                  num_threads=threads),
     }
+    def reseat():  # the probes add to the state: re-seat the compact ones so the update never sees inf/NaN
+        cpu_adam.split_master(p, hi, rem)
+        cpu_adam.split_master(p, hi8, rem8)
+        p3[:] = p
+    return interleaved(runs, reps, after_step=reseat)
+
+
+def interleaved(runs: dict, reps: int, after_step=None) -> dict[str, float]:
+    """Median ms of each run (a function of the 1-based step), one after the other with a
+    cache flush before each, reps + 1 rounds; after_step after each round."""
     times: dict[str, list[float]] = {k: [] for k in runs}
     for step in range(1, reps + 2):
-        for name, fn in runs.items():
+        for name, fn in runs.items():  # interleaved: drift hits all alike
             flush_cache()
             t0 = time.perf_counter()
             fn(step)
             dt = time.perf_counter() - t0
-            if step > 1:
+            if step > 1:  # first call warms page tables and thread pools
                 times[name].append(dt)
-        # the probes add to the state: re-seat the compact ones so the update never sees inf/NaN
-        cpu_adam.split_master(p, hi, rem)
-        cpu_adam.split_master(p, hi8, rem8)
-        p3[:] = p
+        if after_step is not None:
+            after_step()
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
@@ -209,16 +208,7 @@ def bench_lion_state(n: int, threads: int, reps: int, rng) -> dict[str, float]:
         "int8-exact": lambda t: cpu_adam.lion_step_int8(st["int8-exact"][1], *m8s["int8-exact"], g, st["int8-exact"][2],
                                                         master_hi=st["int8-exact"][2], sr_key=t, **kw),
     }
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for step in range(1, reps + 2):
-        for name, fn in runs.items():
-            flush_cache()
-            t0 = time.perf_counter()
-            fn(step)
-            dt = time.perf_counter() - t0
-            if step > 1:
-                times[name].append(dt)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    return interleaved(runs, reps)
 
 
 def main_lion_state(sizes, threads, reps, write) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import seeded_rng
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
-from tests.helpers.words import adamw_f64, bf16_words, widen
+from tests.helpers.words import Master, adamw_f64, bf16_words, widen
 
 from cython_ext import cpu_adam as ca
 
@@ -27,30 +27,16 @@ def run_bf16(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
     try:
         n = p0.size
         m, v, out = np.zeros(n, np.uint16), np.zeros(n, np.uint16), np.zeros(n, np.uint16)
-        if exact:
-            rem = np.zeros(n, np.uint16)
-            ca.split_master(p0, out, rem)  # one weights slot: read and written in place, as the server does
-        else:
-            p = p0.copy()
+        master = Master(p0, out, exact)
         seen = []
         for t, g in enumerate(gs, 1):
             kw = dict(step=t, lr=lr, weight_decay=wd, adamw=adamw, grad_dtype="bf16", out_dtype="bf16",
                       rounding=rounding, sr_key=ca.rounding_key(t, 5), index_base=index_base, num_threads=threads,
                       grad_scale=grad_scale)
-            if exact:
-                ca.adam_step_bf16(rem, m, v, g, out, master_hi=out, **kw)
-            else:
-                ca.adam_step_bf16(p, m, v, g, out, **kw)
+            ca.adam_step_bf16(master.param, m, v, g, out, **master.kw, **kw)
             if record:
-                if exact:
-                    cur = np.empty(n, np.float32)
-                    ca.join_master(out, rem, cur)
-                else:
-                    cur = p.copy()
-                seen.append(cur)
-        if exact:
-            p = np.empty(n, np.float32)
-            ca.join_master(out, rem, p)
+                seen.append(master.fp32())
+        p = master.fp32()
         return (p, m, v, out, seen) if record else (p, m, v, out)
     finally:
         ca.set_simd_level(prev)
@@ -304,22 +290,11 @@ def run_lion16(p0, gs, *, exact, level, rounding="stochastic", index_base=0, lr=
     try:
         n = p0.size
         m, out = np.zeros(n, np.uint16), np.zeros(n, np.uint16)
-        if exact:
-            rem = np.zeros(n, np.uint16)
-            ca.split_master(p0, out, rem)
-        else:
-            p = p0.copy()
+        master = Master(p0, out, exact)
         for t, g in enumerate(gs, 1):
-            kw = dict(lr=lr, weight_decay=wd, grad_dtype="bf16", out_dtype="bf16", rounding=rounding,
-                      sr_key=ca.rounding_key(t), index_base=index_base)
-            if exact:
-                ca.lion_step_bf16(rem, m, g, out, master_hi=out, **kw)
-            else:
-                ca.lion_step_bf16(p, m, g, out, **kw)
-        if exact:
-            p = np.empty(n, np.float32)
-            ca.join_master(out, rem, p)
-        return p, m, out
+            ca.lion_step_bf16(master.param, m, g, out, lr=lr, weight_decay=wd, grad_dtype="bf16", out_dtype="bf16",
+                              rounding=rounding, sr_key=ca.rounding_key(t), index_base=index_base, **master.kw)
+        return master.fp32(), m, out
     finally:
         ca.set_simd_level(prev)
 

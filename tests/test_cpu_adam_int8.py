@@ -13,7 +13,7 @@ import pytest
 from tests.helpers import seeded_rng
 from tests.helpers.int8_codes import code_step, decode_f64
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
-from tests.helpers.words import adamw_f64, bf16_words, widen
+from tests.helpers.words import Master, adamw_f64, bf16_words, widen
 
 from cython_ext import cpu_adam as ca
 
@@ -42,11 +42,7 @@ def run_int8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
         n = p0.size
         m, v, out = np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.zeros(n, np.uint16)
         ms, vs = np.zeros(blocks(n), np.float32), np.zeros(blocks(n), np.float32)
-        if exact:
-            rem = np.zeros(n, np.uint16)
-            ca.split_master(p0, out, rem)
-        else:
-            p = p0.copy()
+        master = Master(p0, out, exact)
         for t, g in enumerate(gs, 1):
             kw = dict(adamw=adamw, grad_dtype="bf16", out_dtype="bf16", rounding=rounding,
                       sr_key=ca.rounding_key(t, 5), index_base=index_base, num_threads=threads, grad_scale=grad_scale)
@@ -54,14 +50,8 @@ def run_int8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
                 kw.update(step=t, lr=lr, weight_decay=wd)
             else:
                 kw.update(segments=segments(t))
-            if exact:
-                ca.adam_step_int8(rem, m, v, ms, vs, g, out, master_hi=out, **kw)
-            else:
-                ca.adam_step_int8(p, m, v, ms, vs, g, out, **kw)
-        if exact:
-            p = np.empty(n, np.float32)
-            ca.join_master(out, rem, p)
-        return p, m, v, ms, vs, out
+            ca.adam_step_int8(master.param, m, v, ms, vs, g, out, **master.kw, **kw)
+        return master.fp32(), m, v, ms, vs, out
     finally:
         ca.set_simd_level(prev)
 
@@ -384,23 +374,13 @@ def run_lion8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, 
     try:
         n = p0.size
         m, out, ms = np.zeros(n, np.uint8), np.zeros(n, np.uint16), np.zeros(blocks(n), np.float32)
-        if exact:
-            rem = np.zeros(n, np.uint16)
-            ca.split_master(p0, out, rem)
-        else:
-            p = p0.copy()
+        master = Master(p0, out, exact)
         for t, g in enumerate(gs, 1):
             kw = dict(grad_dtype="bf16", out_dtype="bf16", rounding=rounding, sr_key=ca.rounding_key(t, 5),
                       index_base=index_base, num_threads=threads, grad_scale=grad_scale)
             kw.update(dict(lr=lr, weight_decay=wd) if segments is None else dict(segments=segments(t)))
-            if exact:
-                ca.lion_step_int8(rem, m, ms, g, out, master_hi=out, **kw)
-            else:
-                ca.lion_step_int8(p, m, ms, g, out, **kw)
-        if exact:
-            p = np.empty(n, np.float32)
-            ca.join_master(out, rem, p)
-        return p, m, ms, out
+            ca.lion_step_int8(master.param, m, ms, g, out, **master.kw, **kw)
+        return master.fp32(), m, ms, out
     finally:
         ca.set_simd_level(prev)
 

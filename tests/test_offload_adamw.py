@@ -2,7 +2,6 @@
 for the class, against torch.optim.AdamW itself (references written here)."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ import torch
 from runtime import OffloadAdamW
 from tests.helpers.models import gpt, gpt_batch
 from tests.helpers.reference import rel_err
+from tests.helpers.teacher import reference_of, teach
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -56,38 +56,19 @@ def test_matches_torch_adamw_with_clipping_groups_and_onecycle(dpu):
     step, two groups, OneCycleLR cycling lr and beta1: updates within 1e-4, and the
     norm torch's clip_grad_norm_ returns on the offloaded parameters is the true one."""
     model = gpt()
-    ref = copy.deepcopy(model)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
-    by_id = {id(p): n for n, p in ref.named_parameters()}
-    ref_opt = torch.optim.AdamW([dict(g, params=[masters[by_id[id(p)]] for p in g["params"]]) for g in nogroups(ref)],
-                                lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    ref, masters, ref_groups = reference_of(model, nogroups)
+    ref_opt = torch.optim.AdamW(ref_groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=3e-3, total_steps=40)
-    ref.to(torch.bfloat16)
     opt = OffloadAdamW(nogroups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, model=model, server_threads=1,
                        dpu=dpu, dpu_warmup_steps=3)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=40)
-    try:
-        for t in range(1, 16):
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), ref.parameters()):
-                    q.copy_(p)
-            gpt_batch(t, "bf16")(ref).backward()
-            for n, q in ref.named_parameters():
-                masters[n].grad, q.grad = q.grad.float(), None
-            ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 0.5))
-            ref_opt.step()
-            ref_sched.step()
-            gpt_batch(t, "bf16")(model).backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
-            assert ref_norm > 0.5 and abs(norm - ref_norm) / ref_norm < 1e-5, (t, norm, ref_norm)
-            opt.step()
-            sched.step()
-            assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
-        opt.engine.synchronize()
-        got = opt.master_state_dict()
-    finally:
-        opt.close()
+
+    def same_betas(t):
+        assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"], t
+    got, norms = teach(model, opt, sched, ref, masters, ref_opt, ref_sched, 15, 0.5, same_betas)
+    for t, (ref_norm, norm) in enumerate(norms, 1):
+        assert ref_norm > 0.5 and abs(norm - ref_norm) / ref_norm < 1e-5, (t, norm, ref_norm)
     for n in p0:
         assert rel_err(got[n] - p0[n], masters[n].detach() - p0[n]) < 1e-4, (n, rel_err(got[n] - p0[n],
                                                                                         masters[n].detach() - p0[n]))

@@ -2,14 +2,13 @@
 for the class, against Lion written here in plain torch over fp32 masters."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from runtime import OffloadLion
-from tests.helpers.models import gpt, gpt_batch
+from tests.helpers.models import gpt
 from tests.helpers.reference import rel_err
+from tests.helpers.teacher import reference_of, teach
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,39 +46,20 @@ def test_matches_torch_lion_with_clipping_groups_and_a_scheduler(state_dtype):
     with bf16 state and 0.2 with int8 (measured 1.7e-2 and 7.6e-2: the compact m's
     rounding tips the signs whose argument is near 0, each by 2 lr)."""
     model = gpt()
-    ref = copy.deepcopy(model)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
-    by_id = {id(p): n for n, p in ref.named_parameters()}
-    ref_opt = TorchLion([dict(g, params=[masters[by_id[id(p)]] for p in g["params"]]) for g in groups(ref)],
-                        lr=3e-4, betas=(0.9, 0.99))
+    ref, masters, ref_groups = reference_of(model, groups)
+    ref_opt = TorchLion(ref_groups, lr=3e-4, betas=(0.9, 0.99))
     ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=20)
-    ref.to(torch.bfloat16)
     opt = OffloadLion(groups(model), lr=3e-4, betas=(0.9, 0.99), model=model, server_threads=1,
                       state_dtype=state_dtype)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
-    try:
-        for t in range(1, 16):
-            with torch.no_grad():
-                for p, q in zip(model.parameters(), ref.parameters()):
-                    q.copy_(p)
-            gpt_batch(t, "bf16")(ref).backward()
-            for n, q in ref.named_parameters():
-                masters[n].grad, q.grad = q.grad.float(), None
-            ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), 0.5))
-            ref_opt.step()
-            ref_sched.step()
-            gpt_batch(t, "bf16")(model).backward()
-            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
-            assert abs(norm - ref_norm) / ref_norm < 1e-5, (t, norm, ref_norm)
-            opt.step()
-            sched.step()
-            assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
-        opt.engine.synchronize()
-        got = opt.master_state_dict()
-        assert opt.engine.cfg.optimizer == "lion" and "eps" not in opt.param_groups[0]
-    finally:
-        opt.close()
+
+    def same_lr(t):
+        assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"], t
+    got, norms = teach(model, opt, sched, ref, masters, ref_opt, ref_sched, 15, 0.5, same_lr)
+    assert opt.engine.cfg.optimizer == "lion" and "eps" not in opt.param_groups[0]
+    for t, (ref_norm, norm) in enumerate(norms, 1):
+        assert abs(norm - ref_norm) / ref_norm < 1e-5, (t, norm, ref_norm)
     flat = lambda d: torch.cat([d[n].detach().reshape(-1) - p0[n].reshape(-1) for n in p0])  # noqa: E731
     err = rel_err(flat(got), flat(masters))
     print(f"{state_dtype}: displacement rel err {err:.2e}")

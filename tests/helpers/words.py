@@ -3,11 +3,14 @@
     bf16_words(x)    fp32 -> bf16 words, rounded to nearest even by torch (its own cast)
     widen(words)     bf16 words -> float32, exact
     adamw_f64(...)   AdamW in float64 (torch's formula) on given gradients: the reference
+    Master(p0, out, exact)  a kernel run's master: the exact master or an fp32 copy
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from cython_ext import cpu_adam
 
 
 def bf16_words(x) -> np.ndarray:
@@ -32,3 +35,27 @@ def adamw_f64(p0, grads, *, lr=1e-3, wd=0.01, b1=0.9, b2=0.999, eps=1e-8):
         v = b2 * v + (1 - b2) * gf * gf
         p -= lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
     return p, m, v
+
+
+class Master:
+    """The master of a kernel run from p0: with exact, the exact master's low halves
+    (param) whose high halves are `out`, the one weights slot, read and written in
+    place as the server does (kw passes it as master_hi); else an fp32 copy of p0."""
+
+    def __init__(self, p0: np.ndarray, out: np.ndarray, exact: bool):
+        self.out, self.exact = out, exact
+        if exact:
+            self.param = np.zeros(p0.size, np.uint16)
+            cpu_adam.split_master(p0, out, self.param)
+            self.kw = dict(master_hi=out)
+        else:
+            self.param = p0.copy()
+            self.kw = {}
+
+    def fp32(self) -> np.ndarray:
+        """The master now, as fp32 (joined from the two halves with exact)."""
+        if not self.exact:
+            return self.param.copy()
+        p = np.empty(self.param.size, np.float32)
+        cpu_adam.join_master(self.out, self.param, p)
+        return p
