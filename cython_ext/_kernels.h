@@ -672,6 +672,29 @@ static inline ZO_T256 void zo256_store_u16(uint16_t *a, int64_t i, __m256i x) {
     __m256i pk = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x08);
     _mm_storeu_si128((__m128i *)(a + i), _mm256_castsi256_si128(pk));
 }
+/* 8 lanes of the master: the exact master joined from its halves (zo_join_master), or
+ * the fp32 master */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_load_master(
+        const float *p, const uint16_t *rem, const uint16_t *hi16, int64_t i, const int exact) {
+    __m256i r16, h16;
+    if (!exact) return _mm256_loadu_ps(p + i);
+    r16 = zo256_load_u16(rem, i);
+    h16 = _mm256_sub_epi32(zo256_load_u16(hi16, i), _mm256_srli_epi32(r16, 15));
+    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(h16, 16), r16));
+}
+/* the new master pi stored: split into its low halves and the weights (zo_split_master),
+ * or as fp32 with the weights w (pi, or DPU's prediction) in the out slot */
+static inline ZO_T256 __attribute__((always_inline)) void zo256_store_master(
+        float *p, uint16_t *rem, void *out, int ok, int64_t i, __m256 pi, __m256 w, const int exact) {
+    __m256i x = _mm256_castps_si256(pi);
+    if (!exact) {
+        _mm256_storeu_ps(p + i, pi);
+        zo256_store_out(out, ok, i, w);
+        return;
+    }
+    zo256_store_u16(rem, i, _mm256_srli_epi32(_mm256_slli_epi32(x, 16), 16));
+    zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
+}
 static inline ZO_T256 __m256i zo256_isnan(__m256i x) {
     return _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
 }
@@ -713,13 +736,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         __m256 pi, mi, vi, denom, p0;
         __m256i mb, vb;
         if (h->grad_scale != 1.0f) gi = _mm256_mul_ps(gi, gs);
-        if (s->rem) {
-            __m256i r16 = zo256_load_u16(zo16_rd(s->src_rem, s->rem), i);
-            __m256i h16 = _mm256_sub_epi32(zo256_load_u16(s->hi, i), _mm256_srli_epi32(r16, 15));
-            pi = _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h16, low), 16), r16));
-        } else {
-            pi = _mm256_loadu_ps(p + i);
-        }
+        pi = zo256_load_master(p, zo16_rd(s->src_rem, s->rem), s->hi, i, s->rem != NULL);
         if (h->l2 != 0.0f) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
         mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(_mm256_slli_epi32(
                                zo256_load_u16(zo16_rd(s->src_m, s->m), i), 16))),
@@ -744,15 +761,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
         }
         zo256_store_u16(s->m, i, mb);
         zo256_store_u16(s->v, i, vb);
-        if (s->rem) {
-            __m256i x = _mm256_castps_si256(pi);
-            zo256_store_u16(s->rem, i, _mm256_and_si256(x, low));
-            zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
-        } else {
-            _mm256_storeu_ps(p + i, pi);
-            zo256_store_out(out, ok, i, h->predict != 0.0f
-                            ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi);
-        }
+        zo256_store_master(p, s->rem, out, ok, i, pi, h->predict != 0.0f
+                           ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi,
+                           s->rem != NULL);
     }
     zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
 }
@@ -1010,6 +1021,26 @@ static inline ZO_T512 __m512i zo512_load_u16(const uint16_t *a, int64_t i) {
 }
 static inline ZO_T512 void zo512_store_u16(uint16_t *a, int64_t i, __m512i x) {  /* the low halves */
     _mm256_storeu_si256((__m256i *)(a + i), _mm512_cvtepi32_epi16(x));
+}
+/* zo256_load_master and zo256_store_master, 16 lanes */
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_load_master(
+        const float *p, const uint16_t *rem, const uint16_t *hi16, int64_t i, const int exact) {
+    __m512i r16, h16;
+    if (!exact) return _mm512_loadu_ps(p + i);
+    r16 = zo512_load_u16(rem, i);
+    h16 = _mm512_sub_epi32(zo512_load_u16(hi16, i), _mm512_srli_epi32(r16, 15));
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h16, 16), r16));
+}
+static inline ZO_T512 __attribute__((always_inline)) void zo512_store_master(
+        float *p, uint16_t *rem, void *out, int ok, int64_t i, __m512 pi, __m512 w, const int exact) {
+    __m512i x = _mm512_castps_si512(pi);
+    if (!exact) {
+        _mm512_storeu_ps(p + i, pi);
+        zo512_store_out(out, ok, i, w);
+        return;
+    }
+    zo512_store_u16(rem, i, x);  /* the low halves */
+    zo512_store_u16((uint16_t *)out, i, _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x8000)), 16));
 }
 static inline ZO_T512 __m512i zo512_rne_add(__m512i x) {
     return _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1)),

@@ -297,30 +297,6 @@ static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, f
     zo8_decode_scalar(s, b0, i, be, mb, vb);
 }
 
-/* 8 lanes of the master: the exact master joined from its halves (H = hi - (rem >=
- * 0x8000) undoes the rounding, _kernels.h), or the fp32 master */
-static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_load_master(
-        const float *p, const uint16_t *rem, const uint16_t *hi16, int64_t i, const int exact) {
-    __m256i r16, h16;
-    if (!exact) return _mm256_loadu_ps(p + i);
-    r16 = zo256_load_u16(rem, i);
-    h16 = _mm256_sub_epi32(zo256_load_u16(hi16, i), _mm256_srli_epi32(r16, 15));
-    return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(h16, 16), r16));
-}
-/* the new master pi stored: split into its low halves and the weights (its high halves,
- * rounded), or as fp32 with the weights w (pi, or DPU's prediction) in the out slot */
-static inline ZO_T256 __attribute__((always_inline)) void zo8_256_store_master(
-        float *p, uint16_t *rem, void *out, int ok, int64_t i, __m256 pi, __m256 w, const int exact) {
-    __m256i x = _mm256_castps_si256(pi);
-    if (!exact) {
-        _mm256_storeu_ps(p + i, pi);
-        zo256_store_out(out, ok, i, w);
-        return;
-    }
-    zo256_store_u16(rem, i, _mm256_srli_epi32(_mm256_slli_epi32(x, 16), 16));
-    zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
-}
-
 /* The update of 8 lanes a turn.  The flags (exact master, grad scale, L2, decoupled decay,
  * prediction) are arguments that the dispatcher below passes as constants for the
  * common cases: the loop holds more constants than AVX2 has registers, and with a flag
@@ -349,7 +325,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
         __m256 gi = zo256_load_grad(g, gk, i);
         __m256 pi, mi, vi, denom, p0;
         if (scale) gi = _mm256_mul_ps(gi, gs);
-        pi = zo8_256_load_master(p, rem, hi16, i, exact);
+        pi = zo256_load_master(p, rem, hi16, i, exact);
         if (has_l2) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
         mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(mb + (i - b0))), _mm256_mul_ps(omb1, gi));
         vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(vb + (i - b0))),
@@ -363,7 +339,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
         /* max_ps(x, a) returns a for a NaN x, as the scalar x > a ? x : a does */
         ma = _mm256_max_ps(_mm256_and_ps(mi, absmask), ma);
         va = _mm256_max_ps(vi, va);
-        zo8_256_store_master(p, rem, out, ok, i, pi,
+        zo256_store_master(p, rem, out, ok, i, pi,
                              predict ? _mm256_add_ps(pi, _mm256_mul_ps(pr, _mm256_sub_ps(pi, p0))) : pi, exact);
     }
     _mm256_storeu_ps(ta, ma);
@@ -418,7 +394,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_lion_span_body
         __m256 gi = zo256_load_grad(g, gk, i), mi = _mm256_loadu_ps(mb + (i - b0));
         __m256 pi, c, sg, mn;
         if (scale) gi = _mm256_mul_ps(gi, gs);
-        pi = zo8_256_load_master(p, rem, hi16, i, exact);
+        pi = zo256_load_master(p, rem, hi16, i, exact);
         c = _mm256_add_ps(_mm256_mul_ps(b1, mi), _mm256_mul_ps(omb1, gi));
         sg = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_GT_OQ), one),
                           _mm256_and_ps(_mm256_cmp_ps(c, zero, _CMP_LT_OQ), mone));
@@ -426,7 +402,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_lion_span_body
         mn = _mm256_add_ps(_mm256_mul_ps(b2, mi), _mm256_mul_ps(omb2, gi));
         _mm256_storeu_ps(mb + (i - b0), mn);
         ma = _mm256_max_ps(_mm256_and_ps(mn, absmask), ma);
-        zo8_256_store_master(p, rem, out, ok, i, pi, pi, exact);
+        zo256_store_master(p, rem, out, ok, i, pi, pi, exact);
     }
     _mm256_storeu_ps(ta, ma);
     a = *am;
@@ -544,27 +520,6 @@ static ZO_T512 void zo8_512_decode(const zo_state8 *s, int64_t b0, int64_t be, f
     zo8_decode_scalar(s, b0, i, be, mb, vb);
 }
 
-/* zo8_256_load_master and zo8_256_store_master, 16 lanes */
-static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_load_master(
-        const float *p, const uint16_t *rem, const uint16_t *hi16, int64_t i, const int exact) {
-    __m512i r16, h16;
-    if (!exact) return _mm512_loadu_ps(p + i);
-    r16 = zo512_load_u16(rem, i);
-    h16 = _mm512_sub_epi32(zo512_load_u16(hi16, i), _mm512_srli_epi32(r16, 15));
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(h16, 16), r16));
-}
-static inline ZO_T512 __attribute__((always_inline)) void zo8_512_store_master(
-        float *p, uint16_t *rem, void *out, int ok, int64_t i, __m512 pi, __m512 w, const int exact) {
-    __m512i x = _mm512_castps_si512(pi);
-    if (!exact) {
-        _mm512_storeu_ps(p + i, pi);
-        zo512_store_out(out, ok, i, w);
-        return;
-    }
-    zo512_store_u16(rem, i, x);  /* the low halves */
-    zo512_store_u16((uint16_t *)out, i, _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x8000)), 16));
-}
-
 static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body(
         float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, int64_t b0,
         const zo_hparams *hp, const zo_state8 *s, float *mb, float *vb, float *am, float *av,
@@ -586,7 +541,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
         __m512 gi = zo512_load_grad(g, gk, i);
         __m512 pi, mi, vi, denom, p0;
         if (scale) gi = _mm512_mul_ps(gi, gs);
-        pi = zo8_512_load_master(p, rem, hi16, i, exact);
+        pi = zo512_load_master(p, rem, hi16, i, exact);
         if (has_l2) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
         mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(mb + (i - b0))), _mm512_mul_ps(omb1, gi));
         vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(vb + (i - b0))),
@@ -599,7 +554,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body
         _mm512_storeu_ps(vb + (i - b0), vi);
         ma = _mm512_max_ps(_mm512_abs_ps(mi), ma);  /* a NaN x gives a, as in the AVX2 body */
         va = _mm512_max_ps(vi, va);
-        zo8_512_store_master(p, rem, out, ok, i, pi,
+        zo512_store_master(p, rem, out, ok, i, pi,
                              predict ? _mm512_add_ps(pi, _mm512_mul_ps(pr, _mm512_sub_ps(pi, p0))) : pi, exact);
     }
     /* max is exact and no lane holds a NaN, so a tree gives the scalar loop's result;
@@ -645,7 +600,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_lion_span_body
         __m512 gi = zo512_load_grad(g, gk, i), mi = _mm512_loadu_ps(mb + (i - b0));
         __m512 pi, c, sg, mn;
         if (scale) gi = _mm512_mul_ps(gi, gs);
-        pi = zo8_512_load_master(p, rem, hi16, i, exact);
+        pi = zo512_load_master(p, rem, hi16, i, exact);
         c = _mm512_add_ps(_mm512_mul_ps(b1, mi), _mm512_mul_ps(omb1, gi));
         sg = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ),
                                   _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), zero, one), mone);
@@ -653,7 +608,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_lion_span_body
         mn = _mm512_add_ps(_mm512_mul_ps(b2, mi), _mm512_mul_ps(omb2, gi));
         _mm512_storeu_ps(mb + (i - b0), mn);
         ma = _mm512_max_ps(_mm512_abs_ps(mn), ma);
-        zo8_512_store_master(p, rem, out, ok, i, pi, pi, exact);
+        zo512_store_master(p, rem, out, ok, i, pi, pi, exact);
     }
     a = _mm512_reduce_max_ps(ma);  /* as in the Adam body */
     *am = a > *am ? a : *am;
