@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from .atomic import atomic_write_bytes, fsync_dir
+from .ckpt_io import file_crc
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -41,9 +42,6 @@ LEGACY_INT8 = "int8-pow"
 ENGINE_VERSION = 1   # engine-*.json "version": the engine's files
 # Roles of the per-rank files (the prefix of their names).
 SHARD, ENGINE, DEVICE16, PENDING16 = "shard", "engine", "device16", "pending16"
-# bytes per read when verifying: one reused buffer, small against any shard (a
-# checkpoint is verified while the server's state is resident, when RAM is tightest)
-_CRC_CHUNK = 1 << 20
 
 
 class CheckpointError(ValueError):
@@ -93,13 +91,8 @@ def checksum_str(crc: int) -> str:
 
 
 def file_checksum(path: Path) -> str:
-    crc = 0
-    buf = bytearray(_CRC_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while k := f.readinto(buf):
-            crc = zlib.crc32(view[:k], crc)
-    return checksum_str(crc)
+    """The whole file's CRC-32, read in large pieces on several threads (ckpt_io)."""
+    return checksum_str(file_crc(path)[0])
 
 
 def verify(path: Path, expected: str | None) -> None:

@@ -2,10 +2,18 @@
 
 Importable without torch: it exposes the shared segment as NumPy arrays, and the
 runtime wraps those in tensors.  Every wait is bounded; while it waits the client
-checks that the server process still lives (a child: its exit status, within
-LIVENESS_POLL_S; same node: its pid, likewise; another node: no heartbeat reply
-for HEARTBEAT_DEAD_AFTER_S), so a dead server surfaces as
-OptimizerServerDeadError instead of a hang.
+checks that the server process still lives, and declares it dead only on evidence:
+a child's exit status, or (same node: an ipc:// or loopback address) its pid gone,
+each within LIVENESS_POLL_S.  Only where neither can be seen (a tcp peer on another
+node) does silence count: no heartbeat reply for HEARTBEAT_DEAD_AFTER_S.  So a dead
+server surfaces as OptimizerServerDeadError instead of a hang, and a live one busy
+with a long request is never declared dead, nor are its segment and socket removed.
+
+Waits scale with the work: a request fails with OptimizerServerTimeoutError only
+when request_timeout_s pass with no progress, where progress is the server's
+HEARTBEAT_OK.work growing (checkpoint bytes moved, updates done) or the progress
+word moving (a STEP publishing its blocks).  A 10B-parameter LOAD takes minutes and
+is never cut short while its bytes flow.
 
 Timeouts: a wait for DONE that times out leaves the step in flight, and
 wait_done() may simply be called again (the reply is not lost; every other
@@ -34,8 +42,9 @@ from .shm import unlink as shm_unlink
 
 HEARTBEAT_INTERVAL_S = 1.0        # well under the server's default 5 s timeout
 LIVENESS_POLL_S = 0.05            # how often a blocked wait checks the server
-DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a STEP of a huge shard on one thread can take seconds
-HEARTBEAT_DEAD_AFTER_S = 10.0     # no heartbeat reply this long (tcp, other node) = dead
+DEFAULT_REQUEST_TIMEOUT_S = 300.0  # bound on a wait with no progress (see the module docstring)
+HEARTBEAT_DEAD_AFTER_S = 10.0     # no heartbeat reply this long (tcp, other node only) = dead
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class ShardClient:
@@ -66,7 +75,11 @@ class ShardClient:
         self._broken: str | None = None  # a request timed out: its late reply would answer the next one
         self.server_pid = 0
         self._hb_last_ok = time.monotonic()
+        self._work = -1                        # the last HEARTBEAT_OK.work
+        self._progress_seen = (-1, -1)         # (work, progress word) when last looked at
+        self._progress_t = time.monotonic()    # when they last changed
         self.segment: Segment | None = None
+        self.progress = None
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
         hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
                         dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
@@ -102,32 +115,56 @@ class ShardClient:
         s.connect(self.address)
         return s
 
+    @property
+    def same_node(self) -> bool:
+        """The server runs on this node (ipc://, or tcp to a loopback address): its pid
+        is evidence of its life."""
+        if self.address.startswith("ipc://"):
+            return True
+        host = self.address[len("tcp://"):].rsplit(":", 1)[0] if self.address.startswith("tcp://") else ""
+        return host in LOCAL_HOSTS
+
     def _server_gone(self) -> str | None:
-        """Why the server is considered dead, or None while it lives."""
+        """Why the server is known to be dead, or None while it lives (or may)."""
         if self._proc is not None:
             rc = self._proc.poll()
-            if rc is not None:
-                return describe_exit(rc)
-        elif self.server_pid and self.address.startswith("ipc://") and not pid_alive(self.server_pid):
-            return "is no longer running"
+            return describe_exit(rc) if rc is not None else None
+        if self.server_pid and self.same_node:
+            return None if pid_alive(self.server_pid) else "is no longer running"
+        # a peer on another node: silence is the only evidence there is
         if self.server_pid and time.monotonic() - self._hb_last_ok > HEARTBEAT_DEAD_AFTER_S:
             return f"has not answered heartbeats for {HEARTBEAT_DEAD_AFTER_S:.0f} s"
         return None
 
+    def _server_pid_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return bool(self.server_pid) and self.same_node and pid_alive(self.server_pid)
+
     def _raise_dead(self, why: str) -> None:
-        # The server cannot clean up any more: the worker knows its segment's name
-        # and socket path, and removes them so nothing stays in /dev/shm or /tmp.
-        if self.segment is not None:
-            shm_unlink(self.segment.name)
-        if self.address.startswith("ipc://"):
-            remove_socket_files(self.address[len("ipc://"):])
+        # A dead server cannot clean up any more: the worker knows its segment's name
+        # and socket path, and removes them so nothing stays in /dev/shm or /tmp.  Never
+        # those of a server whose process still runs (the creator alone unlinks).
+        if not self._server_pid_alive():
+            if self.segment is not None:
+                shm_unlink(self.segment.name)
+            if self.address.startswith("ipc://"):
+                remove_socket_files(self.address[len("ipc://"):])
         self._dead = OptimizerServerDeadError(
             f"optimizer server at {self.address} (pid {self.server_pid or '?'}) {why}; restart it and resume "
             f"from the last checkpoint (engine.load_checkpoint)")
         raise self._dead
 
+    def _progressed(self) -> float:
+        """When the server last showed progress (HEARTBEAT_OK.work or the progress word)."""
+        word = int(self.progress[0]) if self.progress is not None else -1
+        sig = (self._work, word)
+        if sig != self._progress_seen:
+            self._progress_seen, self._progress_t = sig, time.monotonic()
+        return self._progress_t
+
     def _recv(self, expect: type, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
         while True:
             if self._poller.poll(int(LIVENESS_POLL_S * 1000)):
                 msg = P.decode(self._sock.recv())
@@ -140,10 +177,11 @@ class ShardClient:
             why = self._server_gone()
             if why:
                 self._raise_dead(why)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - max(start, self._progressed()) > timeout_s:
                 raise OptimizerServerTimeoutError(
-                    f"optimizer server at {self.address} did not answer within {timeout_s:.0f} s (it is alive; "
-                    f"raise request_timeout_s if updates are this slow)")
+                    f"optimizer server at {self.address} made no progress for {timeout_s:.0f} s (it is alive; "
+                    f"raise request_timeout_s, the bound on a wait without progress, if it is this slow)")
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -173,8 +211,10 @@ class ShardClient:
             while not self._hb_stop.wait(self._hb_interval_s):
                 sock.send(hb)
                 if sock.poll(int(self._hb_interval_s * 2000), zmq.POLLIN):
-                    sock.recv()
+                    reply = P.decode(sock.recv())
                     self._hb_last_ok = time.monotonic()
+                    if isinstance(reply, P.HeartbeatOk):
+                        self._work = reply.work
         except zmq.ZMQError:
             pass
         finally:
@@ -282,9 +322,37 @@ class ShardClient:
             out[lo:hi] = self.staging[:hi - lo]
         return out
 
-    def save(self, directory: str) -> dict:
+    def save(self, directory: str, background: bool = False) -> dict:
+        """SAVE this shard into directory (made absolute here: the server's cwd is not
+        ours).  background: the reply comes once the save has started; save_status()
+        says when it is done, and STEPs may run meanwhile."""
         self._check_usable()
-        return self._request(P.Save(session=self.session, dir=os.path.abspath(directory)), P.Ok).info
+        return self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background),
+                             P.Ok).info
+
+    def save_status(self) -> dict:
+        """The newest save's state: {"state": idle|writing|done|failed, "bytes_done",
+        "bytes_total", "error", "seconds", "waited_s"} (a STATS round trip)."""
+        st = self.stats()
+        return {"state": st.save_state, "bytes_done": st.save_bytes_done, "bytes_total": st.save_bytes_total,
+                "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s}
+
+    def wait_save(self, poll_s: float = 0.05) -> dict:
+        """Block until the newest save is written (its status); fails only when the save
+        makes no progress for request_timeout_s, or the server dies."""
+        last, t_last = -1, time.monotonic()
+        while True:
+            st = self.save_status()
+            if st["state"] != "writing":
+                return st
+            if st["bytes_done"] != last:
+                last, t_last = st["bytes_done"], time.monotonic()
+            elif time.monotonic() - t_last > self.request_timeout_s:
+                raise OptimizerServerTimeoutError(
+                    f"the background save made no progress for {self.request_timeout_s:.0f} s "
+                    f"({st['bytes_done']} of {st['bytes_total']} bytes); raise request_timeout_s if the disk is "
+                    f"this slow")
+            time.sleep(poll_s)
 
     def load(self, directory: str, out_slot: int = 0) -> dict:
         """LOAD a checkpoint; out_slot: the weights slot that gets its weights."""

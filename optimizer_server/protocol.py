@@ -68,6 +68,12 @@ Version 11 added the ready word (HELLO_OK.ready_offset; drawn in ShardLayout): a
 step's first SPECULATE, the worker stores how far the gradients are final there instead
 of sending a SPECULATE per bucket, and the server follows it until the STEP (a SPECULATE
 that says more still counts).
+Version 12 made checkpoints and other long requests safe at any size: INIT, LOAD,
+GET_MASTER and SAVE run on the shard's update thread, so heartbeats are answered
+throughout; HEARTBEAT_OK.work is a count that grows while the shard's long requests
+move data (a client waits for as long as it grows); SAVE.background answers once the
+save has started (its writer threads go on while later STEPs run, each overwriting
+only what is already written), and STATS_OK.save_* say how far it is.
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
@@ -81,7 +87,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -202,6 +208,14 @@ class Hello(Message):
 
 
 HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+MAX_PATH = 4096
+
+
+def _check_abs_dir(d: str) -> None:
+    _require(0 < len(d) <= MAX_PATH and d.startswith("/") and "\0" not in d,
+             f"a checkpoint directory must be an absolute path of at most {MAX_PATH} bytes, got {d[:100]!r}")
 
 
 def _check_range(offset: int, count: int) -> None:
@@ -341,7 +355,11 @@ class GetMaster(Message):
 class Save(Message):
     TYPE: ClassVar[str] = "SAVE"
     session: str
-    dir: str
+    dir: str                 # absolute: a relative path would be the server's cwd, not the worker's
+    background: bool = False  # answer once started; STATS_OK.save_state says when it is done
+
+    def validate(self) -> None:
+        _check_abs_dir(self.dir)
 
 
 @dataclass(kw_only=True)
@@ -353,6 +371,7 @@ class Load(Message):
 
     def validate(self) -> None:
         _require(0 <= self.out_slot < 2, f"out_slot must be 0 or 1, got {self.out_slot}")
+        _check_abs_dir(self.dir)
 
 
 @dataclass(kw_only=True)
@@ -375,6 +394,12 @@ class StatsOk(Message):
     speculate_dropped: int = 0  # SPECULATE messages the server could not use (a hint is not answered)
     last_drop_reason: str = ""
     speculated: int = 0         # elements of the coming step already updated by speculation (its pieces so far)
+    save_state: str = "idle"    # the newest SAVE: idle, writing, done or failed
+    save_bytes_done: int = 0
+    save_bytes_total: int = 0
+    save_error: str = ""        # why it failed (the previous checkpoint stays current)
+    save_seconds: float = 0.0   # how long it ran (so far)
+    save_waited_s: float = 0.0  # how long updates waited for it (what it cost training)
 
 
 @dataclass(kw_only=True)
@@ -387,6 +412,7 @@ class Heartbeat(Message):
 class HeartbeatOk(Message):
     TYPE: ClassVar[str] = "HEARTBEAT_OK"
     server_pid: int
+    work: int = 0  # grows while the shard's long requests move data (Shard.work_done)
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ socket, lock, token and address files.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -28,6 +29,7 @@ import zmq
 from . import ipc
 from . import protocol as P
 from .admission import Refused, admit
+from .checkpoint import CheckpointError
 from .config import TOKEN_ENV, ServerConfig
 from .files import ServerFiles
 from .procs import pid_alive
@@ -208,9 +210,9 @@ class OptimizerServer:
                                         f"dropped this worker after a heartbeat timeout)")
         shard.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
-            return P.HeartbeatOk(server_pid=os.getpid()).encode()
+            return P.HeartbeatOk(server_pid=os.getpid(), work=shard.work_done).encode()
         if isinstance(msg, P.Stats):
-            return shard.stats().encode()
+            return self._stats(shard)
         if isinstance(msg, P.Speculate):  # before STEP's case: SPECULATE is a Step with `upto`
             self._speculate(session, shard, msg)
             return None  # a hint: never answered
@@ -226,18 +228,12 @@ class OptimizerServer:
             self._drop(session, "said BYE", logging.INFO)
             return P.Ok().encode()
         if isinstance(msg, P.Init):
-            try:
-                shard.init_chunk(msg.offset, msg.count)
-            except ValueError as e:
-                return P.error(P.E_ORDER, str(e))
-            return P.Ok().encode()
+            return self._on_thread(identity, session, shard, "INIT", lambda: shard.init_chunk(msg.offset, msg.count))
         if isinstance(msg, P.Load):
-            try:
+            def load():
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    info = shard.load(msg.dir, msg.out_slot)
-            except (OSError, ValueError) as e:
-                return P.error(P.E_CHECKPOINT, str(e))
-            return P.Ok(info=info).encode()
+                    return shard.load(msg.dir, msg.out_slot)
+            return self._on_thread(identity, session, shard, "LOAD", load)
         if not shard.initialized:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
         if isinstance(msg, P.Step):
@@ -254,22 +250,52 @@ class OptimizerServer:
                 return P.error(P.E_ORDER, why)
             return P.Ok(info={"steps": shard.steps}).encode()
         if isinstance(msg, P.GetMaster):
-            try:
-                shard.master_to_staging(msg.offset, msg.count)
-            except ValueError as e:
-                return P.error(P.E_ORDER, str(e))
-            return P.Ok().encode()
+            return self._on_thread(identity, session, shard, "GET_MASTER",
+                                   lambda: shard.master_to_staging(msg.offset, msg.count))
         if isinstance(msg, P.Save):
-            try:
-                t0 = time.perf_counter()
-                with self.tracer.span("checkpoint_save", rank=shard.rank):
-                    info = shard.save(msg.dir)
-                info["seconds"] = time.perf_counter() - t0
-            except OSError as e:
-                return P.error(P.E_CHECKPOINT, f"saving to {msg.dir} failed: {e.strerror or e} "
-                                               f"(errno {e.errno}); the previous checkpoint there is intact")
-            return P.Ok(info=info).encode()
+            if shard.save_job is not None and not shard.save_job.done:
+                return P.error(P.E_ORDER, "SAVE while the previous save is still being written: wait for it "
+                                          "(engine.wait_checkpoint) first")
+
+            def save():
+                try:
+                    job = shard.start_save(msg.dir)
+                    if msg.background:
+                        return {"background": True, "bytes": job.total_bytes, "steps": shard.steps}
+                    with self.tracer.span("checkpoint_save", rank=shard.rank):
+                        info = job.wait()
+                except OSError as e:
+                    raise CheckpointError(f"saving to {msg.dir} failed: {e.strerror or e} (errno {e.errno}); the "
+                                          f"previous checkpoint there is intact") from e
+                return dict(info, seconds=job.seconds)
+            return self._on_thread(identity, session, shard, "SAVE", save)
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
+
+    def _stats(self, shard: Shard) -> bytes:
+        sv = shard.save_status()
+        return dataclasses.replace(shard.stats(), save_state=sv["state"], save_bytes_done=sv["bytes_done"],
+                                   save_bytes_total=sv["bytes_total"], save_error=sv["error"],
+                                   save_seconds=sv["seconds"], save_waited_s=sv["waited_s"]).encode()
+
+    def _on_thread(self, identity: bytes, session: str, shard: Shard, what: str, fn) -> None:
+        """Run a long request (INIT, LOAD, GET_MASTER, SAVE) on the shard's update thread,
+        so this thread goes on answering heartbeats and other workers; its reply (OK with
+        what fn returned, or the ERROR its exception names) goes out when it is done.
+        The shard is busy meanwhile (Shard.working)."""
+        shard.working = what
+
+        def run():
+            try:
+                return P.Ok(info=fn() or {}).encode()
+            except (OSError, ValueError) as e:
+                return P.error(P.E_CHECKPOINT if what in ("SAVE", "LOAD") else P.E_ORDER, str(e))
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the server: answer it
+                log.exception("internal error in %s", what)
+                return P.error(P.E_INTERNAL, f"{what} failed: {type(e).__name__}: {e}")
+        fut = self.executors[session].submit(run)
+        self.pending[session] = fut
+        fut.add_done_callback(lambda f: self._queue_reply(identity, session, f.result()))
+        return None
 
     def _hello(self, msg: P.Hello) -> bytes:
         try:
@@ -355,6 +381,9 @@ class OptimizerServer:
             reply = P.Done(step=step, update_s=fut.result(), speculated=spec[0], rolled_back=spec[1]).encode()
         else:
             reply = P.error(P.E_INTERNAL, f"update of step {step} failed: {type(exc).__name__}: {exc}")
+        self._queue_reply(identity, session, reply)
+
+    def _queue_reply(self, identity: bytes, session: str, reply: bytes) -> None:
         with self.results_lock:
             self.results.append(_Result(identity, session, reply))
         try:
@@ -374,7 +403,10 @@ class OptimizerServer:
             shard = self.shards.get(r.session)
             self.pending.pop(r.session, None)
             if shard is not None:
-                shard.finish_update()
+                if shard.working is not None:
+                    shard.working = None
+                else:
+                    shard.finish_update()
                 if shard.drop_reason:
                     self._drop(r.session, shard.drop_reason)
                     continue

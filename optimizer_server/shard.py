@@ -24,7 +24,15 @@ States (ShardState) and what moves between them:
 
 Only READY takes STEP, SKIP, GET_MASTER and SAVE (SPECULATING too, settled first);
 UPDATING takes nothing but HEARTBEAT and STATS (the server answers the rest with
-E_ORDER, and drops a SPECULATE).
+E_ORDER, and drops a SPECULATE).  INIT, LOAD, GET_MASTER and SAVE also run on the
+update thread (``working`` names the one running; the shard is busy meanwhile), so
+the socket thread answers heartbeats and other workers however long they take.
+
+A save (``start_save``) is a ckpt_io.SaveJob: its writer threads write the state as
+it was when the save started, and every method below that overwrites state
+elements first calls ``_guard(lo, hi)`` (SaveJob.ensure), so a STEP may run while
+the save is still being written (a background save) and the file still holds the
+saved step's bytes.  INIT and LOAD replace the whole state: they wait for the save.
 
 Speculation (SPECULATE, protocol v10): the worker says the gradients of [0, upto)
 are final and sends the STEP it expects, assuming no clipping and no overflow.  The
@@ -61,7 +69,8 @@ from cython_ext import cpu_adam
 
 from . import checkpoint as C
 from . import protocol as P
-from .atomic import atomic_write, atomic_write_bytes, fsync_dir
+from .atomic import atomic_write_bytes, fsync_dir
+from .ckpt_io import SAVE_CHUNK, SaveJob
 from .shm import Segment, ShardLayout
 from .state import ShardStateArrays
 from .undo import UndoLog
@@ -107,6 +116,15 @@ assert SPEC_SUBPIECE % P.QBLOCK == 0
 MAX_READY_POLL_S = 0.001
 
 
+def _chunk_starts(lo: int, hi: int) -> list[int]:
+    """Where [lo, hi) is cut on the save's chunk grid (ckpt_io.SAVE_CHUNK)."""
+    return [lo] + list(range(_chunk_end(lo), hi, SAVE_CHUNK))
+
+
+def _chunk_end(a: int) -> int:
+    return (a // SAVE_CHUNK + 1) * SAVE_CHUNK
+
+
 class Shard:
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
 
@@ -137,6 +155,10 @@ class Shard:
         self.steps = 0
         self.skipped = 0
         self.phase = ShardState.UNINITIALIZED
+        self.working: str | None = None  # INIT/LOAD/GET_MASTER/SAVE running on the update thread
+        self.save_job: SaveJob | None = None  # the newest save (maybe still being written)
+        self._io_done = 0          # bytes of earlier save jobs (work_done's past)
+        self._load_bytes = 0       # bytes LOAD has read
         self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
         self._init_next = 0        # INIT chunks arrive in order: the offset the next must have
         self.last_groups: list = []  # the param groups of the last STEP (saved in the manifest)
@@ -171,7 +193,10 @@ class Shard:
         self.arrays.write_weights(self.weights16_slots, self.dtype, self.threads, slot)
 
     def close(self) -> None:
-        """Drop views, unmap and unlink the segment (the server created it)."""
+        """Drop views, unmap and unlink the segment (the server created it); a save still
+        being written is cancelled first (its writers read the segment)."""
+        if self.save_job is not None and not self.save_job.done:
+            self.save_job.cancel()
         self.grads = []
         self.weights16 = self.staging = self.progress = self.ready = None
         self.weights16_slots = []
@@ -191,6 +216,7 @@ class Shard:
         """master[offset:offset+count] = staging[:count]; chunks come in order from 0,
         and the one that reaches numel finishes INIT (state reset, weights16 cast)."""
         self._check_chunk("INIT", offset, count)
+        self._await_save()
         if offset not in (0, self._init_next):
             raise ValueError(f"INIT chunks must come in order: expected offset {self._init_next} "
                              f"(or 0 to start over), got {offset}")
@@ -213,7 +239,35 @@ class Shard:
 
     @property
     def busy(self) -> bool:
-        return self.phase is ShardState.UPDATING
+        return self.phase is ShardState.UPDATING or self.working is not None
+
+    # -- the save guard ----------------------------------------------------------
+    def _guard(self, lo: int, hi: int) -> None:
+        """Before elements [lo, hi) of the state are overwritten: a save in flight has
+        written them (SaveJob.ensure)."""
+        job = self.save_job
+        if job is not None and not job.done:
+            job.ensure(lo, hi)
+
+    def _saving(self) -> bool:
+        return self.save_job is not None and not self.save_job.done
+
+    def _await_save(self) -> None:
+        """Before the whole state is replaced (INIT, LOAD): the save in flight completes
+        (its own error stays with it, for STATS and the engine)."""
+        if self._saving():
+            try:
+                self.save_job.wait()
+            except Exception:  # noqa: BLE001
+                pass
+
+    @property
+    def work_done(self) -> int:
+        """A count that grows while this shard's long requests move data: checkpoint
+        bytes written and updates done (HEARTBEAT_OK.work: a waiting client's sign of
+        progress)."""
+        job = self.save_job
+        return self._io_done + (job.bytes_done if job is not None else 0) + self.steps + self._load_bytes
 
     @property
     def initialized(self) -> bool:
@@ -223,6 +277,8 @@ class Shard:
         """Why the request `what` cannot run now (None: it can), for an E_ORDER reply."""
         if self.phase is ShardState.UPDATING:
             return f"{what} while step {self.steps + 1} is still updating; wait for its DONE first"
+        if self.working is not None:
+            return f"{what} while {self.working} is still running; wait for its reply first"
         if self.phase is ShardState.UNINITIALIZED:
             return (f"{what} before INIT: write the initial weights to staging and send INIT (or LOAD a "
                     f"checkpoint) first")
@@ -508,15 +564,20 @@ class Shard:
         if hi <= lo:
             return
         if not (msg.reverse and progress):
-            if progress:
-                kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,
-                          progress_base=lo)
-            self.arrays.update_blocks(lo, hi, segs, kw=kw, **run)
+            # one kernel call, or one per save chunk while a save is being written (the guard)
+            for a in (_chunk_starts(lo, hi) if self._saving() else [lo]):
+                b = min(hi, _chunk_end(a)) if self._saving() else hi
+                self._guard(a, b)
+                if progress:
+                    kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,
+                              progress_base=a)
+                self.arrays.update_blocks(a, b, segs, kw=kw, **run)
             return
         B = -(-self.progress_block // P.QBLOCK)  # blocks per publication
         first = lo // P.QBLOCK
         for k in range(-(-hi // P.QBLOCK), first, -B):
             a, b = max(first, k - B) * P.QBLOCK, min(hi, k * P.QBLOCK)
+            self._guard(a, b)
             self.arrays.update_blocks(a, b, segs, kw=kw, **run)
             cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
 
@@ -525,6 +586,14 @@ class Shard:
         """Update shard elements [lo, hi) with hyper-parameters h at Adam step `updates`
         (0: no gradient, the range stays as it is); progress: the kernel publishes its
         blocks (front to back, in shard coordinates)."""
+        if self._saving() and hi - lo > SAVE_CHUNK:
+            # a save is being written: go a save chunk at a time, so the update waits for
+            # (or writes) only the chunk it is about to overwrite, and chases the writers
+            for a in _chunk_starts(lo, hi):
+                self._update_range(msg, a, min(hi, _chunk_end(a)), h, updates, gin, out, progress=progress,
+                                   twin=twin)
+            return
+        self._guard(lo, hi)
         if updates == 0:
             # no gradient this step (torch.optim skips a parameter whose .grad is None):
             # master and state stay as they are; the out slot may hold older weights
@@ -574,22 +643,38 @@ class Shard:
                 "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
                 "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
 
-    def save(self, directory: str) -> dict:
-        """Write master + state atomically: tmp file, fsync, rename; the manifest,
-        with the file's checksum (taken while writing), last."""
+    def start_save(self, directory: str) -> SaveJob:
+        """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
+        the data file (random temp name, fsync'd once, renamed), then the manifest with
+        the file's checksum, then the directory's fsync.  Later updates may run while
+        it writes (``_guard``); SaveJob.wait() gives what ``save`` returns."""
+        if self._saving():
+            raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
+                             "before the next one")
         d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
         bin_path, man_path = self._paths(d)
-        crc = 0
+        man = self.manifest()
+        nbytes = self.arrays.saved_bytes()
 
-        def write(f):
-            nonlocal crc
-            crc = self.arrays.write_to(f, C.crc32_update, 0, self.weights16_slots)
-        atomic_write(bin_path, write)
-        man = dict(self.manifest(), checksum=C.checksum_str(crc))
-        atomic_write_bytes(man_path, json.dumps(man, indent=1).encode())  # the manifest is last
-        fsync_dir(d)
-        return {"path": str(bin_path), "bytes": self.arrays.saved_bytes(), "steps": self.steps}
+        def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
+            atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
+            fsync_dir(d)
+            return {"path": str(bin_path), "bytes": nbytes, "steps": man["steps"]}
+        if self.save_job is not None:
+            self._io_done += self.save_job.bytes_done
+        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
+        return self.save_job
+
+    def save(self, directory: str) -> dict:
+        """A blocking save: start_save, then wait for it (the same bytes as a background one)."""
+        return self.start_save(directory).wait()
+
+    def save_status(self) -> dict:
+        """The newest save's state ("idle" if none): STATS_OK's save_* fields."""
+        if self.save_job is None:
+            return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0}
+        return self.save_job.status()
 
     def load(self, directory: str, out_slot: int = 0) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
@@ -636,10 +721,12 @@ class Shard:
         # memory (12 B/param) exactly when resuming, the moment a job that fits
         # would OOM.  A read that fails midway leaves a mix, so the shard is marked
         # uninitialized and refuses STEP until a LOAD or INIT succeeds.
+        self._await_save()
         self.phase = ShardState.UNINITIALIZED
         self._state_dirty = True
         try:
             self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, out_slot, self.threads)
+            self._load_bytes += expect
         except OSError as e:
             raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e

@@ -321,23 +321,32 @@ class ShardStateArrays:
     def saved_bytes(self) -> int:
         return self.file_bytes(self.names, self.dtypes, self.numel)
 
-    def write_to(self, f, crc_update, crc: int, slots: list) -> int:
-        """Write master (fp32), each moment (its dtype), then the scales; returns the CRC."""
+    def save_parts(self, slots: list) -> list:
+        """The file's regions as ckpt_io.Parts over the live arrays (held by reference: a
+        save job writes them while later updates run, guarded by SaveJob.ensure): the
+        master (fp32; the exact master joined chunk by chunk), each moment in its dtype,
+        then the int8 scales."""
+        from .ckpt_io import SAVE_CHUNK, Part
+        at, _ = self.file_layout(self.names, self.dtypes, self.numel)
+        n = self.numel
+
+        def view(a_: np.ndarray):
+            return lambda a, b, _buf: memoryview(a_[a:b]).cast("B")
         if self.exact_master:
-            buf = np.empty(min(CONVERT_CHUNK, self.numel), np.float32)
-            for a in range(0, self.numel, CONVERT_CHUNK):
-                b = min(self.numel, a + CONVERT_CHUNK)
-                piece = buf[:b - a]
-                cpu_adam.join_master(slots[self.hi_slot][a:b], self.remainder[a:b], piece)
-                f.write(memoryview(piece))
-                crc = crc_update(crc, piece)
+            hi, rem = slots[self.hi_slot], self.remainder
+
+            def joined(a, b, buf):
+                out = buf.view(np.float32)[:b - a]
+                cpu_adam.join_master(hi[a:b], rem[a:b], out)
+                return memoryview(out).cast("B")
+            parts = [Part(at["master"], 4, n, 1, joined, scratch_bytes=4 * min(SAVE_CHUNK, max(n, 1)))]
         else:
-            f.write(memoryview(self.master))
-            crc = crc_update(crc, self.master)
-        for a in (*self.moments.values(), *self.scales.values()):
-            f.write(memoryview(a))
-            crc = crc_update(crc, a)
-        return crc
+            parts = [Part(at["master"], 4, n, 1, view(self.master))]
+        for name, a_ in self.moments.items():
+            parts.append(Part(at[name], a_.itemsize, n, 1, view(a_)))
+        for name, sc in self.scales.items():
+            parts.append(Part(at[name + ".scale"], 4, sc.size, QBLOCK, view(sc)))
+        return parts
 
     @staticmethod
     def file_layout(names: list, dtypes: dict, per_file: int) -> tuple[dict, int]:

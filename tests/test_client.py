@@ -48,7 +48,7 @@ def test_a_request_that_times_out_leaves_the_client_refusing():
         c.request_timeout_s = 0.3
         os.kill(srv.pid, signal.SIGSTOP)  # alive but silent
         try:
-            with pytest.raises(OptimizerServerTimeoutError, match="did not answer"):
+            with pytest.raises(OptimizerServerTimeoutError, match="made no progress"):
                 c.get_master()
         finally:
             os.kill(srv.pid, signal.SIGCONT)

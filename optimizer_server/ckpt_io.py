@@ -1,0 +1,377 @@
+"""Checkpoint bytes at the disk's speed, and saves that run while training goes on.
+
+Importable without torch.  Three pieces:
+
+- ``crc32_combine``: the CRC-32 of two byte strings laid end to end from each one's
+  CRC and the second's length (zlib's algorithm), so pieces written or read out of
+  order by several threads still give the one whole-file checksum the manifest keeps.
+- ``parallel_read`` / ``file_crc``: large preads (``IO_CHUNK_BYTES``) on a few threads
+  (``IO_THREADS``); os.preadv and zlib.crc32 release the GIL, so the threads overlap.
+- ``SaveJob``: one shard file written by ``IO_THREADS`` writer threads, chunk by chunk
+  of the shard's elements (``SAVE_CHUNK`` elements of every array: a chunk is a set
+  of byte ranges of the file), while the update thread may already change the state.
+
+The save's contract (background or not, the bytes are the same): the file holds
+the state as it was when the job was made.  Before the update thread overwrites
+elements [lo, hi) of any saved array it calls ``ensure(lo, hi)``: a chunk not yet
+written is written by the caller itself, then and there; one being written by a
+writer thread is waited for.  The update thus chases the writers: it never
+overwrites a byte that is still to be saved, and it never waits for a chunk it does
+not touch.  Chunk states:
+
+    PENDING --(a writer or ensure() claims it)--> WRITING --(written)--> WRITTEN
+
+Fsync policy (docs/checkpoint.md): the data file is fsync'd once, after its last
+chunk; then it is renamed into place, the manifest written (tmp, fsync, rename) and
+the directory fsync'd.  A crash at any point leaves no complete manifest, so the
+save does not count and the previous checkpoint stays ``latest``.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+IO_THREADS = 4                 # concurrent preads/pwrites: a fast NVMe needs several in flight
+IO_CHUNK_BYTES = 16 << 20      # one pread or pwrite: large enough for the disk's sequential speed
+SAVE_CHUNK = 1 << 22           # elements per save chunk (a multiple of every int8 block: 256)
+OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+FILE_MODE = 0o600              # checkpoint files: the owner's, like the segments
+
+
+# ----------------------------------------------------------------------------- CRC-32 combine
+_POLY = 0xEDB88320
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    s, i = 0, 0
+    while vec:
+        if vec & 1:
+            s ^= mat[i]
+        vec >>= 1
+        i += 1
+    return s
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len2 = len(B) (zlib's
+    crc32_combine: apply len2 zero bytes to crc1 by squaring the shift operator)."""
+    if len2 <= 0:
+        return crc1
+    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
+    even = _gf2_square(odd)                        # two zero bits
+    odd = _gf2_square(even)                        # four zero bits
+    while True:
+        even = _gf2_square(odd)  # first pass: one zero byte
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return (crc1 ^ crc2) & 0xFFFFFFFF
+
+
+def combine_pieces(pieces: list[tuple[int, int, int]]) -> int:
+    """The CRC of a file from (offset, length, crc) pieces that tile it exactly."""
+    crc, pos = 0, 0
+    for off, n, c in sorted(pieces):
+        if off != pos:
+            raise ValueError(f"pieces do not tile the file: a gap or overlap at byte {pos}")
+        crc = crc32_combine(crc, c, n)
+        pos += n
+    return crc
+
+
+# ----------------------------------------------------------------------------- reads
+def _pread_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(view):
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k <= 0:
+            raise OSError(f"unexpected end of file {name} after {got} of {len(view)} bytes at offset {offset}")
+        got += k
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+
+def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> None:
+    """out's bytes = the file's bytes [offset, offset + out.nbytes), read in large
+    pieces on several threads."""
+    view = memoryview(out).cast("B")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        spans = _spans(len(view), IO_CHUNK_BYTES)
+        if len(spans) <= 1 or threads <= 1:
+            for a, b in spans:
+                _pread_exact(fd, view[a:b], offset + a, str(path))
+            return
+        with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-read") as ex:
+            for f in [ex.submit(_pread_exact, fd, view[a:b], offset + a, str(path)) for a, b in spans]:
+                f.result()
+    finally:
+        os.close(fd)
+
+
+def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
+    """(CRC-32, size) of a whole file, its pieces read and checksummed on several threads
+    (each thread one reused buffer)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        spans = _spans(size, IO_CHUNK_BYTES)
+        local = threading.local()
+
+        def piece(a: int, b: int) -> tuple[int, int, int]:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = bytearray(IO_CHUNK_BYTES)
+            v = memoryview(buf)[:b - a]
+            _pread_exact(fd, v, a, str(path))
+            return a, b - a, zlib.crc32(v)
+        if len(spans) <= 1 or threads <= 1:
+            pieces = [piece(a, b) for a, b in spans]
+        else:
+            with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-crc") as ex:
+                pieces = list(ex.map(lambda s: piece(*s), spans))
+        return combine_pieces(pieces), size
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- the save job
+@dataclass
+class Part:
+    """One region of the file: elements [0, numel) of one array at byte `base`.
+    get(a, b, scratch) returns the bytes of elements [a, b) (a view of the live
+    array, or a conversion into scratch); `per` is elements per item (int8 scales:
+    one fp32 per QBLOCK elements)."""
+    base: int
+    itemsize: int
+    numel: int            # items in the file region
+    per: int              # elements of the shard per item
+    get: Callable[[int, int, np.ndarray | None], memoryview]
+    scratch_bytes: int = 0  # a conversion's buffer per chunk (0: a view, no buffer)
+
+
+class ChunkState(enum.Enum):
+    PENDING = 0
+    WRITING = 1
+    WRITTEN = 2
+
+
+class SaveJob:
+    """Write one shard file from live arrays: see the module docstring.
+
+    Made by the update thread (nothing updates the state while it is made), it
+    writes on its own threads until done; ``ensure`` is the update thread's guard,
+    ``wait`` blocks until the file is complete (or failed), ``cancel`` stops it and
+    removes the temporary file.  ``finish(crc)`` is called on a writer thread after
+    the last chunk, with the file fsync'd and renamed into place."""
+
+    def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
+                 finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK):
+        self.path = Path(path)
+        self.parts = parts
+        self.numel = numel
+        self.total_bytes = total_bytes
+        self.chunk = chunk
+        self.n_chunks = max(1, -(-numel // chunk))
+        self.states = [ChunkState.PENDING] * self.n_chunks
+        self.crcs: list[tuple[int, int, int]] = []
+        self.bytes_done = 0
+        self.error: BaseException | None = None
+        self.result: dict | None = None
+        self.started = time.monotonic()
+        self.seconds = 0.0
+        self.waited_s = 0.0          # the update thread's time in ensure() (what the save cost training)
+        self._finish = finish
+        self._cancelled = False
+        self._next = 0
+        self._cv = threading.Condition()
+        self._done = threading.Event()
+        self.tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
+        self.fd = os.open(self.tmp, OPEN_FLAGS, FILE_MODE)
+        try:
+            if total_bytes:
+                os.posix_fallocate(self.fd, 0, total_bytes)  # a full disk fails here, not midway
+        except BaseException:
+            self._remove_tmp()
+            raise
+        self._writers = [threading.Thread(target=self._writer, name=f"ckpt-save-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        self._alive = len(self._writers)
+        for t in self._writers:
+            t.start()
+
+    # -- states ----------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def failed(self) -> bool:
+        return self.done and self.error is not None
+
+    def _claim_next(self) -> int | None:
+        with self._cv:
+            while self._next < self.n_chunks and self.states[self._next] is not ChunkState.PENDING:
+                self._next += 1
+            if self._cancelled or self.error is not None or self._next >= self.n_chunks:
+                return None
+            c = self._next
+            self.states[c] = ChunkState.WRITING
+            return c
+
+    def _write_chunk(self, c: int, scratch: dict) -> None:
+        a, b = c * self.chunk, min(self.numel, (c + 1) * self.chunk)
+        pieces = []
+        for i, part in enumerate(self.parts):
+            ia, ib = a // part.per, min(part.numel, -(-b // part.per))
+            if ib <= ia:
+                continue
+            buf = None
+            if part.scratch_bytes:
+                buf = scratch.get(i)
+                if buf is None:
+                    buf = scratch[i] = np.empty(part.scratch_bytes, np.uint8)
+            view = part.get(ia, ib, buf)
+            off = part.base + ia * part.itemsize
+            _pwrite_all(self.fd, view, off)
+            pieces.append((off, len(view), zlib.crc32(view)))
+        with self._cv:
+            self.crcs.extend(pieces)
+            self.bytes_done += sum(n for _, n, _ in pieces)
+            self.states[c] = ChunkState.WRITTEN
+            self._cv.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = e
+            self._cv.notify_all()
+
+    def _writer(self) -> None:
+        scratch: dict = {}
+        try:
+            while (c := self._claim_next()) is not None:
+                self._write_chunk(c, scratch)
+        except BaseException as e:  # noqa: BLE001 - recorded, raised by wait()
+            self._fail(e)
+        finally:
+            with self._cv:
+                self._alive -= 1
+                last = self._alive == 0
+                self._cv.notify_all()
+            if last:
+                self._complete()
+
+    def _complete(self) -> None:
+        """The last writer: wait for chunks ensure() still writes, then publish or clean up."""
+        try:
+            with self._cv:
+                while (self.error is None and not self._cancelled
+                       and any(s is not ChunkState.WRITTEN for s in self.states)):
+                    self._cv.wait(0.1)
+            if self.error is None and not self._cancelled:
+                os.fsync(self.fd)
+                os.close(self.fd)
+                self.fd = -1
+                os.replace(self.tmp, self.path)
+                crc = combine_pieces(self.crcs) if self.total_bytes else 0
+                self.result = self._finish(crc)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+        finally:
+            if self.error is not None or self._cancelled:
+                self._remove_tmp()
+            elif self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            self.seconds = time.monotonic() - self.started
+            self._done.set()
+            with self._cv:
+                self._cv.notify_all()
+
+    def _remove_tmp(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+    # -- the update thread -----------------------------------------------------
+    def ensure(self, lo: int, hi: int) -> None:
+        """Return once elements [lo, hi) of every saved array are in the file (writing
+        the chunks nobody has claimed yet here, on the caller's thread)."""
+        if hi <= lo or self.done:
+            return
+        t0 = time.perf_counter()
+        scratch: dict = {}
+        for c in range(lo // self.chunk, min(self.n_chunks, -(-hi // self.chunk))):
+            with self._cv:
+                while self.states[c] is ChunkState.WRITING and self.error is None and not self._cancelled:
+                    self._cv.wait(0.05)
+                if self.states[c] is not ChunkState.PENDING or self.error is not None or self._cancelled:
+                    continue  # written (or the save failed: nothing is owed to it any more)
+                self.states[c] = ChunkState.WRITING
+            try:
+                self._write_chunk(c, scratch)
+            except BaseException as e:  # noqa: BLE001 - the save fails, the update goes on
+                self._fail(e)
+        self.waited_s += time.perf_counter() - t0
+
+    def wait(self, timeout_s: float | None = None) -> dict:
+        """Block until the file is complete; its result, or the error that stopped it."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"checkpoint save to {self.path} still running after {timeout_s:.0f} s")
+        if self.error is not None:
+            raise self.error
+        if self._cancelled:
+            raise OSError(f"the save to {self.path} was cancelled")
+        return self.result
+
+    def cancel(self) -> None:
+        """Stop the writers (the shard is going away) and remove the temporary file."""
+        with self._cv:
+            self._cancelled = True
+            self._cv.notify_all()
+        self._done.wait(60.0)
+
+    def status(self) -> dict:
+        state = "writing" if not self.done else ("failed" if self.error is not None else "done")
+        return {"state": state, "bytes_done": self.bytes_done, "bytes_total": self.total_bytes,
+                "error": "" if self.error is None else f"{type(self.error).__name__}: {self.error}",
+                "seconds": self.seconds if self.done else time.monotonic() - self.started,
+                "waited_s": self.waited_s}
