@@ -76,6 +76,7 @@ class ShardClient:
         self.server_pid = 0
         self._hb_last_ok = time.monotonic()
         self._work = -1                        # the last HEARTBEAT_OK.work
+        self._save_hint = ("idle", "")         # the last HEARTBEAT_OK.save_state, save_error
         self._progress_seen = (-1, -1)         # (work, progress word) when last looked at
         self._progress_t = time.monotonic()    # when they last changed
         self.segment: Segment | None = None
@@ -215,6 +216,7 @@ class ShardClient:
                     self._hb_last_ok = time.monotonic()
                     if isinstance(reply, P.HeartbeatOk):
                         self._work = reply.work
+                        self._save_hint = (reply.save_state, reply.save_error)
         except zmq.ZMQError:
             pass
         finally:
@@ -331,27 +333,32 @@ class ShardClient:
                              P.Ok).info
 
     def save_status(self) -> dict:
-        """The newest save's state: {"state": idle|writing|done|failed, "bytes_done",
-        "bytes_total", "error", "seconds", "waited_s"} (a STATS round trip)."""
+        """The newest save's state: {"state": idle|writing|done|failed, "error", ...}: a
+        STATS round trip, or, while a STEP is in flight (DPU), the last heartbeat's word
+        (at most heartbeat_interval_s old)."""
+        if self._inflight is not None:
+            state, error = self._save_hint
+            return {"state": state, "error": error}
         st = self.stats()
+        self._save_hint = (st.save_state, st.save_error)
         return {"state": st.save_state, "bytes_done": st.save_bytes_done, "bytes_total": st.save_bytes_total,
                 "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s}
 
     def wait_save(self, poll_s: float = 0.05) -> dict:
-        """Block until the newest save is written (its status); fails only when the save
-        makes no progress for request_timeout_s, or the server dies."""
-        last, t_last = -1, time.monotonic()
+        """Block until the newest save is written (its status); fails only when the server
+        shows no progress for request_timeout_s (HEARTBEAT_OK.work counts the save's bytes),
+        or dies."""
         while True:
             st = self.save_status()
             if st["state"] != "writing":
                 return st
-            if st["bytes_done"] != last:
-                last, t_last = st["bytes_done"], time.monotonic()
-            elif time.monotonic() - t_last > self.request_timeout_s:
+            why = self._server_gone()
+            if why:
+                self._raise_dead(why)
+            if time.monotonic() - self._progressed() > self.request_timeout_s:
                 raise OptimizerServerTimeoutError(
-                    f"the background save made no progress for {self.request_timeout_s:.0f} s "
-                    f"({st['bytes_done']} of {st['bytes_total']} bytes); raise request_timeout_s if the disk is "
-                    f"this slow")
+                    f"the background save made no progress for {self.request_timeout_s:.0f} s; raise "
+                    f"request_timeout_s if the disk is this slow")
             time.sleep(poll_s)
 
     def load(self, directory: str, out_slot: int = 0) -> dict:

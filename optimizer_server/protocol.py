@@ -413,6 +413,8 @@ class HeartbeatOk(Message):
     TYPE: ClassVar[str] = "HEARTBEAT_OK"
     server_pid: int
     work: int = 0  # grows while the shard's long requests move data (Shard.work_done)
+    save_state: str = "idle"  # the newest SAVE's state (STATS_OK.save_state), for a client with a STEP in flight
+    save_error: str = ""
 
 
 @dataclass(kw_only=True)

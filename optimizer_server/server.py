@@ -210,7 +210,9 @@ class OptimizerServer:
                                         f"dropped this worker after a heartbeat timeout)")
         shard.last_seen = time.monotonic()
         if isinstance(msg, P.Heartbeat):
-            return P.HeartbeatOk(server_pid=os.getpid(), work=shard.work_done).encode()
+            sv = shard.save_status()
+            return P.HeartbeatOk(server_pid=os.getpid(), work=shard.work_done, save_state=sv["state"],
+                                 save_error=sv["error"][:2000]).encode()
         if isinstance(msg, P.Stats):
             return self._stats(shard)
         if isinstance(msg, P.Speculate):  # before STEP's case: SPECULATE is a Step with `upto`

@@ -12,6 +12,7 @@ is saved as it is).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,16 @@ from optimizer_server import checkpoint as C
 from optimizer_server.atomic import atomic_write_bytes
 from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
 from optimizer_server.reshard import read_range
+
+
+@dataclass
+class _InFlight:
+    """A background save whose server file is still being written."""
+    dir: "C.CheckpointDir"
+    tmp: Path
+    root: str
+    name: str
+    pending: bool
 
 
 class EngineCheckpoint:
@@ -34,6 +45,7 @@ class EngineCheckpoint:
         self.shard_lo, self.shard_hi = rank * shard_numel, (rank + 1) * shard_numel
         self._agree, self._barrier = agree, barrier
         self.tracer = tracer
+        self.in_flight: _InFlight | None = None  # a background save not yet published
 
     def _expected(self, k: int, pending: bool) -> list[Path]:
         W = self.world_size
@@ -44,22 +56,28 @@ class EngineCheckpoint:
         return names
 
     def save(self, root: str, iteration: int, keep: int, *, client, device16: np.ndarray,
-             pending16: np.ndarray | None, meta: dict) -> str:
+             pending16: np.ndarray | None, meta: dict, background: bool = False) -> str:
         """Write everything under root/step-N and point root/latest at it.
 
         Everything goes to root/tmp-step-N first and is renamed into place only
         when every rank has finished and rank 0 sees every rank's files; then
         `latest` is replaced atomically: a failed save (full or read-only disk,
         a directory not every rank sees) raises and leaves the previous checkpoint
-        intact and current.  The newest `keep` are kept."""
+        intact and current.  The newest `keep` are kept.
+
+        background: the server writes its (large) shard file while training goes on;
+        this returns the step directory it will become, and ``poll`` / ``finish``
+        publish it once the server is done (the engine's files are written here)."""
+        if self.in_flight is not None:
+            self.finish(client)  # one save at a time: the previous one is published (or fails) first
         d = C.CheckpointDir(root, rank=self.rank, world_size=self.world_size, agree=self._agree,
                             barrier=self._barrier, keep=keep)
         name = C.step_name(iteration)
         err: BaseException | None = None
-        with self.tracer.span("save_checkpoint"):
+        with self.tracer.span("save_checkpoint", background=background):
             tmp = d.begin(iteration)
             try:
-                client.save(str(tmp))
+                client.save(str(tmp), background=background)
                 W, k = self.world_size, self.rank
                 dev = device16.tobytes()
                 atomic_write_bytes(C.rank_file(tmp, C.DEVICE16, k, W, ".bin"), dev)
@@ -74,7 +92,14 @@ class EngineCheckpoint:
                 ok = True
             except (OSError, OptimizerServerError) as e:
                 ok, err = False, e
-            done, where = d.commit(tmp, ok, lambda r: self._expected(r, pending16 is not None))
+            if background and self._agree(ok):
+                self.in_flight = _InFlight(d, tmp, root, name, pending16 is not None)
+                return str(tmp.with_name(name))
+            return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
+
+    def _commit(self, d: "C.CheckpointDir", tmp: Path, ok: bool, err: BaseException | None, root: str, name: str,
+                pending: bool) -> str:
+        done, where = d.commit(tmp, ok, lambda r: self._expected(r, pending))
         if done:
             return where
         if isinstance(err, OptimizerServerDeadError):
@@ -87,6 +112,35 @@ class EngineCheckpoint:
                                        f"intact", code="checkpoint")
         raise OptimizerServerError(f"saving checkpoint {name} failed on another rank; the previous "
                                    f"checkpoint is intact", code="checkpoint")
+
+    def poll(self, client) -> str | None:
+        """Between steps, while a background save is in flight: publish it if every rank's
+        server is done (a collective with several ranks; no round trip to the server:
+        the heartbeat's word).  Its path once published, else None."""
+        if self.in_flight is None:
+            return None
+        state = client.save_status()["state"]
+        if not self._agree(state != "writing"):
+            return None
+        return self.finish(client)
+
+    def finish(self, client) -> str | None:
+        """Wait for the background save in flight (bounded by its progress) and publish
+        it: its step directory, or OptimizerServerError naming why it failed (the
+        previous checkpoint stays `latest`).  None if no save is in flight."""
+        f, self.in_flight = self.in_flight, None
+        if f is None:
+            return None
+        err = None
+        try:
+            st = client.wait_save()
+            ok = st["state"] == "done"
+            if not ok:
+                err = OSError(st.get("error") or f"the server's save ended {st['state']}")
+        except OptimizerServerError as e:
+            ok, err = False, e
+        with self.tracer.span("checkpoint_publish"):
+            return self._commit(f.dir, f.tmp, ok, err, f.root, f.name, f.pending)
 
     def read_meta(self, directory: str, expect: dict) -> tuple[Path, int, dict, list[dict]]:
         """(step directory, world size saved, this rank's meta, every saved rank's meta)."""

@@ -33,6 +33,7 @@ resumes from a checkpoint is bitwise the training that went on.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
@@ -44,7 +45,7 @@ import torch.distributed as dist
 
 from optimizer_server import checkpoint as ckpt_format
 from optimizer_server.client import ShardClient
-from optimizer_server.errors import OptimizerServerError
+from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
 from optimizer_server.protocol import MAX_GROUPS, QBLOCK
 from optimizer_server.tracing import Tracer
 
@@ -61,6 +62,8 @@ from .profiling import marker
 from .speculation import Speculator
 from .stats import Counters
 from .update_cycle import UpdateCycle
+
+log = logging.getLogger("zero_offload")
 
 MID_STEP = ("{what} in the middle of a step would lose its gradients (backward() has run, step() has not): "
             "call it after engine.step()")
@@ -371,6 +374,18 @@ class OffloadEngine:
         clip_now, self._clip_now = self._clip_now, None
         with self.tracer.span("step", iteration=self.iteration), marker("zo.step", self.is_cuda):
             self._step(grads, clip_now)
+        if self.checkpoints.in_flight is not None:
+            self._poll_checkpoint()
+
+    def _poll_checkpoint(self) -> None:
+        """A background save that the server has finished is published here, between steps;
+        a failed one is logged (wait_checkpoint raises it)."""
+        try:
+            self.checkpoints.poll(self.client)
+        except OptimizerServerDeadError:
+            raise
+        except OptimizerServerError as e:
+            log.warning("%s", e)
 
     def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
         delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
@@ -482,12 +497,19 @@ class OffloadEngine:
                 out[name] = view
         return out
 
-    def save_checkpoint(self, directory: str, keep: int = 2) -> str:
+    def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
         """Write a checkpoint under directory/step-NNNNNNNN and point directory/latest at it
         (runtime.checkpoint; docs/checkpoint.md).  Server: this shard's master and
         optimizer state (fsync'd).  Engine: counters, loss scale and the device weights
         as they are (they may be one update behind, DPU).  directory must be one
-        filesystem for every rank and the server.  The newest `keep` are kept."""
+        filesystem for every rank and the server.  The newest `keep` are kept.
+
+        background=True returns as soon as the server has started writing (about a
+        second at any size: the engine's own files are small) and training goes on; the
+        files hold exactly this step's state.  The save is published (renamed, `latest`
+        pointed at it) at the first step() that finds it done, or by wait_checkpoint();
+        until then the previous checkpoint stays `latest`.  Returns the step directory
+        (not there yet with background=True)."""
         self._check_between_steps("save_checkpoint()")
         dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous().view(torch.int16).numpy()
         pending = self.cycle.incoming_words() if self.cycle.landed else None
@@ -496,7 +518,22 @@ class OffloadEngine:
                 "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small(),
                 "param_updates": self.param_updates.tolist()}
         return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
-                                     pending16=pending, meta=meta)
+                                     pending16=pending, meta=meta, background=background)
+
+    def checkpoint_in_flight(self) -> bool:
+        """True while a background save_checkpoint is not yet published."""
+        return self.checkpoints.in_flight is not None
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait for the background save in flight and publish it: its step directory
+        (None if there is none).  Every rank must call it.  Raises naming the cause if
+        the save failed; the previous checkpoint then stays `latest`."""
+        self._check_open()
+        if self.checkpoints.in_flight is None:
+            return None
+        self._finish_overlap()
+        self.cycle.land(copy=False)  # STATS answers only with no STEP in flight
+        return self.checkpoints.finish(self.client)
 
     @staticmethod
     def has_checkpoint(directory: str) -> bool:
@@ -514,6 +551,7 @@ class OffloadEngine:
         so a job can resume on fewer or more ranks.  Every file read is checked
         against its checksum first."""
         self._check_between_steps("load_checkpoint()")
+        self.wait_checkpoint()  # a background save of ours is published (or fails) first
         d, src, meta, metas = self.checkpoints.read_meta(
             directory, {"numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer})
         counts = meta.get("param_updates", [meta["updates"]] * len(self.param_updates))  # older: all, every step
@@ -587,8 +625,10 @@ class OffloadEngine:
                 try:
                     self._finish_overlap()
                     self.cycle.land(copy=True)
-                except OptimizerServerError:
-                    pass
+                    if self.checkpoints.in_flight is not None:  # a background save is published first
+                        self.checkpoints.finish(self.client)
+                except OptimizerServerError as e:
+                    log.warning("closing: %s", e)
         finally:
             if self._bound:
                 self.cycle.release()

@@ -124,8 +124,10 @@ class OffloadTrainer(Trainer):
         return self.offload_optimizer.clip_grad_norm_(self.args.max_grad_norm)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        # every rank writes its shard (a collective); the scheduler as Trainer does
-        self.offload_optimizer.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), keep=1)
+        # every rank writes its shard (a collective), in the background: training goes on
+        # while the server writes, and the next step (or the end of train()) publishes it;
+        # the scheduler as Trainer does
+        self.offload_optimizer.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), keep=1, background=True)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 

@@ -169,9 +169,14 @@ class OffloadAdamW(torch.optim.Optimizer):
                     g[k] = tuple(v) if k == "betas" else v
 
     # ------------------------------------------------------------------ offload API
-    def save_checkpoint(self, directory: str, keep: int = 2) -> str:
-        """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights."""
-        return self.engine.save_checkpoint(directory, keep=keep)
+    def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
+        """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights
+        (background=True: written while training goes on; wait_checkpoint() publishes it)."""
+        return self.engine.save_checkpoint(directory, keep=keep, background=background)
+
+    def wait_checkpoint(self) -> str | None:
+        """OffloadEngine.wait_checkpoint: publish the background save in flight."""
+        return self.engine.wait_checkpoint()
 
     def load_checkpoint(self, directory: str) -> None:
         self.engine.load_checkpoint(directory)

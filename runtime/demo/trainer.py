@@ -227,8 +227,9 @@ def train(tc: TrainConfig) -> dict:
                 bar.set_postfix(loss=f"{loss_v:.3f}", tok_s=f"{tokens_per_step / dt:.0f}", step_ms=f"{dt * 1e3:.0f}")
                 bar.update(1)
             if tc.ckpt_dir and tc.ckpt_every and step % tc.ckpt_every == 0:
-                engine.save_checkpoint(tc.ckpt_dir)
+                engine.save_checkpoint(tc.ckpt_dir, background=True)  # published at a later step
         if tc.ckpt_dir and tc.offload:
+            engine.wait_checkpoint()
             engine.save_checkpoint(tc.ckpt_dir)
         run_s = time.perf_counter() - t_run
         if bar is not None:

@@ -1,0 +1,193 @@
+"""Checkpoints at a user's size: no false death while a long SAVE or LOAD runs, waits
+bounded by progress, background saves that hold exactly the saved step's bytes, and
+one save-and-load round trip at >= 0.3e9 parameters."""
+from __future__ import annotations
+
+import copy
+import filecmp
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from optimizer_server import ShardClient, spawn
+from runtime import OffloadConfig, OffloadEngine
+from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
+
+pytestmark = pytest.mark.timeout(240)
+SEED = 20261203
+
+
+class Poller:
+    """A second client of the same server polling STATS every 0.5 s, as a second rank's
+    engine would: records each answer's latency and any error."""
+
+    def __init__(self, srv, numel=1024):
+        self.c = ShardClient(srv.address, srv.token, numel=numel, server_proc=srv.proc)
+        self.c.init_weights(np.zeros(numel, np.float32))
+        self.latencies: list[float] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        try:
+            while not self._stop.wait(0.5):
+                t0 = time.monotonic()
+                self.c.stats()
+                self.latencies.append(time.monotonic() - t0)
+        except BaseException as e:  # noqa: BLE001 - reported by stop()
+            self.error = e
+
+    def stop(self):
+        self._stop.set()
+        self._t.join(30)
+        self.c.stats()  # and it goes on afterwards
+        self.c.close()
+        assert self.error is None, f"the polling client failed: {self.error!r}"
+        return max(self.latencies, default=0.0)
+
+
+def _segments():
+    return {n for n in os.listdir("/dev/shm")}
+
+
+def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
+    """The manifest is a FIFO that gets its bytes only after 15 s: LOAD waits on the update
+    thread, heartbeats and the second client's STATS are answered throughout, and both
+    clients go on.  Fails if LOAD runs on the socket thread (STATS then waits 15 s), or if
+    the client applies the heartbeat rule to a local server (dead at 10 s)."""
+    n = 1 << 16
+    rng = np.random.default_rng(SEED)
+    print("seed", SEED)
+    w = rng.standard_normal(n).astype(np.float32)
+    with spawn(threads=1) as srv:
+        c = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc, heartbeat_interval_s=0.2)
+        c.init_weights(w)
+        c.save(str(tmp_path / "ck"))
+        man = tmp_path / "ck" / "shard-r0-of-1.json"
+        text = man.read_bytes()
+        man.unlink()
+        os.mkfifo(man)
+
+        def feed():
+            time.sleep(15.0)
+            with open(man, "wb") as f:
+                f.write(text)
+        feeder = threading.Thread(target=feed, daemon=True)
+        poll = Poller(srv)
+        feeder.start()
+        t0 = time.monotonic()
+        c.load(str(tmp_path / "ck"))
+        took = time.monotonic() - t0
+        feeder.join()
+        worst = poll.stop()
+        assert took >= 14.0, took  # it did wait for the FIFO
+        assert worst < 5.0, f"a STATS waited {worst:.1f} s behind the LOAD"
+        np.testing.assert_array_equal(c.get_master(), w)  # the loading client goes on
+        assert srv.proc.poll() is None
+        c.close()
+
+
+def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path):
+    """SAVE(background) at step k, then STEPs k+1..k+5 while it writes: the files equal a
+    blocking save at step k of a twin shard byte for byte.  Fails if the update does not
+    wait for the chunks it overwrites (Shard._guard)."""
+    n = 1 << 25  # 32M elements: 384 MiB of fp32 state, several save chunks
+    rng = np.random.default_rng(SEED)
+    print("seed", SEED)
+    w = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float16) for _ in range(3)]
+    with spawn(threads=2) as srv:
+        a = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
+        b = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
+        for c in (a, b):
+            c.init_weights(w)
+            for t in (1, 2):
+                c.grads[0].view(np.float16)[:] = grads[t - 1]
+                c.step(t, 0, 1e-3)
+        b.save(str(tmp_path / "blocking"))
+        info = a.save(str(tmp_path / "background"), background=True)
+        assert info["background"]
+        during = a.save_status()["state"]
+        for t in range(3, 8):
+            a.grads[0].view(np.float16)[:] = grads[t % 3]
+            a.step(t, 0, 1e-3)
+        st = a.wait_save()
+        print("state right after SAVE:", during, "status:", st)
+        assert st["state"] == "done", st
+        for name in ("shard-r0-of-1.bin", "shard-r0-of-1.json"):
+            assert filecmp.cmp(tmp_path / "blocking" / name, tmp_path / "background" / name, shallow=False), name
+        # and the shard saved at step 2 went on to step 7 meanwhile
+        assert a.stats().steps == 7
+        a.close()
+        b.close()
+
+
+def test_engine_background_save_resumes_bitwise(tmp_path):
+    """engine.save_checkpoint(background=True) at step 4, five more steps, published by
+    wait_checkpoint: the same bytes as a blocking save at step 4, and a resume from it
+    trains bitwise like the uninterrupted run."""
+    torch.manual_seed(SEED)
+    model = gpt()
+    cfg = dict(lr=3e-3, dtype="bf16", server_threads=1)
+    with OffloadEngine(copy.deepcopy(model), OffloadConfig(**cfg)) as eng:
+        train_engine(eng, gpt_batch, 4, "bf16")
+        blocking = eng.save_checkpoint(str(tmp_path / "blocking"))
+        ref_losses = train_engine(eng, gpt_batch, 5, "bf16", start=5)
+        ref = flat_master(eng)
+    with OffloadEngine(copy.deepcopy(model), OffloadConfig(**cfg)) as eng:
+        train_engine(eng, gpt_batch, 4, "bf16")
+        path = eng.save_checkpoint(str(tmp_path / "bg"), background=True)
+        train_engine(eng, gpt_batch, 5, "bf16", start=5)
+        assert eng.wait_checkpoint() in (path, None)  # None: a step already published it
+        assert not eng.checkpoint_in_flight()
+    assert os.path.basename(path) == "step-00000004" and os.path.isdir(path)
+    for name in sorted(os.listdir(blocking)):
+        assert filecmp.cmp(os.path.join(blocking, name), os.path.join(path, name), shallow=False), name
+    with OffloadEngine(copy.deepcopy(model), OffloadConfig(**cfg)) as eng:
+        eng.load_checkpoint(str(tmp_path / "bg"))
+        losses = train_engine(eng, gpt_batch, 5, "bf16", start=5)
+        assert losses == ref_losses
+        assert torch.equal(flat_master(eng), ref)
+
+
+def test_save_and_load_at_0_3e9_parameters(tmp_path):
+    """Size is a dimension of correctness: a 0.3e9-parameter shard (bf16 state with the
+    exact master: 6 B/param private) saves and loads bitwise, with a second client
+    polling throughout and answered each time."""
+    n = 300_000_000
+    before = _segments()
+    with spawn(threads=2) as srv:
+        poll = Poller(srv)
+        c = ShardClient(srv.address, srv.token, numel=n, dtype="bf16", server_proc=srv.proc,
+                        state_dtype="bf16", exact_master=True)
+        ramp = np.linspace(-1, 1, 1 << 20, dtype=np.float32)
+        for lo, hi in c.init_chunks():  # a cheap, varied master without a 1.2 GB temporary
+            k = hi - lo
+            c.staging[:k] = np.resize(ramp, k) * np.float32(1 + lo / n)
+            c.init_chunk(lo, hi)
+        c.grads[0][:] = 0x3C00  # bf16 1.0 (written in one pass, no temporary)
+        c.step(1, 0, 1e-3)
+        t0 = time.monotonic()
+        info = c.save(str(tmp_path / "big"))
+        save_s = time.monotonic() - t0
+        crc_before = c.stats()
+        w_saved = c.weights16.copy()
+        c.step(2, 0, 1e-3)  # moves the state away from what was saved
+        t0 = time.monotonic()
+        c.load(str(tmp_path / "big"))
+        load_s = time.monotonic() - t0
+        print(f"save {info['bytes'] / 2**30:.2f} GiB in {save_s:.1f} s, load in {load_s:.1f} s")
+        assert c.stats().steps == crc_before.steps == 1
+        np.testing.assert_array_equal(c.weights16, w_saved)
+        c.save(str(tmp_path / "again"))
+        assert filecmp.cmp(tmp_path / "big" / "shard-r0-of-1.bin", tmp_path / "again" / "shard-r0-of-1.bin",
+                           shallow=False)
+        c.close()
+        poll.stop()
+    assert _segments() == before
