@@ -1,6 +1,6 @@
 """Run the optimizer server: ``python -m optimizer_server`` or ``zero-offload-server``.
 
-    zero-offload-server --address-file /tmp/zo.addr --threads 1
+    zero-offload-server --address-file ~/.zero-offload/addr --threads 1
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, ServerConfig
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="zero-offload-server", description="ZeRO-Offload CPU optimizer server")
     ap.add_argument("--address", default="", help="ipc://PATH or tcp://[HOST]:PORT (default: private ipc socket)")
+    ap.add_argument("--allow-remote", action="store_true",
+                    help="permit a tcp bind beyond loopback (workers must still run on this host)")
     ap.add_argument("--address-file", default="", help="write the bound address here once ready")
     ap.add_argument("--token", default="", help="auth token (default: $ZERO_OFFLOAD_TOKEN or random)")
     ap.add_argument("--threads", type=int, default=0, help="OpenMP threads per update (0: OpenMP default)")
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-ram-fraction", default=os.environ.get(RAM_FRACTION_ENV, "0.9"),
                     help=f"refuse a shard needing more than this fraction of MemAvailable; 0: no check "
                          f"(a VM whose RAM grows as it is used); default ${RAM_FRACTION_ENV} or 0.9")
+    ap.add_argument("--max-sessions", type=int, default=64, help="refuse HELLO beyond this many shards (0: no cap)")
     a = ap.parse_args(argv)
     try:
         ram_fraction = float(a.max_ram_fraction)
@@ -33,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-ram-fraction (or ${RAM_FRACTION_ENV}) must be a number in [0, 1], "
                  f"got {a.max_ram_fraction!r}")
     try:
-        cfg = ServerConfig(address=a.address, address_file=a.address_file, token=a.token, threads=a.threads,
+        cfg = ServerConfig(address=a.address, allow_remote=a.allow_remote, address_file=a.address_file, token=a.token, threads=a.threads,
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
                            log_level=a.log_level, parent_pid=a.parent_pid,
-                           trace_dir=a.trace_dir, max_ram_fraction=ram_fraction)
+                           trace_dir=a.trace_dir, max_ram_fraction=ram_fraction,
+                           max_sessions=a.max_sessions)
     except ValueError as e:
         ap.error(str(e))
+    if cfg.address_file:
+        cfg.address_file = os.path.expanduser(cfg.address_file)
     from .server import run  # imports the kernel; keep --help fast
     return run(cfg)
 

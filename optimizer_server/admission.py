@@ -1,8 +1,18 @@
 """Admission of a HELLO: the checks a worker must pass before anything is allocated.
 
-In order: protocol version, token, host RAM (MemAvailable), /dev/shm space.  The
-order matters: a client of another version or without the token learns nothing
-about this machine, and nothing is allocated for a client that fails any check.
+In order: protocol version, token, the session cap, frees_bytes, host RAM, /dev/shm
+space.  The order matters: a client of another version or without the token learns
+nothing about this machine, and nothing is allocated for a client that fails any check.
+
+Admission adds up.  Every admitted shard reserves the bytes it may come to use
+(``need``: its state, its segment, its undo log); the state's pages are committed
+only as updates first write them, so MemAvailable does not yet show what an admitted
+shard will take.  A new shard is admitted only if its need plus what the admitted
+ones reserved and have not yet made resident (their reservations less the growth of
+this process's resident memory since it started, ``Reservations.outstanding``) fits
+in MemAvailable, plus what the new worker frees after INIT, times max_ram_fraction.
+``frees_bytes`` is the client's word, so it is bounded by what a worker can free:
+the fp32 copy of its model (4 B per parameter of all ranks' shards).
 """
 from __future__ import annotations
 
@@ -41,21 +51,65 @@ class Refused(Exception):
         self.code = code
 
 
-def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
-    """The layout of the segment to create for msg, or Refused saying why not."""
+def read_rss() -> int:
+    """This process's resident bytes (/proc/self/statm)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class Reservations:
+    """The bytes admitted shards may still come to use (see the module docstring)."""
+
+    def __init__(self):
+        self.base_rss = read_rss()
+        self.by_session: dict[str, int] = {}
+
+    def add(self, session: str, nbytes: int) -> None:
+        self.by_session[session] = nbytes
+
+    def drop(self, session: str) -> None:
+        self.by_session.pop(session, None)
+
+    @property
+    def outstanding(self) -> int:
+        return max(0, sum(self.by_session.values()) - max(0, read_rss() - self.base_rss))
+
+
+def shard_need(msg: P.Hello, layout: ShardLayout) -> int:
+    """Host bytes one shard may use: its state, its segment, a full undo log."""
+    return (int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
+            + msg.undo_log_bytes)
+
+
+def admit(msg: P.Hello, *, token: str, max_ram_fraction: float, reserved: int = 0, sessions: int = 0,
+          max_sessions: int = 0) -> ShardLayout:
+    """The layout of the segment to create for msg, or Refused saying why not.
+    reserved: what admitted shards may still take (Reservations.outstanding);
+    sessions / max_sessions: how many are admitted, and the cap (0: none)."""
     if msg.version != P.PROTOCOL_VERSION:
         raise Refused(P.E_VERSION, f"protocol version mismatch: client {msg.version}, server "
                                    f"{P.PROTOCOL_VERSION}; install the same zero-offload on both")
     if not hmac.compare_digest(msg.token.encode(), token.encode()):
         raise Refused(P.E_AUTH, "wrong or missing token: pass the token the server wrote next to its address file "
                                 "(ZERO_OFFLOAD_TOKEN)")
+    if max_sessions and sessions >= max_sessions:
+        raise Refused(P.E_RESOURCE, f"this server already serves {sessions} shards (max_sessions={max_sessions}); "
+                                    f"close idle clients, or start the server with a larger --max-sessions")
+    most = 4 * msg.numel * msg.world_size  # the fp32 copy of the whole model
+    if msg.frees_bytes > most:
+        raise Refused(P.E_INVALID, f"frees_bytes={msg.frees_bytes} exceeds what a worker can free, the fp32 copy of "
+                                   f"its model ({most} bytes for {msg.world_size} x {msg.numel} parameters); send "
+                                   f"what the worker really lets go of after INIT")
     layout = ShardLayout(numel=msg.numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
-    need = (int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
-            + msg.undo_log_bytes)  # the undo log may fill entirely
+    need = shard_need(msg, layout)  # the undo log may fill entirely
     # the worker's fp32 model is resident now and goes once INIT has cast it (frees_bytes):
-    # what the shard may count on is what is free after that
-    avail = read_mem_available() + msg.frees_bytes
+    # what the shard may count on is what is free after that, less what admitted shards
+    # have reserved and not yet touched
+    avail = read_mem_available() + msg.frees_bytes - reserved
     if max_ram_fraction and need > avail * max_ram_fraction:
         smaller = ""
         if msg.optimizer in P.COMPACT_OPTIMIZERS:  # the smaller state dtypes, with their B/param
@@ -68,7 +122,8 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float) -> ShardLayout:
                            f"{now:.3g}, with bf16 weights), ")
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
                                     f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
-                                    f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up; "
+                                    f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up and "
+                                    f"less the {reserved / 2**30:.2f} GiB admitted shards have reserved; "
                                     f"use {smaller}{'a smaller undo_log_bytes, ' if msg.undo_log_bytes else ''}"
                                     f"more ranks/nodes or a smaller model (where RAM grows as it is "
                                     f"used, as in some VMs, ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this check off)")

@@ -128,13 +128,65 @@ def has_checkpoint(root: str | Path) -> bool:
     return (Path(root) / LATEST).exists()
 
 
+STEP_DIR = re.compile(rf"{STEP_PREFIX}\d{{8}}")
+MAX_WORLD_SIZE = 1 << 16   # a manifest's world size beyond this is not a checkpoint of ours
+MAX_LATEST_BYTES = 64
+
+
 def resolve(root: str | Path) -> Path:
-    """root/latest's target, or root itself if it holds the files (a step directory)."""
+    """root/latest's target, or root itself if it holds the files (a step directory).
+    `latest` must name a step directory (step-NNNNNNNN) inside root: anything else (a
+    path, '..', a link out of root) is refused naming the fix."""
     d = Path(root)
     latest = d / LATEST
-    if latest.exists():
-        return d / latest.read_text().strip()
-    return d
+    if not latest.exists():
+        return d
+    with open(latest, "rb") as f:
+        name = f.read(MAX_LATEST_BYTES + 1).decode(errors="replace").strip()
+    target = d / name
+    if (not STEP_DIR.fullmatch(name) or target.is_symlink() or not target.is_dir()):
+        raise CheckpointError(f"{latest} names {name[:MAX_LATEST_BYTES]!r}, not a step-NNNNNNNN directory inside "
+                              f"{d}; load a step directory by its path, or rewrite {LATEST}")
+    return target
+
+
+def check_shard_manifest(path: Path, man: dict) -> None:
+    """A shard manifest's values in range before anything is read on their word: known
+    keys, a world size and rank in bounds, counts >= 0, hyper-parameters as HELLO would
+    accept them.  CheckpointError naming the file and the key."""
+    from .protocol import GROUP_FIELDS, MAX_NUMEL, ProtocolError, validate_hparams
+    known = {"format", "protocol_version", "rank", "world_size", "numel", "dtype", "optimizer", "hparams", "steps",
+             "skipped", "groups", "arrays", "array_dtypes", "checksum"}
+    bad = sorted(set(man) - known) if isinstance(man, dict) else ["(not a map)"]
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise CheckpointError(f"checkpoint manifest {path} is not valid: {what}; load another checkpoint (an "
+                                  f"earlier step-N beside it)")
+    need(not bad, f"unknown keys {bad}")
+
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    w = man.get("world_size")
+    need(is_int(w) and 1 <= w <= MAX_WORLD_SIZE, f"world_size {w!r} is not in [1, {MAX_WORLD_SIZE}]")
+    need(is_int(man.get("rank")) and 0 <= man["rank"] < w, f"rank {man.get('rank')!r} is not in [0, {w})")
+    need(is_int(man.get("numel")) and 0 <= man["numel"] <= MAX_NUMEL, f"numel {man.get('numel')!r} is out of range")
+    for k in ("steps", "skipped"):
+        need(is_int(man.get(k, 0)) and man.get(k, 0) >= 0, f"{k} {man.get(k)!r} is not a count")
+    h = man.get("hparams", {})
+    need(isinstance(h, dict), "hparams is not a map")
+    try:
+        validate_hparams(h)
+    except ProtocolError as e:
+        need(False, f"hparams: {e}")
+    groups = man.get("groups", [])
+    need(isinstance(groups, list) and all(isinstance(g, list) and len(g) == len(GROUP_FIELDS) for g in groups),
+         "groups is not a list of ranges")
+    for g in groups:
+        try:
+            validate_hparams(dict(zip(GROUP_FIELDS[2:7], g[2:7])))
+        except ProtocolError as e:
+            need(False, f"a group's hparams: {e}")
 
 
 class CheckpointDir:
@@ -168,14 +220,14 @@ class CheckpointDir:
         tmp = self.root / (TMP_PREFIX + name)
         if self.rank == 0:
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
+                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
                 for stale in self.root.glob(TMP_PREFIX + "*"):
                     shutil.rmtree(stale, ignore_errors=True)
             except OSError:
                 pass  # the write that follows fails and says why
         self._barrier()
         try:
-            tmp.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             pass  # the write into it fails and says why
         return tmp
@@ -209,7 +261,7 @@ class CheckpointDir:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             fsync_dir(self.root)
-            atomic_write_bytes(self.root / LATEST, final.name.encode())
+            atomic_write_bytes(self.root / LATEST, final.name.encode())  # 0600, like every file here
             old = sorted(p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir() and p.name != final.name)
             for p in old[:max(0, len(old) - (self.keep - 1))]:
                 shutil.rmtree(p, ignore_errors=True)

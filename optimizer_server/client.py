@@ -77,6 +77,7 @@ class ShardClient:
         self._hb_last_ok = time.monotonic()
         self._work = -1                        # the last HEARTBEAT_OK.work
         self._save_hint = ("idle", "")         # the last HEARTBEAT_OK.save_state, save_error
+        self._save_seq = 0                     # the newest SAVE's seq (its OK)
         self._progress_seen = (-1, -1)         # (work, progress word) when last looked at
         self._progress_t = time.monotonic()    # when they last changed
         self.segment: Segment | None = None
@@ -216,7 +217,8 @@ class ShardClient:
                     self._hb_last_ok = time.monotonic()
                     if isinstance(reply, P.HeartbeatOk):
                         self._work = reply.work
-                        self._save_hint = (reply.save_state, reply.save_error)
+                        if reply.save_seq >= self._save_seq:  # not a late word about an older save
+                            self._save_hint = (reply.save_state, reply.save_error)
         except zmq.ZMQError:
             pass
         finally:
@@ -329,8 +331,11 @@ class ShardClient:
         ours).  background: the reply comes once the save has started; save_status()
         says when it is done, and STEPs may run meanwhile."""
         self._check_usable()
-        return self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background),
+        info = self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background),
                              P.Ok).info
+        self._save_seq = int(info.get("seq", 0))
+        self._save_hint = ("writing" if background else "done", "")
+        return info
 
     def save_status(self) -> dict:
         """The newest save's state: {"state": idle|writing|done|failed, "error", ...}: a

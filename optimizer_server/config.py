@@ -17,7 +17,11 @@ class ServerConfig:
     """Settings of one optimizer server.
 
     address: ZeroMQ endpoint to bind. "" = ipc:// in a fresh private 0700 directory.
-        tcp://:PORT or tcp://PORT binds 127.0.0.1 only; name a host to listen wider.
+        tcp://:PORT or tcp://PORT binds 127.0.0.1 only; another host (or *) needs
+        allow_remote.
+    allow_remote: permit a tcp bind on a non-loopback interface.  Workers still need the
+        shared segment, so they must run on this host: listening wider only exposes
+        the token check to the network.
     address_file: write the bound address here (atomically) once ready; the token
         goes to ADDRESS_FILE.token (0600) and the segment list to .segments, which
         the next server with the same file uses to sweep a killed server's leftovers.
@@ -30,6 +34,8 @@ class ServerConfig:
         memory hot-plug or ballooning report far less at first).  The command line's
         default comes from ZERO_OFFLOAD_MAX_RAM_FRACTION, so a server that an engine
         spawns can be told too.
+    max_sessions: refuse a HELLO once this many shards are admitted (0: no cap); a
+        node runs a handful of ranks, and each session holds a segment and a thread.
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
@@ -37,12 +43,14 @@ class ServerConfig:
     """
 
     address: str = ""
+    allow_remote: bool = False
     address_file: str = ""
     token: str = ""
     threads: int = 0
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     exit_when_idle: bool = False
     max_ram_fraction: float = 0.9
+    max_sessions: int = 64
     log_level: str = "INFO"
     parent_pid: int = 0
     trace_dir: str = ""
@@ -50,6 +58,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"address must start with ipc:// or tcp://, got {self.address!r}")
+        if self.address.startswith("tcp://") and not self.allow_remote:
+            host = self.address[len("tcp://"):].rsplit(":", 1)[0] if ":" in self.address[6:] else ""
+            if host not in ("", "127.0.0.1", "localhost", "[::1]"):
+                raise ValueError(f"address {self.address} listens beyond this host; workers share memory with the "
+                                 f"server, so they run here: bind tcp://127.0.0.1:PORT, or pass --allow-remote "
+                                 f"(allow_remote=True) to listen on {host!r} anyway")
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0 (0: no cap), got {self.max_sessions}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = OpenMP default), got {self.threads}")
         if not self.heartbeat_timeout_s > 0:

@@ -208,6 +208,7 @@ class Hello(Message):
 
 
 HPARAM_KEYS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+MIN_EPS = 1.1754943508222875e-38
 
 
 MAX_PATH = 4096
@@ -231,7 +232,8 @@ def validate_hparams(h: dict) -> None:
         if k in h:
             _require(0.0 <= h[k] < 1.0, f"{k} must be in [0, 1), got {h[k]}")
     if "eps" in h:
-        _require(h["eps"] > 0, f"eps must be > 0, got {h['eps']}")
+        # a denormal eps (1e-45) is 0 to a kernel that flushes denormals: a division by ~0
+        _require(h["eps"] >= MIN_EPS, f"eps must be >= {MIN_EPS:.3g} (the smallest normal fp32), got {h['eps']}")
     for k in ("lr", "weight_decay"):
         if k in h:
             _require(h[k] >= 0, f"{k} must be >= 0, got {h[k]}")
@@ -415,6 +417,7 @@ class HeartbeatOk(Message):
     work: int = 0  # grows while the shard's long requests move data (Shard.work_done)
     save_state: str = "idle"  # the newest SAVE's state (STATS_OK.save_state), for a client with a STEP in flight
     save_error: str = ""
+    save_seq: int = 0         # which SAVE that is (its OK's info["seq"]): a late heartbeat tells of an older one
 
 
 @dataclass(kw_only=True)

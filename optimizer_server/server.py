@@ -28,7 +28,7 @@ import zmq
 
 from . import ipc
 from . import protocol as P
-from .admission import Refused, admit
+from .admission import Refused, Reservations, admit, shard_need
 from .checkpoint import CheckpointError
 from .config import TOKEN_ENV, ServerConfig
 from .files import ServerFiles
@@ -86,6 +86,7 @@ class OptimizerServer:
         self.n_seg = 0
         self.tracer = Tracer(cfg.trace_dir, "server", 0)
         self.shm_prefix = shm_prefix()
+        self.reservations = Reservations()
 
     # ------------------------------------------------------------------ set-up
     def _write_registry(self) -> None:
@@ -115,8 +116,9 @@ class OptimizerServer:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        # hard cap well above any control message; larger ones get the peer disconnected
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * P.MAX_MESSAGE_BYTES)
+        # the control message cap plus ZeroMQ's framing: a larger one gets the peer disconnected
+        # before a byte of it is buffered, so an unauthenticated peer cannot make us hold more
+        sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES + 1024)
         try:
             sock.bind(addr)
         except zmq.ZMQError as e:
@@ -179,8 +181,7 @@ class OptimizerServer:
                 self._send(identity, P.error(P.E_DECODE, f"expected one frame, got {len(body)}"))
                 continue
             try:
-                with self.tracer.span("request"):
-                    reply = self._handle(identity, body[0])
+                reply = self._handle(identity, body[0])
             except Exception as e:  # a bug must not kill the server: answer it
                 log.exception("internal error handling a request")
                 reply = P.error(P.E_INTERNAL, f"{type(e).__name__}: {e}")
@@ -209,10 +210,15 @@ class OptimizerServer:
             return P.error(P.E_SESSION, f"unknown session {session!r}: send HELLO first (or the server "
                                         f"dropped this worker after a heartbeat timeout)")
         shard.last_seen = time.monotonic()
+        # traced only now: a message that names no session of ours adds nothing to the trace
+        with self.tracer.span("request"):
+            return self._handle_session(identity, session, shard, msg)
+
+    def _handle_session(self, identity: bytes, session: str, shard: Shard, msg: P.Message) -> bytes | None:
         if isinstance(msg, P.Heartbeat):
             sv = shard.save_status()
             return P.HeartbeatOk(server_pid=os.getpid(), work=shard.work_done, save_state=sv["state"],
-                                 save_error=sv["error"][:2000]).encode()
+                                 save_error=sv["error"][:2000], save_seq=shard.save_seq).encode()
         if isinstance(msg, P.Stats):
             return self._stats(shard)
         if isinstance(msg, P.Speculate):  # before STEP's case: SPECULATE is a Step with `upto`
@@ -263,13 +269,14 @@ class OptimizerServer:
                 try:
                     job = shard.start_save(msg.dir)
                     if msg.background:
-                        return {"background": True, "bytes": job.total_bytes, "steps": shard.steps}
+                        return {"background": True, "bytes": job.total_bytes, "steps": shard.steps,
+                                "seq": shard.save_seq}
                     with self.tracer.span("checkpoint_save", rank=shard.rank):
                         info = job.wait()
                 except OSError as e:
                     raise CheckpointError(f"saving to {msg.dir} failed: {e.strerror or e} (errno {e.errno}); the "
                                           f"previous checkpoint there is intact") from e
-                return dict(info, seconds=job.seconds)
+                return dict(info, seconds=job.seconds, seq=shard.save_seq)
             return self._on_thread(identity, session, shard, "SAVE", save)
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
 
@@ -301,16 +308,21 @@ class OptimizerServer:
 
     def _hello(self, msg: P.Hello) -> bytes:
         try:
-            layout = admit(msg, token=self.token, max_ram_fraction=self.cfg.max_ram_fraction)
+            layout = admit(msg, token=self.token, max_ram_fraction=self.cfg.max_ram_fraction,
+                           reserved=self.reservations.outstanding, sessions=len(self.shards),
+                           max_sessions=self.cfg.max_sessions)
         except Refused as e:
             return P.error(e.code, str(e))
         session = secrets.token_hex(8)
         self.n_seg += 1
-        name = f"{self.shm_prefix}{self.instance}-r{msg.rank}-{self.n_seg}"
+        # unpredictable: nobody can make it first, or guess it to attach (files.SEGMENT_NAME)
+        name = f"{self.shm_prefix}{self.instance}-r{msg.rank}-{secrets.token_hex(8)}"
         try:
             seg = Segment.create(name, layout.total_bytes)
         except OSError as e:
-            return P.error(P.E_RESOURCE, f"cannot create shared segment {name}: {e}")
+            return P.error(P.E_RESOURCE, f"cannot create shared segment {name} of {layout.total_bytes} bytes: "
+                                         f"{e.strerror or e}; free space in /dev/shm or enlarge it (docker: "
+                                         f"--shm-size)")
         try:
             shard = Shard(session, msg, seg, layout, self.cfg.threads)
         except MemoryError:
@@ -318,6 +330,8 @@ class OptimizerServer:
             seg.unlink()
             return P.error(P.E_RESOURCE, f"out of memory allocating a shard of {msg.numel} params")
         self.shards[session] = shard
+        # the segment's pages are committed already (Segment.create): the rest is reserved
+        self.reservations.add(session, shard_need(msg, layout) - layout.total_bytes)
         self.executors[session] = ThreadPoolExecutor(1, thread_name_prefix=f"update-r{msg.rank}")
         self.had_clients = True
         self._write_registry()
@@ -434,6 +448,7 @@ class OptimizerServer:
                     self._drop(session, reason)
 
     def _drop(self, session: str, reason: str, level: int = logging.WARNING) -> None:
+        self.reservations.drop(session)
         shard = self.shards.pop(session, None)
         if shard is not None:
             shard.stop_following()
@@ -493,8 +508,9 @@ def run(cfg: ServerConfig) -> int:
     logging.basicConfig(level=getattr(logging, cfg.log_level.upper()),
                         format="%(asctime)s optimizer_server[%(process)d] %(levelname)s %(message)s")
     server = OptimizerServer(cfg)
-    signal.signal(signal.SIGTERM, server.request_stop)
-    signal.signal(signal.SIGINT, server.request_stop)
+    # every ordinary way to stop a process ends the same way: segment, socket, token removed
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, server.request_stop)
     try:
         server.bind()
     except RuntimeError as e:

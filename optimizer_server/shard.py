@@ -157,6 +157,7 @@ class Shard:
         self.phase = ShardState.UNINITIALIZED
         self.working: str | None = None  # INIT/LOAD/GET_MASTER/SAVE running on the update thread
         self.save_job: SaveJob | None = None  # the newest save (maybe still being written)
+        self.save_seq = 0          # saves started (HEARTBEAT_OK.save_seq)
         self._io_done = 0          # bytes of earlier save jobs (work_done's past)
         self._load_bytes = 0       # bytes LOAD has read
         self._state_dirty = False  # m/v hold something other than zeros (a step or LOAD ran)
@@ -664,6 +665,7 @@ class Shard:
         if self.save_job is not None:
             self._io_done += self.save_job.bytes_done
         self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
+        self.save_seq += 1
         return self.save_job
 
     def save(self, directory: str) -> dict:
@@ -688,7 +690,15 @@ class Shard:
             if not path.exists():
                 raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
                                  f"checkpoint (an earlier step-N beside it)")
-            mans.append(json.loads(path.read_text()))
+            try:
+                man = json.loads(path.read_text())
+            except ValueError as e:
+                raise C.CheckpointError(f"checkpoint manifest {path} is not JSON ({e}); load another checkpoint")
+            C.check_shard_manifest(path, man)
+            if man["world_size"] != src or man["rank"] != len(mans):
+                raise C.CheckpointError(f"checkpoint manifest {path} says rank {man['rank']} of "
+                                        f"{man['world_size']}, its name rank {len(mans)} of {src}")
+            mans.append(man)
         mine = self.manifest()
         keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
         for k, man in enumerate(mans):

@@ -125,6 +125,10 @@ class Segment:
         try:
             os.fchmod(fd, 0o600)  # umask cannot widen it, but be explicit
             os.ftruncate(fd, size)
+            # commit the pages now: a full /dev/shm is a clear refusal at HELLO, not a SIGBUS
+            # at the first write of a sparse page in the middle of training
+            if size:
+                os.posix_fallocate(fd, 0, size)
             mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)

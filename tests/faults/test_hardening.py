@@ -1,0 +1,191 @@
+"""The security review's findings, each reproduced: files others could touch, the
+segment registry, admission that adds up, manifests and `latest` taken on their
+word, signals that left files behind, binds and paths."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from optimizer_server import ShardClient, spawn
+from optimizer_server import protocol as P
+from optimizer_server.admission import read_mem_available
+from optimizer_server.checkpoint import CheckpointError, resolve
+from optimizer_server.config import ServerConfig
+from optimizer_server.errors import OptimizerServerError
+from optimizer_server.shm import Segment
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _hello_reply(address: str, **over) -> P.Message:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    f = dict(version=P.PROTOCOL_VERSION, token=over.pop("token"), rank=0, world_size=1, numel=1024, dtype="fp16",
+             optimizer="adamw", pid=os.getpid())
+    f.update(over)
+    s.send(P.Hello(**f).encode())
+    assert s.poll(30_000), "no reply to HELLO"
+    reply = P.decode(s.recv())
+    s.close()
+    ctx.term()
+    return reply
+
+
+def test_a_precreated_or_symlinked_temp_file_gets_nothing(tmp_path):
+    """The fixed temp names of before (ADDR.token.tmp opened O_CREAT|O_TRUNC): a file made
+    there in advance received the token, and a link there made the server overwrite its
+    target.  Now the temp names are random and opened O_EXCL|O_NOFOLLOW."""
+    addr = tmp_path / "zo.addr"
+    spy = tmp_path / "zo.addr.token.tmp"
+    spy.write_text("")
+    os.chmod(spy, 0o666)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, tmp_path / "zo.addr.tmp")
+    os.symlink(victim, tmp_path / "zo.addr.segments.tmp")
+    with spawn(threads=1, address_file=str(addr)) as srv:
+        assert spy.read_text() == ""                       # the token never went there
+        assert victim.read_text() == "precious"            # nor through a link
+        tok = tmp_path / "zo.addr.token"
+        assert tok.read_text() == srv.token and (os.stat(tok).st_mode & 0o777) == 0o600
+        assert (os.stat(tmp_path / "zo.addr.segments").st_mode & 0o777) == 0o600
+
+
+def test_a_symlinked_lock_file_is_refused(tmp_path):
+    d = tmp_path / "sock"
+    d.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, d / "server.sock.lock")
+    with pytest.raises(RuntimeError, match="lock file.*symbolic link is refused"):
+        spawn(threads=1, address=f"ipc://{d}/server.sock", address_file=str(tmp_path / "a"),
+              stderr=subprocess.PIPE)
+    assert victim.read_text() == "precious"
+
+
+def test_an_address_file_in_a_directory_others_can_write_is_refused(tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)  # writable by all, not sticky
+    with pytest.raises(RuntimeError, match="writable by other users.*mkdir -m 700"):
+        spawn(threads=1, address_file=str(d / "zo.addr"), stderr=subprocess.PIPE)
+
+
+def test_a_planted_registry_unlinks_nothing(tmp_path):
+    """A .segments file not written by this user's server (mode 0644 here) naming
+    another job's segment, and one naming '..': the server starts and the segment lives."""
+    other = Segment.create("zo-planted" + "0" * 8 + "-r0-" + "1" * 16, 4096)
+    try:
+        reg = tmp_path / "zo.addr.segments"
+        reg.write_text(json.dumps({"pid": 999_999_999, "segments": [other.name, ".."], "private_dir": "/tmp"}))
+        os.chmod(reg, 0o644)
+        with spawn(threads=1, address_file=str(tmp_path / "zo.addr")):
+            assert os.path.exists(f"/dev/shm/{other.name}")
+        # a registry of ours (0600) with a name that is not a segment's: no harm either
+        reg.write_text(json.dumps({"pid": 999_999_999, "segments": ["..", "../etc/passwd"]}))
+        os.chmod(reg, 0o600)
+        with spawn(threads=1, address_file=str(tmp_path / "zo.addr")):
+            assert os.path.exists(f"/dev/shm/{other.name}")
+    finally:
+        other.close()
+        other.unlink()
+
+
+def test_admission_adds_up_the_sessions_it_admitted():
+    """Shards that each fit alone but not together: before, every HELLO was checked on
+    its own and all were admitted (sparse state, an OOM kill later); now the third is
+    refused, counting what the first two reserved."""
+    avail = read_mem_available()
+    n = int(avail * 0.9 * 0.36 / 16)  # fp32 state + one grad and one weights slot: 16 B/param
+    n -= n % 4096
+    print(f"MemAvailable {avail / 2**30:.1f} GiB, {n} params per shard")
+    with spawn(threads=1) as srv:
+        clients = [ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc) for _ in range(2)]
+        try:
+            with pytest.raises(OptimizerServerError, match="admitted shards have reserved"):
+                ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_a_lying_frees_bytes_and_too_many_sessions_are_refused(tmp_path):
+    with spawn(threads=1, extra_args=["--max-sessions", "2"]) as srv:
+        r = _hello_reply(srv.address, token=srv.token, frees_bytes=2 ** 61)
+        assert isinstance(r, P.Error) and r.code == P.E_INVALID and "frees_bytes" in r.message
+        clients = [ShardClient(srv.address, srv.token, numel=1024, server_proc=srv.proc) for _ in range(2)]
+        r = _hello_reply(srv.address, token=srv.token)
+        assert isinstance(r, P.Error) and r.code == P.E_RESOURCE and "max-sessions" in r.message
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m["hparams"].update(beta1=5.0), "beta1 must be in"),
+    (lambda m: m["hparams"].update(eps=1e-45), "eps must be"),
+    (lambda m: m.update(world_size=10 ** 9), "world_size"),
+    (lambda m: m.update(evil=1), "unknown keys"),
+])
+def test_a_manifest_with_bad_values_is_refused(tmp_path, edit, match):
+    n = 4096
+    with spawn(threads=1) as srv:
+        c = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
+        c.init_weights(np.ones(n, np.float32))
+        c.save(str(tmp_path))
+        path = tmp_path / "shard-r0-of-1.json"
+        man = json.loads(path.read_text())
+        edit(man)
+        path.write_text(json.dumps(man))
+        with pytest.raises(OptimizerServerError, match=match):
+            c.load(str(tmp_path))
+        c.close()
+
+
+def test_latest_must_name_a_step_directory_inside_the_root(tmp_path):
+    (tmp_path / "root").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root" / "latest").write_text("../elsewhere")
+    with pytest.raises(CheckpointError, match="not a step-NNNNNNNN directory inside"):
+        resolve(tmp_path / "root")
+    (tmp_path / "root" / "step-00000001").mkdir()
+    (tmp_path / "root" / "latest").write_text("step-00000001")
+    assert resolve(tmp_path / "root") == tmp_path / "root" / "step-00000001"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_and_sigquit_clean_up_like_sigterm(tmp_path, sig):
+    addr = tmp_path / "zo.addr"
+    srv = spawn(threads=1, address_file=str(addr))
+    c = ShardClient(srv.address, srv.token, numel=1024, server_proc=srv.proc)
+    seg = c.segment_name
+    sock = srv.address[len("ipc://"):]
+    os.kill(srv.pid, sig)
+    srv.proc.wait(30)
+    c.close()
+    assert not os.path.exists(f"/dev/shm/{seg}") and not os.path.exists(sock)
+    assert not any(p.name.startswith("zo.addr") for p in tmp_path.iterdir())
+    srv.stop()
+
+
+def test_binds_and_paths():
+    with pytest.raises(ValueError, match="--allow-remote"):
+        ServerConfig(address="tcp://*:5555")
+    with pytest.raises(ValueError, match="--allow-remote"):
+        ServerConfig(address="tcp://0.0.0.0:5555")
+    ServerConfig(address="tcp://*:5555", allow_remote=True)
+    ServerConfig(address="tcp://127.0.0.1:5555")
+    for bad in ("relative/dir", "", "x" * 5000):
+        with pytest.raises(P.ProtocolError, match="absolute path"):
+            P.decode(P.Save(session="s", dir=bad).encode())
+    big = P.Save(session="s", dir="/" + "x" * 100).encode()
+    assert len(big) < P.MAX_MESSAGE_BYTES
+    time.sleep(0)
