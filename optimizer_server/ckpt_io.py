@@ -43,6 +43,9 @@ import numpy as np
 
 IO_THREADS = 4                 # concurrent preads/pwrites: a fast NVMe needs several in flight
 IO_CHUNK_BYTES = 16 << 20      # one pread or pwrite: large enough for the disk's sequential speed
+# one checksum read: each thread holds a buffer of it while a LOAD verifies, when host RAM
+# is tightest (IO_THREADS x 1 MiB in all), and 1 MiB reads still run at the disk's speed
+CRC_CHUNK_BYTES = 1 << 20
 SAVE_CHUNK = 1 << 22           # elements per save chunk (a multiple of every int8 block: 256)
 OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 FILE_MODE = 0o600              # checkpoint files: the owner's, like the segments
@@ -145,13 +148,13 @@ def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        spans = _spans(size, IO_CHUNK_BYTES)
+        spans = _spans(size, CRC_CHUNK_BYTES)
         local = threading.local()
 
         def piece(a: int, b: int) -> tuple[int, int, int]:
             buf = getattr(local, "buf", None)
             if buf is None:
-                buf = local.buf = bytearray(IO_CHUNK_BYTES)
+                buf = local.buf = bytearray(CRC_CHUNK_BYTES)
             v = memoryview(buf)[:b - a]
             _pread_exact(fd, v, a, str(path))
             return a, b - a, zlib.crc32(v)

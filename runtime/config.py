@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Union
 
 from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
+
+REQUEST_TIMEOUT_ENV = "ZERO_OFFLOAD_REQUEST_TIMEOUT_S"
 from optimizer_server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
@@ -93,7 +95,10 @@ class OffloadConfig:
     server_address / server_token: connect to a running server; "" = the launcher's
         environment variables, or a private server started (and stopped) by the engine.
     server_threads: OpenMP threads of a private server's updates (0 = its default).
-    request_timeout_s: bound on any single wait for the server.
+    request_timeout_s: bound on a wait for the server with no progress (the server reports
+        the bytes its long requests move; a STEP its published blocks), so a checkpoint of
+        any size is never cut short while it moves.  Default: $ZERO_OFFLOAD_REQUEST_TIMEOUT_S
+        or 300 (scripts/gpu_check.sh sets 30, so a hung request costs the GPU run little).
     trace_dir: write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
         zero-offload-launch --trace-dir sets for every worker, else no tracing).
     pin_host_memory: CUDA only: page-lock the shared segment (cudaHostRegister) so copies
@@ -133,7 +138,7 @@ class OffloadConfig:
     server_address: str = ""
     server_token: str = ""
     server_threads: int = 0
-    request_timeout_s: float = 300.0
+    request_timeout_s: float = field(default_factory=lambda: float(os.environ.get(REQUEST_TIMEOUT_ENV, "300")))
     trace_dir: str = ""
     device: str = ""
     pin_host_memory: str = "auto"

@@ -625,28 +625,45 @@ class OffloadEngine:
                 try:
                     self._finish_overlap()
                     self.cycle.land(copy=True)
-                    if self.checkpoints.in_flight is not None:  # a background save is published first
-                        self.checkpoints.finish(self.client)
+                    ck = getattr(self, "checkpoints", None)  # (absent if set-up failed before it)
+                    if ck is not None and ck.in_flight is not None:  # a background save is published first
+                        ck.finish(self.client)
                 except OptimizerServerError as e:
                     log.warning("closing: %s", e)
         finally:
-            if self._bound:
-                self.cycle.release()
+            self._release_all()
+
+    def _release_all(self) -> None:
+        """Release every resource in turn, each even if one before it raised (a broken
+        CUDA context makes unregistering the page-locked segment raise: the server must
+        still be told BYE and stopped, its segment unlinked); the first error is raised
+        at the end."""
+        def hooks():
             for h in self._hooks:
                 h.remove()
             self._hooks = []
-            if self.pipeline is not None:
-                self.pipeline.release()
-            if self.grads is not None:
-                self.grads.release()
-            if self._pinned is not None:
-                self._pinned.release()
-                self._pinned = None
-            if self.client is not None:
-                self.client.close()
-            if self._server is not None:
-                self._server.stop()
-            self.tracer.flush()
+
+        def pinned():
+            p, self._pinned = self._pinned, None
+            p.release()
+        steps = [(self._bound, lambda: self.cycle.release()), (True, hooks),
+                 (self.pipeline is not None, lambda: self.pipeline.release()),
+                 (self.grads is not None, lambda: self.grads.release()),
+                 (self._pinned is not None, pinned),
+                 (self.client is not None, lambda: self.client.close()),
+                 (self._server is not None, lambda: self._server.stop()),
+                 (True, self.tracer.flush)]
+        first: BaseException | None = None
+        for needed, fn in steps:
+            if not needed:
+                continue
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the rest must still run
+                log.warning("closing: %s: %s", type(e).__name__, e)
+                first = first or e
+        if first is not None:
+            raise first
 
     def __enter__(self) -> "OffloadEngine":
         return self

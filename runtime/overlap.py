@@ -20,8 +20,11 @@ module reading another module's parameter before that module ran would read old
 weights (the tests cover tied embeddings, whose owner runs first).
 
 Several ranks: each rank updates its shard, and the forward needs every shard, so
-the first forward pre-hook (the model's own) lands the whole update and its
-all-gather: exact, overlapping only what lies between step() and the forward.
+landing the update means an all-gather, a collective.  It happens at the end of
+step(), which every rank reaches, never in a forward hook: a forward that runs on
+some ranks only (rank 0's evaluation, then a barrier) would issue a collective the
+others do not, and hang.  So with several ranks overlap_update is exact and
+overlaps nothing (a reversed STEP landed at once); DPU is the multi-rank overlap.
 """
 from __future__ import annotations
 
@@ -53,8 +56,7 @@ class ForwardPipeline:
         self._visible: set[int] = set()  # spans (by id) already final on the device for update k
         self._hooks = []
         if not self.per_module:
-            self._hooks.append(model.register_forward_pre_hook(lambda m, a: self.finish()))
-            return
+            return  # arm() lands it: see the module docstring
         S = flat.shard_numel
         for m in model.modules():
             spans = [flat.by_param[id(p)] for p in m.parameters(recurse=False) if id(p) in flat.by_param]
@@ -67,9 +69,12 @@ class ForwardPipeline:
         return self.k is not None
 
     def arm(self, k: int) -> None:
-        """STEP k went out (reversed on one rank); the next forward waits for it."""
+        """STEP k went out (reversed on one rank); the next forward waits for it.  Several
+        ranks: it lands here, in step(), where every rank is (the all-gather)."""
         self.k = k
         self._visible.clear()
+        if not self.per_module:
+            self.finish()
 
     def _hook(self, spans: list[ParamSpan], need: int):
         def before_forward(module, args):

@@ -11,7 +11,13 @@
     at two batch sizes;
 (d) the largest GPT each can hold, from the measured bytes/param and the free
     device and host memory (a bounded estimate, not a search by OOM).
-Prints a compact table last; writes DIR/gpu_results.json.
+Prints a compact table last; writes DIR/gpu_results.json after every variant.
+
+It must return a table whatever happens, since a lent GPU's first run may be the only
+one: the model is built once (initialised on the device, its fp32 state dict kept on
+the CPU and given to each variant), each variant runs in its own try/except (a failure
+is a row saying so), and SIGTERM or --deadline-s ends the run with the table of what
+finished.  ``--summary FILE`` prints that table from a JSON a killed run left.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -82,9 +89,26 @@ def bandwidth(dev, nbytes: int) -> dict:
     return res
 
 
-def make_model(mc: GPTConfig) -> GPT:
-    torch.manual_seed(0)
-    return GPT(mc)
+_WEIGHTS: dict = {}
+
+
+def make_model(mc: GPTConfig, dev=None) -> GPT:
+    """A fresh fp32 GPT on the CPU with the same weights every call.  The first call
+    initialises it on `dev` (a GPU draws the 1.5e9 random numbers in milliseconds, the CPU
+    in ~10 s) and keeps its state dict on the CPU; later calls build on the meta device
+    and take a copy of it (the engine consumes the fp32 parameters it is given)."""
+    key = (mc.n_layer, mc.n_head, mc.d_model, mc.seq_len)
+    if key not in _WEIGHTS:
+        torch.manual_seed(0)
+        with torch.device(dev if dev is not None else "cpu"):
+            m = GPT(mc)
+        _WEIGHTS.clear()
+        _WEIGHTS[key] = {k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()}
+        del m
+    with torch.device("meta"):
+        m = GPT(mc)
+    m.load_state_dict({k: v.clone() for k, v in _WEIGHTS[key].items()}, assign=True)
+    return m
 
 
 def count_params(mc: GPTConfig) -> int:
@@ -105,13 +129,15 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
         torch.cuda.reset_peak_memory_stats(dev)
     host = HostSampler().start()  # host RAM of this process, the server and their segments
     host0 = host.now()
-    model = make_model(mc)
+    model = make_model(mc, dev)
     n = model.num_params()
     cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, dpu=kind.startswith("dpu"), dpu_warmup_steps=2,
                         overlap_weights_up=kind != "dpu-after", overlap_update=kind.startswith("overlap"),
                         undo_log_bytes=16 * n if kind == "overlap-spec" else 0,
                         clip_grad_norm=None if kind == "overlap-spec" else 1.0,
                         server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
+    if kind == "broken":  # --dry-run --inject-failure: a variant that raises, as a CUDA error would
+        raise RuntimeError("injected failure (gpu_bench --inject-failure)")
     if kind == "baseline":
         eng = DeviceMixedPrecision(model.to(dev), cfg)
     else:
@@ -149,10 +175,76 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
             "host_peak_B": (host.peak - host0) / n, "host_steady_B": (host_steady - host0) / n}
 
 
+class Deadline(Exception):
+    """SIGTERM or --deadline-s: stop starting variants, print what finished."""
+
+
+def _on_sigterm(*_):
+    raise Deadline("SIGTERM")
+
+
+def table(res: dict) -> str:
+    """The compact table of what finished (and which variants failed), from the results."""
+    rows = [(k, v) for k, v in res.items()
+            if isinstance(v, dict) and "_b" in k and ("step_s" in v or "error" in v)]
+    out = ["| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only |",
+           "|---|---|---|---|---|---|---|---|"]
+    for key, r in rows:
+        kind, b = key.rsplit("_b", 1)
+        if "error" in r:
+            out.append(f"| {b} | {kind} | FAILED: {r['error'][:120]} | | | | | |")
+            continue
+        base = res.get(f"baseline_b{b}", {}).get("step_s")
+        out.append(f"| {b}x{res.get('seq_len', '?')} | {kind} | {r['step_s'] * 1e3:.0f} | {r.get('tflops', 0):.1f} | "
+                   f"{r['state_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['host_peak_B']:.1f} | "
+                   + (f"{r['step_s'] / base:.2f}x |" if base else "- |"))
+    if "bandwidth" in res:
+        bw = res["bandwidth"]
+        if "error" in bw:
+            out.append(f"\nbandwidth: FAILED: {bw['error'][:200]}")
+        else:
+            if not bw["registered"]:
+                out.append(f"\nthe shared segment could NOT be page-locked here (cudaHostRegister "
+                           f"{bw['register_error']}): 'ours' is pageable memory")
+            out.append(f"\nbandwidth GB/s ({bw['nbytes'] / 2**20:.0f} MiB): ours h2d {bw['ours_h2d_GBps']:.1f} / d2h "
+                       f"{bw['ours_d2h_GBps']:.1f}; torch pinned h2d {bw['torch_pinned_h2d_GBps']:.1f} / d2h "
+                       f"{bw['torch_pinned_d2h_GBps']:.1f} (ratio {bw['ratio_h2d']:.2f} / {bw['ratio_d2h']:.2f})")
+    sb = res.get("state_bytes_per_param")
+    if sb:
+        out.append(f"model states per param: baseline {sb['baseline']:.1f} B, engine {sb['engine']:.1f} B "
+                   f"({sb['ratio']:.1f}x)")
+    c = res.get("capacity_params")
+    if c:
+        out.append(f"capacity: baseline {c['baseline_device_bound'] / 1e9:.1f}B params (device), engine "
+                   f"{min(c['engine_device_bound'], c['engine_host_bound']) / 1e9:.1f}B (device bound "
+                   f"{c['engine_device_bound'] / 1e9:.1f}B, host bound {c['engine_host_bound'] / 1e9:.1f}B, host "
+                   f"{c['host_bytes'] / 2**30:.0f} GiB measured)")
+    out.append(f"{res.get('params', 0) / 1e9:.2f}B-param GPT on {res.get('device', '?')}; "
+               f"{res.get('seconds', 0):.0f} s{'; STOPPED EARLY: ' + res['stopped'] if res.get('stopped') else ''}")
+    return "\n".join(out)
+
+
+def shm_bytes() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def host_bytes() -> int:
+    """MemTotal now (a VM whose RAM grows as it is used reports its size after the runs)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the code)")
+    ap.add_argument("--inject-failure", action="store_true", help="add a variant that raises (checks the harness)")
+    ap.add_argument("--summary", default="", help="print the table of a results JSON and exit")
+    ap.add_argument("--deadline-s", type=float, default=0.0, help="start no variant after this many seconds")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--d-model", type=int, default=1600)
     ap.add_argument("--heads", type=int, default=25)
@@ -160,10 +252,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,16")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--host-gib", type=float, default=0.0,
-                    help="host RAM for the capacity estimate (0: what the OS reports; a VM whose RAM grows "
-                         "as it is used reports far less at first)")
     a = ap.parse_args(argv)
+    if a.summary:
+        print(table(json.loads(Path(a.summary).read_text())))
+        return 0
     if a.dry_run:
         dev = torch.device("cpu")
         a.layers, a.d_model, a.heads, a.seq_len, a.batches, a.steps = 2, 64, 2, 32, "2,4", 2
@@ -172,77 +264,87 @@ def main(argv=None) -> int:
             print("no CUDA device; skipped")
             return 0
         dev = torch.device("cuda", 0)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     res: dict = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (dry run)",
-                 "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+                 "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "seq_len": a.seq_len}
     t_start = time.perf_counter()
-    if dev.type == "cuda":
-        res["bandwidth"] = bandwidth(dev, 1 << 30)
-        print("(a)", json.dumps(res["bandwidth"]), flush=True)
-    mc = GPTConfig(n_layer=a.layers, n_head=a.heads, d_model=a.d_model, seq_len=a.seq_len)
-    n_params = count_params(mc)
-    res["params"] = n_params
 
-    def save() -> None:  # after every variant: a run cut short by its timeout keeps what finished
+    def save() -> None:  # after every variant: a run cut short keeps what finished
+        res["seconds"] = time.perf_counter() - t_start
         if a.out:
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / "gpu_results.json").write_text(json.dumps(res, indent=1, default=float))
-    save()
-    fpt = flops_per_token(mc, n_params)
-    rows = []
+            tmp = Path(a.out) / "gpu_results.json.tmp"
+            tmp.write_text(json.dumps(res, indent=1, default=float))
+            os.replace(tmp, Path(a.out) / "gpu_results.json")
+    mc = GPTConfig(n_layer=a.layers, n_head=a.heads, d_model=a.d_model, seq_len=a.seq_len)
     batches = [int(v) for v in a.batches.split(",")]
-    for b in batches:
-        # the A/B of the overlapped weight copy only at the larger batch, last (bounded time)
-        for kind in ("baseline", "sync", "dpu", "overlap") + (("overlap-spec", "dpu-after") if b == batches[-1] else ()):
-            r = run(kind, mc, dev, b, a.steps, 2, a.dtype)
-            r["tflops"] = fpt * b * mc.seq_len / r["step_s"] / 1e12
-            res[f"{kind}_b{b}"] = r
-            rows.append((b, kind, r))
+    try:
+        if dev.type == "cuda":
+            # sized by /dev/shm: a segment larger than its free space is a SIGBUS, not an error
+            nbytes = int(min(1 << 30, shm_bytes() // 4)) & ~((1 << 20) - 1)
+            try:
+                res["bandwidth"] = dict(bandwidth(dev, nbytes), nbytes=nbytes)
+            except Exception as e:  # noqa: BLE001 - a row saying so, and on to the rest
+                res["bandwidth"] = {"error": f"{type(e).__name__}: {e}"}
+            print("(a)", json.dumps(res["bandwidth"]), flush=True)
             save()
-            print(f"(c) batch {b} {kind}: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPS, "
-                  f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
-                  + f", host {r['host_peak_B']:.1f} B/param peak, {r['host_steady_B']:.1f} steady"
-                  + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
-                  + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
-    # (b) model-state bytes per parameter on the device
-    bb = res[f"baseline_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
-    eb = res[f"sync_b{rows[0][0]}"]["state_bytes"] / n_params if dev.type == "cuda" else float("nan")
-    res["state_bytes_per_param"] = {"baseline": bb, "engine": eb, "ratio": bb / eb if eb == eb and eb else float("nan")}
-    # (d) capacity estimate: free device memory / bytes per param; host RAM / the engine's host
-    # bytes per param (16 by its layout; its set-up peak is lower: scripts/bench_memory.py)
-    if dev.type == "cuda":
-        free, total = torch.cuda.mem_get_info(dev)
-        host = a.host_gib * 2**30 or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        # the engine's host bytes/param as measured here (DPU, larger batch), at least the layout's 16
-        hb = max(16.0, res[f"dpu_b{batches[-1]}"]["host_peak_B"])
-        res["capacity_params"] = {"baseline_device_bound": total * 0.9 / bb,
-                                  "engine_device_bound": total * 0.9 / eb,
-                                  "engine_host_bound": host * 0.9 / hb, "host_bytes_per_param": hb,
-                                  "host_bytes": host}
-    res["seconds"] = time.perf_counter() - t_start
-    print("\n| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only |")
-    print("|---|---|---|---|---|---|---|---|")
-    for b, kind, r in rows:
-        base = res[f"baseline_b{b}"]["step_s"]
-        print(f"| {b}x{mc.seq_len} | {kind} | {r['step_s'] * 1e3:.0f} | {r['tflops']:.1f} | "
-              f"{r['state_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['host_peak_B']:.1f} | "
-              f"{r['step_s'] / base:.2f}x |")
-    if "bandwidth" in res:
-        bw = res["bandwidth"]
-        if not bw["registered"]:
-            print(f"\nthe shared segment could NOT be page-locked here (cudaHostRegister {bw['register_error']}): "
-                  f"'ours' is pageable memory")
-        print(f"\nbandwidth GB/s: ours h2d {bw['ours_h2d_GBps']:.1f} / d2h {bw['ours_d2h_GBps']:.1f}; torch pinned "
-              f"h2d {bw['torch_pinned_h2d_GBps']:.1f} / d2h {bw['torch_pinned_d2h_GBps']:.1f} "
-              f"(ratio {bw['ratio_h2d']:.2f} / {bw['ratio_d2h']:.2f})")
-    print(f"model states per param: baseline {bb:.1f} B, engine {eb:.1f} B ({res['state_bytes_per_param']['ratio']:.1f}x)")
-    if "capacity_params" in res:
-        c = res["capacity_params"]
-        print(f"capacity: baseline {c['baseline_device_bound'] / 1e9:.1f}B params (device), engine "
-              f"{min(c['engine_device_bound'], c['engine_host_bound']) / 1e9:.1f}B (device bound "
-              f"{c['engine_device_bound'] / 1e9:.1f}B, host bound {c['engine_host_bound'] / 1e9:.1f}B)")
-    print(f"{n_params / 1e9:.2f}B-param GPT; {res['seconds']:.0f} s")
-    save()
+        n_params = count_params(mc)
+        res["params"] = n_params
+        save()
+        fpt = flops_per_token(mc, n_params)
+        kinds_last = ("overlap-spec", "dpu-after")
+        for b in batches:
+            kinds = ("baseline", "sync", "dpu", "overlap") + (kinds_last if b == batches[-1] else ())
+            if a.inject_failure and b == batches[0]:
+                kinds = kinds[:1] + ("broken",) + kinds[1:]
+            for kind in kinds:
+                if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
+                    raise Deadline(f"--deadline-s {a.deadline_s:.0f} passed")
+                try:
+                    r = run(kind, mc, dev, b, a.steps, 2, a.dtype)
+                except Deadline:
+                    raise
+                except Exception as e:  # noqa: BLE001 - one variant's failure must not cost the table
+                    res[f"{kind}_b{b}"] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"(c) batch {b} {kind}: FAILED {type(e).__name__}: {e}", flush=True)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                    save()
+                    continue
+                r["tflops"] = fpt * b * mc.seq_len / r["step_s"] / 1e12
+                res[f"{kind}_b{b}"] = r
+                save()
+                print(f"(c) batch {b} {kind}: {r['step_s'] * 1e3:.0f} ms/step, {r['tflops']:.1f} TFLOPS, "
+                      f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+                      + f", host {r['host_peak_B']:.1f} B/param peak, {r['host_steady_B']:.1f} steady"
+                      + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
+                      + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
+        _derived(res, dev, batches, n_params)
+    except Deadline as e:
+        res["stopped"] = str(e)
+        print(f"stopped early ({e}): the table of what finished", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        save()
+        print("\n" + table(res), flush=True)
     return 0
+
+
+def _derived(res: dict, dev, batches: list, n_params: int) -> None:
+    """(b) model-state bytes per parameter on the device, (d) the capacity estimate."""
+    b0 = batches[0]
+    base, eng = res.get(f"baseline_b{b0}", {}), res.get(f"sync_b{b0}", {})
+    if dev.type != "cuda" or "state_bytes" not in base or "state_bytes" not in eng:
+        return
+    bb, eb = base["state_bytes"] / n_params, eng["state_bytes"] / n_params
+    res["state_bytes_per_param"] = {"baseline": bb, "engine": eb, "ratio": bb / eb if eb else float("nan")}
+    # (d) free device memory / bytes per param; host RAM (measured now) / the engine's host
+    # bytes per param (16 by its layout; its set-up peak is lower: scripts/bench_memory.py)
+    free, total = torch.cuda.mem_get_info(dev)
+    host = host_bytes()
+    hb = max([16.0] + [res[k]["host_peak_B"] for k in res if k.startswith("dpu_b") and "host_peak_B" in res[k]])
+    res["capacity_params"] = {"baseline_device_bound": total * 0.9 / bb, "engine_device_bound": total * 0.9 / eb,
+                              "engine_host_bound": host * 0.9 / hb, "host_bytes_per_param": hb, "host_bytes": host}
 
 
 if __name__ == "__main__":

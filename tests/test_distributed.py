@@ -76,19 +76,26 @@ def test_two_ranks_match_one_rank(tmp_path, mode):
 
 
 def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
-    """overlap_update across ranks (the first forward hook lands the update and its
-    all-gather), and with speculation during backward (each rank's server speculates
+    """overlap_update across ranks (step() lands the update and its all-gather), with rank
+    0 alone running an evaluation forward between steps (overlap-eval: a forward hook
+    that gathered would issue a collective rank 1 never joins, and hang), and with speculation during backward (each rank's server speculates
     on its shard as the gloo all-reduces finish): master and weights on both ranks
     bitwise those of sync, with the clip at 1.0 firing on some steps and without it."""
     res = {}
-    for mode in ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec"):
+    for mode in ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec", "overlap-eval"):
         d = tmp_path / mode
         d.mkdir()
         p = launch(d, mode, 12)
-        out, _ = p.communicate(timeout=240)
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            raise AssertionError(f"{mode} hung:\n{out[-3000:]}")
         assert p.returncode == 0, out
         res[mode] = [torch.load(d / f"rank{r}.pt") for r in range(2)]
-    for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec")):
+    for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec"),
+                      ("sync", "overlap-eval")):
         for r in range(2):
             a, b = res[ref][r], res[mode][r]
             for k in a["master"]:

@@ -368,3 +368,21 @@ def test_fp32_range_of_the_flat_space_is_zero_in_the_padding():
         out = torch.full((hi - lo,), 7.0)  # leftovers of the shared window
         f.copy_fp32_range(out, lo, hi)
         assert torch.equal(out, full[lo:hi]), (lo, hi)
+
+
+def test_close_stops_the_server_even_if_a_release_raises():
+    """D6: a broken CUDA context makes unregistering the page-locked segment raise; close()
+    must still say BYE, stop the private server and leave no segment.  The raising release
+    stands in for that context here (the CPU has none)."""
+    from tests.conftest import our_segments
+
+    class Broken:
+        def release(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    eng = OffloadEngine(gpt(), OffloadConfig(dtype="bf16", server_threads=1))
+    seg, srv = eng.client.segment_name, eng._server
+    eng._pinned = Broken()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        eng.close()
+    assert srv.proc.wait(30) is not None  # stopped
+    assert seg not in our_segments()

@@ -122,14 +122,33 @@ def test_gpu_scripts_without_gpu():
         assert f"| 2x32 | {variant} |" in out
 
 
-def test_gpu_check_dry_run(tmp_path):
-    """gpu_check.sh --dry-run: every step of the prepared GPU run (imports, build, the
-    cuda tests, which skip, the benchmark at tiny sizes, the JSON) on the CPU, inside
-    the ~420 s the real run is given."""
+def _gpu_check(tmp_path, **env):
     cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHON=sys.executable))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHON=sys.executable, **env))
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """gpu_check.sh --dry-run: every step of the prepared GPU run (machine facts, imports,
+    build, the cuda tests, which skip, the benchmark at tiny sizes with a variant that
+    raises, the JSON, the summary table) on the CPU."""
+    r = _gpu_check(tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "/dev/shm" in r.stdout and "cuda tests rc=0, bench rc=0" in r.stdout, r.stdout[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
     assert {"sync_b2", "dpu_b4", "dpu-after_b4"} <= set(res)
+    assert "injected failure" in res["broken_b2"]["error"]          # one variant failed ...
+    summary = r.stdout.split("== summary", 1)[1]
+    assert "| 2 | broken | FAILED: RuntimeError: injected failure" in summary  # ... and said so
+    assert "| 4x32 | dpu-after |" in summary                        # the rest ran on
+
+
+def test_gpu_check_prints_the_table_when_the_bench_is_killed(tmp_path):
+    """The measurements cut short by their bound (SIGTERM mid-way): the summary table of
+    what finished still prints."""
+    r = _gpu_check(tmp_path, GPU_CHECK_BENCH_S="6")
+    summary = r.stdout.split("== summary", 1)[1]
+    assert "| batch | variant |" in summary and "| 2x32 | baseline |" in summary, r.stdout[-3000:]
+    res = json.loads((tmp_path / "gpu_results.json").read_text())
+    assert "dpu-after_b4" not in res  # it was stopped before the end
+    assert "bench rc=124" in r.stdout or res.get("stopped"), r.stdout[-2000:]

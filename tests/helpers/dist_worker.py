@@ -9,6 +9,8 @@ raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) 
 unshared (each rank saves into a directory of its own, which must be refused) |
 overlap-clip / sync-clip (overlap_update against sync, clipping at CLIP) |
 overlap-spec-clip / overlap-spec (with speculation: an undo log for the whole shard) |
+overlap-eval (overlap_update, rank 0 alone runs an evaluation forward after each step,
+then a barrier) |
 unused-dpu (a layer with no gradient on any rank every third step, one only rank 0's
 rows use every third, and one never used).
 """
@@ -122,6 +124,11 @@ def main():
         eng.step()
         if h is not None:
             h.remove()
+        if "eval" in mode:  # rank 0 alone evaluates, then every rank meets (a common loop's shape)
+            if rank == 0:
+                with torch.no_grad():
+                    forward(model, x.to(dt), t, rank * n)
+            dist.barrier()
     if mode == "unshared":  # each rank sees its own directory only (node-local disks)
         try:
             eng.save_checkpoint(os.path.join(out, f"ckpt-rank{rank}"))
