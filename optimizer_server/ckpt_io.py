@@ -29,6 +29,7 @@ save does not count and the previous checkpoint stays ``latest``.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import secrets
 import threading
@@ -65,32 +66,44 @@ def _gf2_times(mat: list[int], vec: int) -> int:
     return s
 
 
-def _gf2_square(mat: list[int]) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
+def _gf2_compose(a: tuple, b: tuple) -> tuple:
+    """The operator that applies b, then a."""
+    return tuple(_gf2_times(a, b[n]) for n in range(32))
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_bytes_op(k: int) -> tuple:
+    """The operator that appends 2**k zero bytes to a CRC (squared from one zero bit)."""
+    if k < 0:
+        op = (_POLY,) + tuple(1 << n for n in range(31))  # one zero bit
+        for _ in range(3):
+            op = _gf2_compose(op, op)
+        return op  # eight zero bits: one byte
+    prev = _zero_bytes_op(k - 1)
+    return _gf2_compose(prev, prev)
+
+
+@functools.lru_cache(maxsize=256)
+def _shift_op(n: int) -> tuple:
+    """The operator that appends n zero bytes (cached: a file's pieces have few lengths, so
+    combining thousands of them costs one 32-step product each)."""
+    op = None
+    k = 0
+    while n:
+        if n & 1:
+            m = _zero_bytes_op(k - 1) if k else _zero_bytes_op(-1)
+            op = m if op is None else _gf2_compose(m, op)
+        n >>= 1
+        k += 1
+    return op
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len2 = len(B) (zlib's
-    crc32_combine: apply len2 zero bytes to crc1 by squaring the shift operator)."""
+    crc32_combine: append len2 zero bytes to crc1 with the GF(2) shift operator)."""
     if len2 <= 0:
         return crc1
-    odd = [_POLY] + [1 << n for n in range(31)]  # the operator for one zero bit
-    even = _gf2_square(odd)                        # two zero bits
-    odd = _gf2_square(even)                        # four zero bits
-    while True:
-        even = _gf2_square(odd)  # first pass: one zero byte
-        if len2 & 1:
-            crc1 = _gf2_times(even, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-        odd = _gf2_square(even)
-        if len2 & 1:
-            crc1 = _gf2_times(odd, crc1)
-        len2 >>= 1
-        if not len2:
-            break
-    return (crc1 ^ crc2) & 0xFFFFFFFF
+    return (_gf2_times(_shift_op(len2), crc1) ^ crc2) & 0xFFFFFFFF
 
 
 def combine_pieces(pieces: list[tuple[int, int, int]]) -> int:
@@ -114,10 +127,31 @@ def _pread_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
         got += k
 
 
+def _libc_sync_file_range():
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        f = libc.sync_file_range
+        f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return f
+    except (OSError, AttributeError):
+        return None
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()  # Linux; elsewhere the final fsync does it all
+SYNC_FILE_RANGE_WRITE = 2
+
+
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
+    # start the disk writing this range now (asynchronously): otherwise the page cache
+    # holds it all until the final fsync, and the disk idles while the writers convert
+    # and checksum, then the CPU idles while the disk writes
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, len(view), SYNC_FILE_RANGE_WRITE)
 
 
 def _spans(total: int, step: int) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ is saved as it is).
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,46 @@ class _InFlight:
     root: str
     name: str
     pending: bool
+    writer: "_EngineFiles"
+
+
+def _write_engine_files(tmp: Path, k: int, W: int, device16: np.ndarray, pending16: np.ndarray | None,
+                        meta: dict) -> None:
+    """device16 (and pending16) with their checksums in engine-r{k}-of-{W}.json."""
+    sums = {}
+    for prefix, arr in ((C.DEVICE16, device16), (C.PENDING16, pending16)):
+        if arr is not None:
+            data = np.ascontiguousarray(arr)
+            atomic_write_bytes(C.rank_file(tmp, prefix, k, W, ".bin"), memoryview(data).cast("B"))
+            sums[prefix] = C.checksum_str(C.crc32_update(0, data))
+    meta = dict(meta, checksums=sums)
+    atomic_write_bytes(C.rank_file(tmp, C.ENGINE, k, W, ".json"), json.dumps(meta, indent=1).encode())
+
+
+class _EngineFiles(threading.Thread):
+    """The engine's files of a background save, written on their own thread."""
+
+    MIN_BYTES_PER_S = 10e6  # wait() gives up past this slow a disk (plus a minute)
+
+    def __init__(self, tmp: Path, k: int, W: int, device16, pending16, meta: dict):
+        super().__init__(name="zo-ckpt-engine", daemon=True)
+        self.args = (tmp, k, W, device16, pending16, meta)
+        self.nbytes = device16.nbytes + (0 if pending16 is None else pending16.nbytes)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            _write_engine_files(*self.args)
+        except BaseException as e:  # noqa: BLE001 - raised by wait()
+            self.error = e
+
+    def wait(self) -> None:
+        bound = 60.0 + self.nbytes / self.MIN_BYTES_PER_S
+        self.join(bound)
+        if self.is_alive():
+            raise OSError(f"writing the engine's checkpoint files took over {bound:.0f} s")
+        if self.error is not None:
+            raise self.error
 
 
 class EngineCheckpoint:
@@ -76,24 +117,24 @@ class EngineCheckpoint:
         err: BaseException | None = None
         with self.tracer.span("save_checkpoint", background=background):
             tmp = d.begin(iteration)
+            W, k = self.world_size, self.rank
+            meta = dict(meta, version=C.ENGINE_VERSION, world_size=W, rank=k, numel=self.numel,
+                        stale=pending16 is not None)
             try:
                 client.save(str(tmp), background=background)
-                W, k = self.world_size, self.rank
-                dev = device16.tobytes()
-                atomic_write_bytes(C.rank_file(tmp, C.DEVICE16, k, W, ".bin"), dev)
-                sums = {C.DEVICE16: C.checksum_str(C.crc32_update(0, dev))}
-                if pending16 is not None:
-                    pend = pending16.tobytes()
-                    atomic_write_bytes(C.rank_file(tmp, C.PENDING16, k, W, ".bin"), pend)
-                    sums[C.PENDING16] = C.checksum_str(C.crc32_update(0, pend))
-                meta = dict(meta, version=C.ENGINE_VERSION, world_size=W, rank=k, numel=self.numel,
-                            stale=pending16 is not None, checksums=sums)
-                atomic_write_bytes(C.rank_file(tmp, C.ENGINE, k, W, ".json"), json.dumps(meta, indent=1).encode())
+                if background:
+                    # the device weights change with the next step: a snapshot (2 B/param of
+                    # memcpy), written with the checksums and fsync on a thread of ours
+                    snap = (device16.copy(), None if pending16 is None else pending16.copy())
+                    writer = _EngineFiles(tmp, k, W, *snap, meta)
+                    writer.start()
+                else:
+                    _write_engine_files(tmp, k, W, device16, pending16, meta)
                 ok = True
             except (OSError, OptimizerServerError) as e:
                 ok, err = False, e
             if background and self._agree(ok):
-                self.in_flight = _InFlight(d, tmp, root, name, pending16 is not None)
+                self.in_flight = _InFlight(d, tmp, root, name, pending16 is not None, writer)
                 return str(tmp.with_name(name))
             return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
 
@@ -133,11 +174,12 @@ class EngineCheckpoint:
             return None
         err = None
         try:
+            f.writer.wait()
             st = client.wait_save()
             ok = st["state"] == "done"
             if not ok:
                 err = OSError(st.get("error") or f"the server's save ended {st['state']}")
-        except OptimizerServerError as e:
+        except (OSError, OptimizerServerError) as e:
             ok, err = False, e
         with self.tracer.span("checkpoint_publish"):
             return self._commit(f.dir, f.tmp, ok, err, f.root, f.name, f.pending)

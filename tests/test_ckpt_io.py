@@ -1,0 +1,74 @@
+"""optimizer_server.ckpt_io on its own: the CRC combine against zlib, a save job's file
+against the plain concatenation of its arrays (with a guard that runs while it writes),
+and parallel reads."""
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import numpy as np
+import pytest
+
+from optimizer_server.ckpt_io import (ChunkState, Part, SaveJob, combine_pieces, crc32_combine, file_crc,
+                                      parallel_read)
+
+pytestmark = pytest.mark.timeout(120)
+SEED = 1203
+
+
+def test_crc32_combine_equals_zlib_on_random_splits():
+    rng = random.Random(SEED)
+    print("seed", SEED)
+    data = rng.randbytes(3_000_001)
+    for _ in range(50):
+        cut = rng.randrange(len(data) + 1)
+        a, b = data[:cut], data[cut:]
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+    cuts = sorted(rng.sample(range(1, len(data)), 200))
+    bounds = [0, *cuts, len(data)]
+    pieces = [(x, y - x, zlib.crc32(data[x:y])) for x, y in zip(bounds, bounds[1:])]
+    rng.shuffle(pieces)  # written in any order
+    assert combine_pieces(pieces) == zlib.crc32(data)
+    with pytest.raises(ValueError, match="do not tile"):
+        combine_pieces(pieces[1:])
+
+
+def _parts(arrays):
+    base, parts = 0, []
+    for a in arrays:
+        parts.append(Part(base, a.itemsize, a.size, 1, lambda x, y, _b, a=a: memoryview(a[x:y]).cast("B")))
+        base += a.nbytes
+    return parts, base
+
+
+def test_a_save_job_writes_the_arrays_as_they_were(tmp_path):
+    """Chunks of 1000 elements on 2 writer threads while the caller overwrites the arrays
+    behind ensure(): the file is the arrays' bytes before any overwrite, its CRC the
+    combined one."""
+    rng = np.random.default_rng(SEED)
+    n = 100_003
+    arrays = [rng.standard_normal(n).astype(np.float32), rng.integers(0, 2**16, n).astype(np.uint16)]
+    expect = b"".join(a.tobytes() for a in arrays)
+    parts, total = _parts(arrays)
+    got = {}
+    path = tmp_path / "shard.bin"
+    job = SaveJob(path, parts, n, total, finish=lambda crc: got.setdefault("crc", crc), threads=2, chunk=1000)
+    for lo in range(n - 1000, -1, -7000):  # back to front, as a reversed STEP overwrites
+        job.ensure(lo, lo + 1000)
+        for a in arrays:
+            a[lo:lo + 1000] = 0
+    job.wait(60)
+    assert all(s is ChunkState.WRITTEN for s in job.states)
+    assert path.read_bytes() == expect
+    assert got["crc"] == zlib.crc32(expect) == file_crc(path)[0]
+    assert (os.stat(path).st_mode & 0o777) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]  # no temporary left
+
+
+def test_parallel_read_reads_every_byte(tmp_path):
+    data = np.random.default_rng(SEED).integers(0, 255, (40 << 20) + 5, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(data.tobytes())
+    out = np.empty(data.size - 3, np.uint8)
+    parallel_read(tmp_path / "f", 3, out)
+    assert np.array_equal(out, data[3:])
