@@ -49,21 +49,36 @@ def _write_engine_files(tmp: Path, k: int, W: int, device16: np.ndarray, pending
 
 
 class _EngineFiles(threading.Thread):
-    """The engine's files of a background save, written on their own thread."""
+    """The engine's files of a background save, on their own thread: first a snapshot of
+    the live device16 / pending16 (``copied`` is set then: the engine may change them
+    from that moment), then the files."""
 
-    MIN_BYTES_PER_S = 10e6  # wait() gives up past this slow a disk (plus a minute)
+    MIN_BYTES_PER_S = 10e6  # wait() gives up past this slow a disk or copy (plus a minute)
 
-    def __init__(self, tmp: Path, k: int, W: int, device16, pending16, meta: dict):
+    def __init__(self, tmp: Path, k: int, W: int, device16, pending16, meta: dict, snapshot):
         super().__init__(name="zo-ckpt-engine", daemon=True)
-        self.args = (tmp, k, W, device16, pending16, meta)
+        self.tmp, self.k, self.W, self.meta = tmp, k, W, meta
+        self.live = (device16, pending16)
+        self.snapshot = snapshot
         self.nbytes = device16.nbytes + (0 if pending16 is None else pending16.nbytes)
+        self.copied = threading.Event()
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
-            _write_engine_files(*self.args)
+            try:
+                dev, pend = (None if a is None else self.snapshot(i, a) for i, a in enumerate(self.live))
+            finally:
+                self.live = None
+                self.copied.set()
+            _write_engine_files(self.tmp, self.k, self.W, dev, pend, self.meta)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self.error = e
+
+    def wait_copied(self) -> None:
+        bound = 60.0 + self.nbytes / self.MIN_BYTES_PER_S
+        if not self.copied.wait(bound):
+            raise OSError(f"snapshotting the device weights for a checkpoint took over {bound:.0f} s")
 
     def wait(self) -> None:
         bound = 60.0 + self.nbytes / self.MIN_BYTES_PER_S
@@ -87,6 +102,7 @@ class EngineCheckpoint:
         self._agree, self._barrier = agree, barrier
         self.tracer = tracer
         self.in_flight: _InFlight | None = None  # a background save not yet published
+        self._snaps: dict[int, np.ndarray] = {}  # the device weights' snapshots (_snapshot)
 
     def _expected(self, k: int, pending: bool) -> list[Path]:
         W = self.world_size
@@ -123,10 +139,10 @@ class EngineCheckpoint:
             try:
                 client.save(str(tmp), background=background)
                 if background:
-                    # the device weights change with the next step: a snapshot (2 B/param of
-                    # memcpy), written with the checksums and fsync on a thread of ours
-                    snap = (device16.copy(), None if pending16 is None else pending16.copy())
-                    writer = _EngineFiles(tmp, k, W, *snap, meta)
+                    # the device weights change with the next backward or step: a thread of
+                    # ours snapshots them (the engine waits for that copy, wait_snapshot(),
+                    # before anything can change them), then writes them with the checksums
+                    writer = _EngineFiles(tmp, k, W, device16, pending16, meta, self._snapshot)
                     writer.start()
                 else:
                     _write_engine_files(tmp, k, W, device16, pending16, meta)
@@ -137,6 +153,23 @@ class EngineCheckpoint:
                 self.in_flight = _InFlight(d, tmp, root, name, pending16 is not None, writer)
                 return str(tmp.with_name(name))
             return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
+
+    def wait_snapshot(self) -> None:
+        """Before the device weights can change (a backward, a step): a background save
+        in flight has copied them."""
+        if self.in_flight is not None:
+            self.in_flight.writer.wait_copied()
+
+    def _snapshot(self, i: int, src: np.ndarray) -> np.ndarray:
+        """src copied into snapshot buffer i, kept from one background save to the next
+        (2 B/param of worker RAM once a background save has run): a fresh array's first
+        touch costs ~2 s per GB in page faults, a memcpy into a touched one ~0.2.  On the
+        writer thread, overlapping the next forward.""" 
+        buf = self._snaps.get(i)
+        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            buf = self._snaps[i] = np.empty_like(src)
+        np.copyto(buf, src)
+        return buf
 
     def _commit(self, d: "C.CheckpointDir", tmp: Path, ok: bool, err: BaseException | None, root: str, name: str,
                 pending: bool) -> str:

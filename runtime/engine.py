@@ -294,6 +294,7 @@ class OffloadEngine:
         """A micro-batch's backward begins (either mode): the pipelined update lands, the
         parameters are checked, and on the step's last micro-batch its gradients' way
         down starts.  Returns whether this is that last one."""
+        self.checkpoints.wait_snapshot()  # a background save has copied the weights (DPU lands here)
         self._finish_overlap()
         self._check_views()
         clipping.install()  # again: an Accelerator made after this engine (runtime.clipping)
@@ -369,6 +370,7 @@ class OffloadEngine:
         if not self._grads_ready:
             raise RuntimeError("step() before backward(): call engine.backward(loss) on the last micro-batch first")
         self._grads_ready = False
+        self.checkpoints.wait_snapshot()  # a background save has copied the weights the step changes
         self.iteration += 1
         grads, self._step_grads = self._step_grads, None
         clip_now, self._clip_now = self._clip_now, None

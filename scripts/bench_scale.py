@@ -135,7 +135,7 @@ def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
         out["bg_total_s"] = time.perf_counter() - t0
         st = eng.client.save_status()
         out["bg_update_wait_s"] = st.get("waited_s", 0.0)
-        out["cold"] = drop_caches()
+        drop_caches()
         t0 = time.perf_counter()
         eng.load_checkpoint(d)
         out["load_s"] = time.perf_counter() - t0
@@ -147,37 +147,53 @@ def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
         out["server_peak_gib"] = peak_rss(eng._server.proc.pid) / 2**30
         w, r = disk_bound(root, nbytes)
         out["bound_write_gbs"], out["bound_read_gbs"] = w / 1e9, r / 1e9
-        out["save_gbs"], out["load_gbs"] = nbytes / out["save_s"] / 1e9, nbytes / out["load_s"] / 1e9
         exact = cfg.exact_master
         eng.close()
-        out["reshard_s"] = reshard(d, state_dtype, exact, threads)
+        out.update(server_io(d, state_dtype, exact, threads))
     finally:
         eng.close()
         shutil.rmtree(os.path.join(root, "ck"), ignore_errors=True)
     return out
 
 
-def reshard(d: str, state_dtype: str, exact: bool, threads: int) -> float:
-    """Seconds for two shards (ranks 0 and 1 of 2) of one server to LOAD the 1-rank
-    checkpoint in d at once: the server's side of resuming on more ranks."""
+def server_io(d: str, state_dtype: str, exact: bool, threads: int) -> dict:
+    """The server's SAVE and LOAD alone, on the checkpoint in d, in a fresh server (as a
+    resume has it): a 1-rank shard's cold LOAD, its SAVE into a new directory, then two
+    shards (ranks 0 and 1 of 2) loading the 1-rank checkpoint at once (resharding 1 -> 2)."""
     step = resolve(d)
     total = json.loads((step / "shard-r0-of-1.json").read_text())["numel"]
+    nbytes = os.path.getsize(step / "shard-r0-of-1.bin")
+    out = {"server_bytes": nbytes}
+    kw = dict(dtype="bf16", state_dtype=state_dtype, exact_master=exact)
+    with spawn(threads=threads) as srv:
+        c = ShardClient(srv.address, srv.token, numel=total, server_proc=srv.proc, **kw)
+        out["cold"] = drop_caches()
+        t0 = time.perf_counter()
+        c.load(str(step))
+        out["server_load_s"] = time.perf_counter() - t0
+        again = os.path.join(d, "again")
+        t0 = time.perf_counter()
+        c.save(again)
+        out["server_save_s"] = time.perf_counter() - t0
+        shutil.rmtree(again, ignore_errors=True)
+        c.close()
     half = -(-total // 2)
     half += -half % 256
     with spawn(threads=threads) as srv:
-        cs = [ShardClient(srv.address, srv.token, rank=k, world_size=2, numel=half, dtype="bf16",
-                          state_dtype=state_dtype, exact_master=exact, server_proc=srv.proc) for k in range(2)]
+        cs = [ShardClient(srv.address, srv.token, rank=k, world_size=2, numel=half, server_proc=srv.proc, **kw)
+              for k in range(2)]
+        drop_caches()
         t0 = time.perf_counter()
         ths = [threading.Thread(target=c.load, args=(str(step),)) for c in cs]
         for t in ths:
             t.start()
         for t in ths:
             t.join()
-        dt = time.perf_counter() - t0
+        out["reshard_s"] = time.perf_counter() - t0
         assert all(c.stats().steps > 0 for c in cs), "the resharded shards did not load"
         for c in cs:
             c.close()
-    return dt
+    return out
 
 
 def repro(n: int, root: str) -> str:
@@ -236,20 +252,21 @@ def main() -> None:
     repro_line = repro(int(a.repro), a.dir) if a.repro else ""
     simd = cpu_adam.simd_level()
     head = ("| params | state | construct s | first step s | steady step s | save s (GB/s, % of write bound) | "
-            "background: return s / steps meanwhile / publish s / update waited s | load s (GB/s, % of read bound) | "
-            "master_state_dict s | reshard 1 -> 2 s | worker / server peak GiB |")
+            "background: return s / steps meanwhile / publish s / update waited s | load s | server SAVE s (GB/s, % "
+            "of write bound) | server LOAD s (GB/s, % of read bound) | master_state_dict s | reshard 1 -> 2 s | "
+            "worker / server peak GiB |")
     lines = [f"Machine: {machine_line()}, SIMD {simd}; directory {a.dir}; `python scripts/bench_scale.py "
              f"--sizes {' '.join(f'{s:g}' for s in a.sizes)} --state-dtype {a.state_dtype}`.", "", head,
-             "|" + "---|" * 11]
+             "|" + "---|" * 12]
     for r in rows:
+        sv, ld = r["server_bytes"] / r["server_save_s"] / 1e9, r["server_bytes"] / r["server_load_s"] / 1e9
         lines.append(
             f"| {r['params'] / 1e9:.2f}e9 | {r['state_dtype']} | {r['construct_s']:.1f} | {r['first_step_s']:.2f} | "
-            f"{r['steady_step_s']:.2f} | {r['save_s']:.1f} ({r['save_gbs']:.2f}, "
-            f"{100 * r['save_gbs'] / r['bound_write_gbs']:.0f}%) | {r['bg_return_s']:.2f} / "
-            f"{r['bg_steps_meanwhile']} / {r['bg_total_s']:.1f} / {r['bg_update_wait_s']:.1f} | {r['load_s']:.1f} "
-            f"({r['load_gbs']:.2f}, {100 * r['load_gbs'] / r['bound_read_gbs']:.0f}%) | "
-            f"{r['master_state_dict_s']:.1f} | {r['reshard_s']:.1f} | {r['worker_peak_gib']:.1f} / "
-            f"{r['server_peak_gib']:.1f} |")
+            f"{r['steady_step_s']:.2f} | {r['save_s']:.1f} | {r['bg_return_s']:.2f} / {r['bg_steps_meanwhile']} / "
+            f"{r['bg_total_s']:.1f} / {r['bg_update_wait_s']:.1f} | {r['load_s']:.1f} | {r['server_save_s']:.1f} "
+            f"({sv:.2f}, {100 * sv / r['bound_write_gbs']:.0f}%) | {r['server_load_s']:.1f} ({ld:.2f}, "
+            f"{100 * ld / r['bound_read_gbs']:.0f}%) | {r['master_state_dict_s']:.1f} | {r['reshard_s']:.1f} | "
+            f"{r['worker_peak_gib']:.1f} / {r['server_peak_gib']:.1f} |")
     cold = all(r["cold"] for r in rows)
     lines += ["", ("Loads and the read bound are cold (page cache dropped before each)." if cold else
                    "Loads and the read bound may hit the page cache (it could not be dropped)."), repro_line]
