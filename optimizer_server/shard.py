@@ -565,9 +565,11 @@ class Shard:
         if hi <= lo:
             return
         if not (msg.reverse and progress):
-            # one kernel call, or one per save chunk while a save is being written (the guard)
-            for a in (_chunk_starts(lo, hi) if self._saving() else [lo]):
-                b = min(hi, _chunk_end(a)) if self._saving() else hi
+            # one kernel call, or one per save chunk while a save is being written (the guard);
+            # the cut is decided once: a save that ends midway must not change the pieces
+            saving = self._saving()
+            for a in (_chunk_starts(lo, hi) if saving else [lo]):
+                b = min(hi, _chunk_end(a)) if saving else hi
                 self._guard(a, b)
                 if progress:
                     kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,

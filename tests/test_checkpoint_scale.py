@@ -93,18 +93,19 @@ def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
         c.close()
 
 
-def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path):
+@pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
+def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path, state_dtype):
     """SAVE(background) at step k, then STEPs k+1..k+5 while it writes: the files equal a
-    blocking save at step k of a twin shard byte for byte.  Fails if the update does not
-    wait for the chunks it overwrites (Shard._guard)."""
+    blocking save at step k of a twin shard byte for byte (int8: the block kernel's path).
+    Fails if the update does not wait for the chunks it overwrites (Shard._guard)."""
     n = 1 << 25  # 32M elements: 384 MiB of fp32 state, several save chunks
     rng = np.random.default_rng(SEED)
     print("seed", SEED)
     w = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float16) for _ in range(3)]
     with spawn(threads=2) as srv:
-        a = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
-        b = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)
+        a, b = (ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc, state_dtype=state_dtype)
+                for _ in range(2))
         for c in (a, b):
             c.init_weights(w)
             for t in (1, 2):
