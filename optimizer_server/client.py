@@ -138,16 +138,18 @@ class ShardClient:
             return f"has not answered heartbeats for {HEARTBEAT_DEAD_AFTER_S:.0f} s"
         return None
 
-    def _server_pid_alive(self) -> bool:
+    def _known_dead(self) -> bool:
+        """Evidence that the server process is gone: our child's exit status, or (same
+        node) its pid.  Silence alone (a tcp peer) is no such evidence."""
         if self._proc is not None:
-            return self._proc.poll() is None
-        return bool(self.server_pid) and self.same_node and pid_alive(self.server_pid)
+            return self._proc.poll() is not None
+        return bool(self.server_pid) and self.same_node and not pid_alive(self.server_pid)
 
     def _raise_dead(self, why: str) -> None:
         # A dead server cannot clean up any more: the worker knows its segment's name
-        # and socket path, and removes them so nothing stays in /dev/shm or /tmp.  Never
-        # those of a server whose process still runs (the creator alone unlinks).
-        if not self._server_pid_alive():
+        # and socket path, and removes them so nothing stays in /dev/shm or /tmp.  Only
+        # on evidence of its death: the creator alone unlinks a segment while it runs.
+        if self._known_dead():
             if self.segment is not None:
                 shm_unlink(self.segment.name)
             if self.address.startswith("ipc://"):

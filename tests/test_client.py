@@ -60,3 +60,46 @@ def test_a_request_that_times_out_leaves_the_client_refusing():
         d.init_weights(np.ones(10, np.float32))
         np.testing.assert_array_equal(d.get_master(), np.ones(10, np.float32))
         d.close()
+
+
+def _host_address() -> str | None:
+    """A non-loopback IPv4 address of this host (None: it has none)."""
+    import socket
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.connect(("10.255.255.255", 1))  # no packet is sent: it only picks the interface
+        ip = s.getsockname()[0]
+        s.close()
+    except OSError:
+        return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_a_silent_remote_peer_is_declared_dead_but_its_segment_is_left_alone():
+    """A tcp peer the client cannot see (not loopback, not our child): silence is the only
+    evidence, so after HEARTBEAT_DEAD_AFTER_S without a heartbeat reply it is declared
+    dead; but with no evidence that its process is gone, its segment is not unlinked
+    (it is the creator's to remove).  Fails if the client unlinks on silence."""
+    import socket
+    from optimizer_server.client import HEARTBEAT_DEAD_AFTER_S
+    from optimizer_server.errors import OptimizerServerDeadError
+    ip = _host_address()
+    if ip is None:
+        pytest.skip("no non-loopback address on this host")
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        port = s.getsockname()[1]
+    with spawn(threads=1, address=f"tcp://{ip}:{port}", extra_args=["--allow-remote"]) as srv:
+        c = ShardClient(srv.address, srv.token, numel=1000, heartbeat_interval_s=0.2)  # no server_proc
+        assert not c.same_node
+        c.init_weights(np.ones(1000, np.float32))
+        seg = c.segment_name
+        os.kill(srv.pid, signal.SIGSTOP)  # alive, silent
+        try:
+            with pytest.raises(OptimizerServerDeadError, match="has not answered heartbeats"):
+                c.get_master()
+            assert os.path.exists(f"/dev/shm/{seg}")  # not ours to unlink: its process lives
+        finally:
+            os.kill(srv.pid, signal.SIGCONT)
+        c.close()
+        assert HEARTBEAT_DEAD_AFTER_S >= 5
