@@ -164,7 +164,7 @@ class EngineCheckpoint:
         """src copied into snapshot buffer i, kept from one background save to the next
         (2 B/param of worker RAM once a background save has run): a fresh array's first
         touch costs ~2 s per GB in page faults, a memcpy into a touched one ~0.2.  On the
-        writer thread, overlapping the next forward.""" 
+        writer thread, overlapping the next forward."""
         buf = self._snaps.get(i)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = self._snaps[i] = np.empty_like(src)
