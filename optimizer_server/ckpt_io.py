@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 import functools
 import os
-import secrets
 import threading
 import time
 import zlib
@@ -42,13 +41,14 @@ from typing import Callable
 
 import numpy as np
 
+from .atomic import EXCL_FLAGS, temp_name
+
 IO_THREADS = 4                 # concurrent preads/pwrites: a fast NVMe needs several in flight
 IO_CHUNK_BYTES = 16 << 20      # one pread or pwrite: large enough for the disk's sequential speed
 # one checksum read: each thread holds a buffer of it while a LOAD verifies, when host RAM
 # is tightest (IO_THREADS x 1 MiB in all), and 1 MiB reads still run at the disk's speed
 CRC_CHUNK_BYTES = 1 << 20
 SAVE_CHUNK = 1 << 22           # elements per save chunk (a multiple of every int8 block: 256)
-OPEN_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 FILE_MODE = 0o600              # checkpoint files: the owner's, like the segments
 
 
@@ -253,8 +253,8 @@ class SaveJob:
         self._next = 0
         self._cv = threading.Condition()
         self._done = threading.Event()
-        self.tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(8)}.tmp")
-        self.fd = os.open(self.tmp, OPEN_FLAGS, FILE_MODE)
+        self.tmp = temp_name(self.path)  # random, opened O_EXCL|O_NOFOLLOW (optimizer_server.atomic)
+        self.fd = os.open(self.tmp, EXCL_FLAGS, FILE_MODE)
         try:
             if total_bytes:
                 os.posix_fallocate(self.fd, 0, total_bytes)  # a full disk fails here, not midway

@@ -34,6 +34,7 @@ import zmq
 from cython_ext.cpu_adam import load_progress, store_progress
 
 from . import protocol as P
+from .config import LOOPBACK_HOSTS, tcp_host
 from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
 from .ipc import remove_socket_files
 from .procs import describe_exit, pid_alive
@@ -44,7 +45,6 @@ HEARTBEAT_INTERVAL_S = 1.0        # well under the server's default 5 s timeout
 LIVENESS_POLL_S = 0.05            # how often a blocked wait checks the server
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # bound on a wait with no progress (see the module docstring)
 HEARTBEAT_DEAD_AFTER_S = 10.0     # no heartbeat reply this long (tcp, other node only) = dead
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
 class ShardClient:
@@ -123,33 +123,37 @@ class ShardClient:
         is evidence of its life."""
         if self.address.startswith("ipc://"):
             return True
-        host = self.address[len("tcp://"):].rsplit(":", 1)[0] if self.address.startswith("tcp://") else ""
-        return host in LOCAL_HOSTS
+        return tcp_host(self.address) in LOOPBACK_HOSTS
 
-    def _server_gone(self) -> str | None:
-        """Why the server is known to be dead, or None while it lives (or may)."""
+    @property
+    def _sees_process(self) -> bool:
+        """The server's process can be watched: our child, or its pid on this node."""
+        return self._proc is not None or bool(self.server_pid) and self.same_node
+
+    def _death_evidence(self) -> str | None:
+        """How the server's process ended, where it can be seen (our child's exit status,
+        or its pid on this node); None while it runs or where it cannot be seen."""
         if self._proc is not None:
             rc = self._proc.poll()
             return describe_exit(rc) if rc is not None else None
-        if self.server_pid and self.same_node:
-            return None if pid_alive(self.server_pid) else "is no longer running"
+        if self._sees_process and not pid_alive(self.server_pid):
+            return "is no longer running"
+        return None
+
+    def _server_gone(self) -> str | None:
+        """Why the server is known to be dead, or None while it lives (or may)."""
+        if self._sees_process:
+            return self._death_evidence()
         # a peer on another node: silence is the only evidence there is
         if self.server_pid and time.monotonic() - self._hb_last_ok > HEARTBEAT_DEAD_AFTER_S:
             return f"has not answered heartbeats for {HEARTBEAT_DEAD_AFTER_S:.0f} s"
         return None
 
-    def _known_dead(self) -> bool:
-        """Evidence that the server process is gone: our child's exit status, or (same
-        node) its pid.  Silence alone (a tcp peer) is no such evidence."""
-        if self._proc is not None:
-            return self._proc.poll() is not None
-        return bool(self.server_pid) and self.same_node and not pid_alive(self.server_pid)
-
     def _raise_dead(self, why: str) -> None:
         # A dead server cannot clean up any more: the worker knows its segment's name
         # and socket path, and removes them so nothing stays in /dev/shm or /tmp.  Only
         # on evidence of its death: the creator alone unlinks a segment while it runs.
-        if self._known_dead():
+        if self._death_evidence() is not None:
             if self.segment is not None:
                 shm_unlink(self.segment.name)
             if self.address.startswith("ipc://"):

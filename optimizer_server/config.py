@@ -12,6 +12,15 @@ RAM_FRACTION_ENV = "ZERO_OFFLOAD_MAX_RAM_FRACTION"
 TRACE_DIR_ENV = "ZERO_OFFLOAD_TRACE_DIR"        # the launcher's --trace-dir, for workers and server alike
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def tcp_host(address: str) -> str:
+    """The host of a tcp:// address ("" when it names a port alone, which binds loopback)."""
+    hostport = address[len("tcp://"):] if address.startswith("tcp://") else ""
+    return hostport.rsplit(":", 1)[0] if ":" in hostport else ""
+
+
 @dataclass(kw_only=True)
 class ServerConfig:
     """Settings of one optimizer server.
@@ -59,8 +68,8 @@ class ServerConfig:
         if self.address and not self.address.startswith(("ipc://", "tcp://")):
             raise ValueError(f"address must start with ipc:// or tcp://, got {self.address!r}")
         if self.address.startswith("tcp://") and not self.allow_remote:
-            host = self.address[len("tcp://"):].rsplit(":", 1)[0] if ":" in self.address[6:] else ""
-            if host not in ("", "127.0.0.1", "localhost", "[::1]"):
+            host = tcp_host(self.address)
+            if host and host not in LOOPBACK_HOSTS:
                 raise ValueError(f"address {self.address} listens beyond this host; workers share memory with the "
                                  f"server, so they run here: bind tcp://127.0.0.1:PORT, or pass --allow-remote "
                                  f"(allow_remote=True) to listen on {host!r} anyway")

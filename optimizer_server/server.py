@@ -83,7 +83,6 @@ class OptimizerServer:
         self.address = ""
         self.ctx = zmq.Context()
         self.sock = None
-        self.n_seg = 0
         self.tracer = Tracer(cfg.trace_dir, "server", 0)
         self.shm_prefix = shm_prefix()
         self.reservations = Reservations()
@@ -261,7 +260,7 @@ class OptimizerServer:
             return self._on_thread(identity, session, shard, "GET_MASTER",
                                    lambda: shard.master_to_staging(msg.offset, msg.count))
         if isinstance(msg, P.Save):
-            if shard.save_job is not None and not shard.save_job.done:
+            if shard.saving:
                 return P.error(P.E_ORDER, "SAVE while the previous save is still being written: wait for it "
                                           "(engine.wait_checkpoint) first")
 
@@ -314,7 +313,6 @@ class OptimizerServer:
         except Refused as e:
             return P.error(e.code, str(e))
         session = secrets.token_hex(8)
-        self.n_seg += 1
         # unpredictable: nobody can make it first, or guess it to attach (files.SEGMENT_NAME)
         name = f"{self.shm_prefix}{self.instance}-r{msg.rank}-{secrets.token_hex(8)}"
         try:

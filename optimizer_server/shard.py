@@ -250,13 +250,15 @@ class Shard:
         if job is not None and not job.done:
             job.ensure(lo, hi)
 
-    def _saving(self) -> bool:
+    @property
+    def saving(self) -> bool:
+        """A save of this shard is still being written."""
         return self.save_job is not None and not self.save_job.done
 
     def _await_save(self) -> None:
         """Before the whole state is replaced (INIT, LOAD): the save in flight completes
         (its own error stays with it, for STATS and the engine)."""
-        if self._saving():
+        if self.saving:
             try:
                 self.save_job.wait()
             except Exception:  # noqa: BLE001
@@ -567,7 +569,7 @@ class Shard:
         if not (msg.reverse and progress):
             # one kernel call, or one per save chunk while a save is being written (the guard);
             # the cut is decided once: a save that ends midway must not change the pieces
-            saving = self._saving()
+            saving = self.saving
             for a in (_chunk_starts(lo, hi) if saving else [lo]):
                 b = min(hi, _chunk_end(a)) if saving else hi
                 self._guard(a, b)
@@ -589,7 +591,7 @@ class Shard:
         """Update shard elements [lo, hi) with hyper-parameters h at Adam step `updates`
         (0: no gradient, the range stays as it is); progress: the kernel publishes its
         blocks (front to back, in shard coordinates)."""
-        if self._saving() and hi - lo > SAVE_CHUNK:
+        if self.saving and hi - lo > SAVE_CHUNK:
             # a save is being written: go a save chunk at a time, so the update waits for
             # (or writes) only the chunk it is about to overwrite, and chases the writers
             for a in _chunk_starts(lo, hi):
@@ -651,7 +653,7 @@ class Shard:
         the data file (random temp name, fsync'd once, renamed), then the manifest with
         the file's checksum, then the directory's fsync.  Later updates may run while
         it writes (``_guard``); SaveJob.wait() gives what ``save`` returns."""
-        if self._saving():
+        if self.saving:
             raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
                              "before the next one")
         d = Path(directory)

@@ -61,6 +61,7 @@ class _EngineFiles(threading.Thread):
         self.live = (device16, pending16)
         self.snapshot = snapshot
         self.nbytes = device16.nbytes + (0 if pending16 is None else pending16.nbytes)
+        self.bound_s = 60.0 + self.nbytes / self.MIN_BYTES_PER_S  # each wait below
         self.copied = threading.Event()
         self.error: BaseException | None = None
 
@@ -76,15 +77,13 @@ class _EngineFiles(threading.Thread):
             self.error = e
 
     def wait_copied(self) -> None:
-        bound = 60.0 + self.nbytes / self.MIN_BYTES_PER_S
-        if not self.copied.wait(bound):
-            raise OSError(f"snapshotting the device weights for a checkpoint took over {bound:.0f} s")
+        if not self.copied.wait(self.bound_s):
+            raise OSError(f"snapshotting the device weights for a checkpoint took over {self.bound_s:.0f} s")
 
     def wait(self) -> None:
-        bound = 60.0 + self.nbytes / self.MIN_BYTES_PER_S
-        self.join(bound)
+        self.join(self.bound_s)
         if self.is_alive():
-            raise OSError(f"writing the engine's checkpoint files took over {bound:.0f} s")
+            raise OSError(f"writing the engine's checkpoint files took over {self.bound_s:.0f} s")
         if self.error is not None:
             raise self.error
 

@@ -506,8 +506,8 @@ class OffloadEngine:
         as they are (they may be one update behind, DPU).  directory must be one
         filesystem for every rank and the server.  The newest `keep` are kept.
 
-        background=True returns as soon as the server has started writing (about a
-        second at any size: the engine's own files are small) and training goes on; the
+        background=True returns as soon as the server has started writing (the engine's
+        own files are snapshotted and written on a thread of its own) and training goes on; the
         files hold exactly this step's state.  The save is published (renamed, `latest`
         pointed at it) at the first step() that finds it done, or by wait_checkpoint();
         until then the previous checkpoint stays `latest`.  Returns the step directory
