@@ -82,6 +82,23 @@ class SlotGate:
             self.counters.grad_slot_wait_s += time.monotonic() - t0
 
 
+def ready_buckets(buckets: list[Bucket], n: int, front: int, events: list, shard_lo: int, shard_hi: int) -> int:
+    """How many buckets from the front hold final gradients in this rank's host slot,
+    scanning on from n: buckets [0, front) are complete in backward; one with a part in
+    [shard_lo, shard_hi) counts once its copy's event has passed; one without a part has
+    nothing to copy (it never gets an event) and counts as soon as it is complete.  (Had
+    those stopped the scan, a rank above 0, whose shard starts past the first buckets,
+    would never hear of a ready prefix: no speculation there.)"""
+    while n < front:
+        b = buckets[n]
+        if min(b.hi, shard_hi) > max(b.lo, shard_lo):
+            ev = events[n]
+            if ev is None or not ev.query():
+                break
+        n += 1
+    return n
+
+
 class GradientsDown:
     """The topology's gradient path, chosen once.
 
@@ -254,8 +271,7 @@ class GradStep:
         n = self.ready_front
         if d.cuda:
             bs = d.flat.buckets
-            while n < self.front and self.events[n] is not None and self.events[n].query():
-                n += 1
+            n = ready_buckets(bs, n, self.front, self.events, d.shard_lo, d.shard_hi)
             hi = bs[n].lo if n < len(bs) else d.flat.padded_numel
         else:  # the hooks copied straight into the slot: every seen parameter's bytes are there
             spans = d.flat.spans  # in offset order, tiling the flat space

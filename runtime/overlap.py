@@ -28,6 +28,7 @@ overlaps nothing (a reversed STEP landed at once); DPU is the multi-rank overlap
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -45,7 +46,7 @@ OVERLAP_POLL_S = 0.0001
 class ForwardPipeline:
     """Owns the forward pre-hooks of overlap_update and the update they wait for.
 
-    cycle: the update cycle (published, reply_ready, land, mark_on_device,
+    cycle: the update cycle (published, reply_ready, land, mark_on_device, up_stream,
     incoming_tensor, flat16, zero_copy, request_timeout_s)."""
 
     def __init__(self, model: torch.nn.Module, flat: FlatParams, cycle, *, world_size: int, tracer,
@@ -54,6 +55,12 @@ class ForwardPipeline:
         self.k: int | None = None     # the update the next forward waits for
         self.per_module = world_size == 1
         self._visible: set[int] = set()  # spans (by id) already final on the device for update k
+        # CUDA: the copies up run on the weights-up stream, beside the forward's kernels (on
+        # the compute stream they would queue behind the modules before them, in series
+        # with the forward they should overlap); _after marks the end of the work that
+        # read the old weights (the backward step() followed), which they must wait for
+        self._stream = cycle.up_stream
+        self._after = None
         self._hooks = []
         if not self.per_module:
             return  # arm() lands it: see the module docstring
@@ -73,6 +80,9 @@ class ForwardPipeline:
         ranks: it lands here, in step(), where every rank is (the all-gather)."""
         self.k = k
         self._visible.clear()
+        if self._stream is not None:
+            self._after = torch.cuda.Event()
+            self._after.record(torch.cuda.current_stream(self._stream.device))
         if not self.per_module:
             self.finish()
 
@@ -107,10 +117,22 @@ class ForwardPipeline:
         return True
 
     def _expose(self, spans: list[ParamSpan]) -> None:
-        """These spans' new weights become what the model computes with."""
+        """These spans' new weights become what the model computes with.
+
+        CUDA: the copies go on the weights-up stream, after the old weights' last
+        reader (``_after``), and the compute stream waits for an event after them, so
+        this module's kernels, and only what follows, see the new weights."""
         c = self.cycle
         src = c.incoming_tensor()
-        with torch.no_grad():
+        stream = self._stream
+        if stream is not None and not c.zero_copy:
+            if self._after is not None:
+                stream.wait_event(self._after)
+                self._after = None
+            ctx = torch.cuda.stream(stream)
+        else:
+            ctx = contextlib.nullcontext()
+        with torch.no_grad(), ctx:
             for s in spans:
                 if c.zero_copy:  # point the parameter at the slot the server wrote
                     s.param.data = src[s.offset:s.offset + s.numel].view(s.param.shape)
@@ -120,6 +142,10 @@ class ForwardPipeline:
                     self.counters.bytes_to_device += 2 * s.numel
                     self.counters.bytes_to_device_early += 2 * s.numel
                 self._visible.add(id(s))
+        if stream is not None and not c.zero_copy and spans:
+            done = torch.cuda.Event()
+            done.record(stream)
+            torch.cuda.current_stream(stream.device).wait_event(done)
 
     def finish(self) -> None:
         """Land update k entirely (before the next backward, a checkpoint, the master, close)."""

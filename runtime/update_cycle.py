@@ -119,6 +119,11 @@ class UpdateCycle:
         """The raw 16-bit words of that slot (a checkpoint saves and restores a landed update there)."""
         return self.client.weights16_slots[self.incoming_slot]
 
+    @property
+    def up_stream(self):
+        """CUDA: the stream the weights go up on (the forward pipeline's copies too); else None."""
+        return self._up.stream if self._up is not None else None
+
     def published(self, k: int) -> int:
         return self.client.published(k)
 

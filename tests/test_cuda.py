@@ -18,8 +18,54 @@ from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, run_pair, train
 
 # gpu_check.sh sets 30 s: one hung test must not eat a lent GPU's whole budget
 TIMEOUT_S = int(os.environ.get("ZERO_OFFLOAD_TEST_TIMEOUT_S", "300"))
+# an unregister that fails is a defect here, not a warning to read past
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(TIMEOUT_S),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+              pytest.mark.filterwarnings("error:cudaHostUnregister:RuntimeWarning")]
+
+
+def _warm_cublas() -> None:
+    """cuBLAS takes its workspaces (32 MiB on Hopper) from the caching allocator the first
+    time a thread multiplies, once in this thread and once in autograd's device thread:
+    before any memory baseline, or a bound passes only when an earlier test warmed it."""
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+    (x @ x).sum().backward()
+    (x.detach().bfloat16() @ x.detach().bfloat16()).sum().item()
+    torch.cuda.synchronize()
+
+
+def _lagged(stream) -> None:
+    """~10 ms of GPU sleep queued on a side stream: a copy queued after it runs late, so a
+    reader not ordered after that copy (a missing wait or host sync) reads old bytes."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(20_000_000)
+
+
+@pytest.fixture
+def lagging_side_streams(monkeypatch):
+    """Every copy on a side stream runs late: the gradient copies down (copy stream), the
+    weights going up block by block (weights-up stream) and overlap_update's per-module
+    copies (the same stream)."""
+    from runtime import grads_down, overlap, weights_up
+    bucket_done, copy, expose = (grads_down.DeviceBucketStep._bucket_done, weights_up.WeightReturn._copy,
+                                 overlap.ForwardPipeline._expose)
+
+    def lag_bucket(self, b):
+        _lagged(self.d.copy_stream)
+        return bucket_done(self, b)
+
+    def lag_copy(self, lo, hi, early):
+        _lagged(self.stream)
+        return copy(self, lo, hi, early)
+
+    def lag_expose(self, spans):
+        if self._stream is not None:
+            _lagged(self._stream)
+        return expose(self, spans)
+
+    monkeypatch.setattr(grads_down.DeviceBucketStep, "_bucket_done", lag_bucket)
+    monkeypatch.setattr(weights_up.WeightReturn, "_copy", lag_copy)
+    monkeypatch.setattr(overlap.ForwardPipeline, "_expose", lag_expose)
 
 
 def test_segment_is_page_locked_then_released():
@@ -85,16 +131,20 @@ def test_many_small_buckets_equal_one_bucket(dtype):
 
 
 def test_model_built_on_cpu_trains_on_gpu():
-    """device="cuda" with an fp32 model on the CPU: only 16-bit weights reach the GPU."""
-    model = gpt()
+    """device="cuda" with a ~25M-parameter fp32 model on the CPU: only 16-bit weights reach
+    the GPU (a full fp32 copy would be 100 MB over the bound, far outside its slack)."""
+    from runtime.demo.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_head=8, d_model=704, seq_len=64))
     n = sum(p.numel() for p in model.parameters())
-    torch.cuda.synchronize()
+    _warm_cublas()
     base = torch.cuda.memory_allocated()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=2)) as eng:
         assert next(model.parameters()).is_cuda
-        train_engine(eng, gpt_batch, 3, "bf16")
+        train_engine(eng, gpt_batch, 2, "bf16")
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() - base <= 2 * eng.flat.padded_numel + (1 << 20)
+        held = torch.cuda.memory_allocated() - base
+        assert held <= 2 * eng.flat.padded_numel * 1.05 + (4 << 20), held / n
     assert n == eng.flat.numel
 
 
@@ -170,7 +220,7 @@ def test_device_memory_of_a_25m_model_is_the_16_bit_weights():
     model = GPT(GPTConfig(n_layer=4, n_head=8, d_model=704, seq_len=64))
     n = sum(p.numel() for p in model.parameters())
     assert n > 20_000_000
-    torch.cuda.synchronize()
+    _warm_cublas()
     base = torch.cuda.memory_allocated()
     with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=4)) as eng:
         train_engine(eng, gpt_batch, 2, "bf16")
@@ -214,3 +264,25 @@ def test_cuda_overlap_and_speculation_are_bitwise_sync(tmp_path, undo):
     assert_bitwise(over, sync, kw)
     if undo:
         assert over[4]["spec_steps"] > 0, over[4]
+
+
+@pytest.mark.parametrize("dpu", [None, 3])
+def test_cuda_side_stream_copies_that_run_late_are_waited_for(lagging_side_streams, dpu):
+    """Each gradient copy down and each weights copy up queued ~10 ms late on its side
+    stream: the engine must still read only finished bytes (the host sync before the
+    server reads the gradient slot, the compute stream's wait for the weights)."""
+    p0, master, ref_master, losses, ref_losses, st = run_pair(gpt, gpt_batch, "bf16", steps=6, dpu=dpu,
+                                                              device="cuda", bucket_numel=4096,
+                                                              progress_block=2048, zero_copy=False)
+    assert rel_err(master - p0, ref_master - p0) < 1e-4
+    assert st["bytes_to_device"] > 0
+
+
+def test_cuda_overlap_copies_that_run_late_are_waited_for(tmp_path, lagging_side_streams):
+    """overlap_update's per-module copies up on the weights-up stream, each queued late:
+    the module's forward must wait for its own copy (bitwise sync)."""
+    from tests.helpers.overlap_runs import assert_bitwise, run
+    kw = dict(device="cuda", bucket_numel=1024, cpu_zero_copy=False)
+    sync = run(tmp_path, mlp, mlp_batch, "bf16", False, **kw)
+    over = run(tmp_path, mlp, mlp_batch, "bf16", True, **kw)
+    assert_bitwise(over, sync, kw)

@@ -236,3 +236,35 @@ def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
     with pytest.raises(admission.Refused, match="state_dtype='int8'"):  # bf16: 10 B > 0.9 * 9, names int8
         admission.admit(hello(state_dtype="bf16", exact_master=True), token="t", max_ram_fraction=0.9)
     admission.admit(hello(state_dtype="int8", exact_master=True), token="t", max_ram_fraction=0.9)  # 8.03 B
+
+
+# ----------------------------------------------------------------------------- gradients down: the ready scan
+class _Event:
+    """What the scan asks of a CUDA event: has it passed."""
+
+    def __init__(self, passed: bool):
+        self.passed = passed
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_ready_scan_passes_buckets_outside_the_shard():
+    """Rank 1 of 2 (shard [40, 80)): the buckets before its shard never get a copy event
+    (nothing of them goes down from this rank), and must not stop the scan; a bucket in
+    the shard counts once its event has passed.  (Mutation: requiring an event for every
+    bucket, the old scan, stops at 0 here: that rank never speculates.)"""
+    from runtime.flat import Bucket
+    from runtime.grads_down import ready_buckets
+    bs = [Bucket(index=i, lo=20 * i, hi=20 * i + 20) for i in range(4)]  # flat [0, 80)
+    events = [None, None, _Event(True), _Event(False)]
+    assert ready_buckets(bs, 0, 4, events, 40, 80) == 3   # bucket 3's copy still runs
+    assert ready_buckets(bs, 0, 2, events, 40, 80) == 2   # only [0, 2) complete in backward
+    events[3].passed = True
+    assert ready_buckets(bs, 0, 4, events, 40, 80) == 4
+    # rank 0 (shard [0, 40)): its own buckets need their events; the later ones have no part
+    assert ready_buckets(bs, 0, 4, [_Event(True), None, None, None], 0, 40) == 1
+    assert ready_buckets(bs, 0, 4, [_Event(True), _Event(True), None, None], 0, 40) == 4
+    # a bucket straddling the shard's start has a part: it waits for its event
+    bs2 = [Bucket(index=0, lo=0, hi=50), Bucket(index=1, lo=50, hi=80)]
+    assert ready_buckets(bs2, 0, 2, [None, _Event(True)], 40, 80) == 0
