@@ -23,6 +23,13 @@ class OffloadConfig:
     betas, eps, weight_decay: optimizer hyper-parameters (Lion uses betas; Adagrad eps).
     optimizer: "adamw" (decoupled decay), "adam" (L2), "adagrad" or "lion".
     dtype: 16-bit type of the weights and gradients on the device: "fp16" or "bf16".
+    compute_dtype: what forward and backward compute in (runtime.compute_dtype): "auto"
+        (default): the 16-bit dtype, except on a CPU device without native 16-bit matrix
+        units (no AVX512_BF16/AMX for bf16), where it is emulated and "fp32" is used: the
+        parameters are fp32 tensors holding the 16-bit weights' values, refreshed from the
+        16-bit slot as each update lands (4 B/param of worker RAM, the same 4 B/param/step
+        of traffic).  "fp32" or the 16-bit dtype forces either ("fp32": CPU device only).
+        stats()["compute_dtype"] and ["compute_dtype_why"] say what was picked and why.
     loss_scale: "dynamic" (GradScaler's rules) or a fixed positive float; ignored for bf16.
     initial_scale, growth_factor, backoff_factor, growth_interval: dynamic scaling
         (torch.amp.GradScaler's defaults).
@@ -116,6 +123,7 @@ class OffloadConfig:
     weight_decay: float = 0.0
     optimizer: str = "adamw"
     dtype: str = "fp16"
+    compute_dtype: str = "auto"
     loss_scale: Union[str, float] = "dynamic"
     initial_scale: float = 2.0 ** 16
     growth_factor: float = 2.0
@@ -160,6 +168,9 @@ class OffloadConfig:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.compute_dtype not in ("auto", "fp32", self.dtype):
+            raise ValueError(f"compute_dtype must be 'auto', 'fp32' or the weights' dtype {self.dtype!r}, "
+                             f"got {self.compute_dtype!r}")
         if self.loss_scale != "dynamic":
             if not (isinstance(self.loss_scale, (int, float)) and math.isfinite(self.loss_scale)
                     and self.loss_scale > 0):

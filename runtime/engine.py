@@ -49,7 +49,7 @@ from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerErr
 from optimizer_server.protocol import MAX_GROUPS, QBLOCK
 from optimizer_server.tracing import Tracer
 
-from . import clipping, distributed, host_memory
+from . import clipping, compute_dtype, distributed, host_memory
 from .checkpoint import EngineCheckpoint
 from .config import OffloadConfig
 from .dtypes import TORCH_DTYPES
@@ -111,13 +111,17 @@ class OffloadEngine:
             raise ValueError("all trainable parameters must be on one device; move the model with .to(device) first")
         self.device = _resolve_device(cfg.device, src)
         self.is_cuda = self.device.type == "cuda"
+        # fp32 forward and backward on a CPU that only emulates 16-bit matmul
+        self.compute_dtype, self._compute_why = compute_dtype.resolve(cfg.compute_dtype, cfg.dtype, self.device)
         self.distributed = _process_group()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         # one CPU rank: its 16-bit weights can live in the shared segment itself (two
         # slots: the server writes the next weights into the one the model is not
         # using, and landing an update swaps the model onto it; no copy up at all)
-        self._zero_copy = self.world_size == 1 and not self.is_cuda and cfg.cpu_zero_copy
+        # (fp32 compute: the parameters are fp32, so they cannot view the 16-bit slots)
+        self._zero_copy = (self.world_size == 1 and not self.is_cuda and cfg.cpu_zero_copy
+                           and self.compute_dtype == self.dtype)
         # DPU writes step t+1's gradients while the server still reads step t's: with
         # one slot each range waits until the update has passed it (SlotGate), with
         # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
@@ -191,7 +195,7 @@ class OffloadEngine:
         # the CPU (each becomes a view of flat16), less flat16 itself where it is the worker's own
         frees = sum(s.param.numel() * s.param.element_size() for s in self.flat.spans if not s.param.is_cuda)
         if not self.is_cuda and not self._zero_copy:
-            frees = max(0, frees - 2 * self.flat.padded_numel)
+            frees = max(0, frees - self.compute_dtype.itemsize * self.flat.padded_numel)
         self.client = c = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
                                       numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
                                       hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
@@ -205,7 +209,8 @@ class OffloadEngine:
         gather = None
         if self.world_size > 1:
             gather = lambda flat16: self.coll.all_gather_weights(flat16, self.tracer)  # noqa: E731
-        self.cycle = UpdateCycle(c, self.flat, dtype=self.dtype, device=self.device, shard_lo=self.shard_lo,
+        self.cycle = UpdateCycle(c, self.flat, dtype=self.dtype, compute_dtype=self.compute_dtype,
+                                 device=self.device, shard_lo=self.shard_lo,
                                  zero_copy=self._zero_copy, overlap_weights_up=cfg.overlap_weights_up,
                                  tracer=self.tracer, counters=self.counters, gather=gather)
         gate = SlotGate(self.cycle, enabled=self._grad_slots == 1, tracer=self.tracer, counters=self.counters)
@@ -236,21 +241,26 @@ class OffloadEngine:
                 # every rank casts the full model itself (identical on all ranks); the
                 # server's 16-bit copy of our shard rounds the same way (RNE; the exact
                 # master's ties-away rounding differs at exact ties, until the first update)
-                self.flat.cast_and_bind(self.cycle.flat16)
+                self.flat.cast_and_bind(self.cycle.flat16, via=self.dtype)
             self._bound = True
             # frozen parameters are never sent to the server, but the model computes with
             # them beside the trained ones: the same 16 bits, on the same device
+            # (fp32 compute: their 16-bit values, held in fp32; buffers stay fp32)
             with torch.no_grad():
                 for p in self.model.parameters():
                     if not p.requires_grad:
-                        p.data = p.data.to(self.device, self.dtype if p.is_floating_point() else p.dtype)
+                        if p.is_floating_point():
+                            p.data = p.data.to(self.device, self.dtype).to(self.compute_dtype)
+                        else:
+                            p.data = p.data.to(self.device)
             for b in self.model.buffers():
-                b.data = b.data.to(self.device, self.dtype if b.is_floating_point() else b.dtype)
+                b.data = b.data.to(self.device, self.compute_dtype if b.is_floating_point() else b.dtype)
         host_memory.return_freed_heap()
 
     @property
     def flat16(self) -> torch.Tensor:
-        """The device's 16-bit weights (all shards), which the parameters view."""
+        """The device's weights (all shards), which the parameters view: 16-bit, or fp32
+        holding 16-bit values under compute dtype fp32 (runtime.compute_dtype)."""
         return self.cycle.flat16
 
     # ------------------------------------------------------------------ backward
@@ -354,7 +364,7 @@ class OffloadEngine:
         base = self.cycle.flat16.data_ptr()
         size = self.cycle.flat16.element_size()
         for s in self.flat.spans:
-            if s.param.data_ptr() != base + size * s.offset or s.param.dtype != self.dtype:
+            if s.param.data_ptr() != base + size * s.offset or s.param.dtype != self.compute_dtype:
                 raise RuntimeError(
                     "the model's parameters no longer view the engine's 16-bit weights: something replaced their "
                     "storage (torch DistributedDataParallel, which accelerator.prepare(model) applies with several "
@@ -513,7 +523,8 @@ class OffloadEngine:
         until then the previous checkpoint stays `latest`.  Returns the step directory
         (not there yet with background=True)."""
         self._check_between_steps("save_checkpoint()")
-        dev = self.flat16[self.shard_lo:self.shard_hi].detach().cpu().contiguous().view(torch.int16).numpy()
+        dev = self.flat16[self.shard_lo:self.shard_hi].detach().to("cpu", self.dtype).contiguous()
+        dev = dev.view(torch.int16).numpy()
         pending = self.cycle.incoming_words() if self.cycle.landed else None
         meta = {"dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer, "iteration": self.iteration,
                 "updates": self.updates, "skipped_steps": self.skipped_steps, "micro": self._micro,
@@ -598,7 +609,8 @@ class OffloadEngine:
                 "overlap_wait_s": c.overlap_wait_s, "spec_steps": c.spec_steps, "spec_kept_steps": c.spec_kept_steps,
                 "spec_rollback_steps": c.spec_rollback_steps, "spec_kept_numel": c.spec_kept_numel,
                 "spec_rolled_back_numel": c.spec_rolled_back_numel,
-                "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy, "num_params": self.flat.numel,
+                "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy,
+                "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "compute_dtype_why": self._compute_why, "num_params": self.flat.numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)

@@ -143,8 +143,9 @@ class FlatParams:
                 src = s.param.detach().reshape(-1)[a - s.offset:b - s.offset]
                 out[a - lo:b - lo].copy_(src)
 
-    def cast_and_bind(self, flat16: torch.Tensor) -> None:
+    def cast_and_bind(self, flat16: torch.Tensor, via: torch.dtype | None = None) -> None:
         """Cast every parameter into its place in flat16, then make it a view there.
+        via: round through this 16-bit dtype first (an fp32 flat16 holding 16-bit values).
 
         One parameter at a time, so each fp32 tensor is released as soon as its
         16-bit copy exists (unless the caller holds another reference): the host
@@ -154,7 +155,8 @@ class FlatParams:
         with torch.no_grad():
             for s in self.spans:
                 view = flat16[s.offset:s.offset + s.numel]
-                view.copy_(s.param.detach().reshape(-1))
+                src = s.param.detach().reshape(-1)
+                view.copy_(src.to(via) if via is not None and via != view.dtype else src)
                 s.param.data = view.view(s.param.shape)
 
     def bind(self, flat16: torch.Tensor) -> None:

@@ -60,7 +60,7 @@ class UpdateCycle:
     """
 
     def __init__(self, client, flat: FlatParams, *, dtype: torch.dtype, device: torch.device, shard_lo: int,
-                 zero_copy: bool, overlap_weights_up: bool, tracer, counters: Counters, gather=None):
+                 zero_copy: bool, compute_dtype: torch.dtype | None = None, overlap_weights_up: bool, tracer, counters: Counters, gather=None):
         self.client = client
         self.flat = flat
         self.zero_copy = zero_copy
@@ -80,7 +80,8 @@ class UpdateCycle:
             self.flat16 = self._host[self._cur]
             self._up = None
         else:
-            self.flat16 = torch.empty(flat.padded_numel, dtype=dtype, device=device)
+            # fp32 compute (runtime.compute_dtype): the copy up casts the 16-bit slot into it
+            self.flat16 = torch.empty(flat.padded_numel, dtype=compute_dtype or dtype, device=device)
             S = flat.shard_numel
             self._up = WeightReturn(self.flat16[shard_lo:shard_lo + S], self._host[0], tracer=tracer,
                                     counters=counters)

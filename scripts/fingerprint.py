@@ -75,6 +75,10 @@ def config(**kw):
     base = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), server_threads=1, bucket_numel=8192,
                 progress_block_numel=1000, staging_numel=3000)
     base.update(kw)
+    if "compute_dtype" in OffloadConfig.__dataclass_fields__:
+        # the 16-bit compute path on every machine (auto picks fp32 on a CPU without
+        # native 16-bit matmul), so runs before and after that field compare
+        base.setdefault("compute_dtype", base.get("dtype", "fp16"))
     return OffloadConfig(**base)
 
 

@@ -45,11 +45,12 @@ def test_frozen_parameters_are_cast_and_kept():
     model = Tied()
     frozen = model.pos.weight.detach().clone()
     with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
-        assert model.pos.weight.dtype == torch.bfloat16 and not model.pos.weight.requires_grad
+        # the compute dtype (bf16, or fp32 holding the bf16 values: runtime.compute_dtype)
+        assert model.pos.weight.dtype == eng.compute_dtype and not model.pos.weight.requires_grad
         for t in range(1, 4):
             eng.backward(model(*batch(t)))  # no dtype clash between frozen and trained weights
             eng.step()
-        assert torch.equal(model.pos.weight, frozen.to(torch.bfloat16))  # never updated
+        assert torch.equal(model.pos.weight, frozen.to(torch.bfloat16).to(eng.compute_dtype))  # never updated
         assert eng.stats()["num_params"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
@@ -132,7 +133,7 @@ def branchy_loss(m, t, micro):
     g = torch.Generator().manual_seed(100 * t + micro)
     x, y = torch.randn(16, 16, generator=g), torch.randn(16, 8, generator=g)
     use_side = t % 3 != 0 and (micro == 0 or t % 2 == 0)  # accumulation 2: odd steps, micro-batch 0 only
-    return torch.nn.functional.mse_loss(m(x.to(torch.bfloat16), use_side).float(), y)
+    return torch.nn.functional.mse_loss(m(x.to(next(m.parameters()).dtype), use_side).float(), y)
 
 
 @pytest.mark.parametrize("dpu,accum", [(False, 1), (True, 1), (False, 2)], ids=["sync", "dpu", "accum2"])
@@ -149,6 +150,7 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
     opt = torch.optim.AdamW(list(masters.values()), lr=1e-2, weight_decay=0.1)
     ref.to(torch.bfloat16)
     with OffloadEngine(model, cfg) as eng:
+        ref.to(eng.compute_dtype)  # bf16, or fp32 on the bf16 values (runtime.compute_dtype)
         for t in range(1, 13):
             with torch.no_grad():
                 for p, q in zip(model.parameters(), ref.parameters()):
@@ -157,7 +159,7 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
                 (branchy_loss(ref, t, mi) / accum).backward()  # the engine divides by accum alike
                 eng.backward(branchy_loss(model, t, mi))
             for n, q in ref.named_parameters():
-                masters[n].grad = None if q.grad is None else q.grad.float()
+                masters[n].grad = None if q.grad is None else q.grad.bfloat16().float()
                 q.grad = None
             opt.step()
             eng.step()
@@ -167,7 +169,7 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
         steps = {n: by_id[id(p)] for n, p in model.named_parameters()}
     for n in ("never.weight", "never.bias"):
         assert torch.equal(got[n], p0[n]), n          # the fp32 master, bitwise
-        assert torch.equal(model.get_parameter(n), p0[n].to(torch.bfloat16)), n  # the device's weights
+        assert torch.equal(model.get_parameter(n).bfloat16(), p0[n].to(torch.bfloat16)), n  # the device's weights
     for n in p0:
         if n.startswith("never"):
             continue

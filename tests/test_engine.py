@@ -80,7 +80,7 @@ def test_cpu_zero_copy_model_lives_in_the_segment_and_swaps_slots(dpu):
     def run(zero_copy):
         model = gpt()
         cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu is not None, dpu_warmup_steps=dpu or 40,
-                            server_threads=1, cpu_zero_copy=zero_copy)
+                            server_threads=1, cpu_zero_copy=zero_copy, compute_dtype="bf16")  # 16-bit: zero-copy
         eng = OffloadEngine(model, cfg)
         p = next(model.parameters())
         seg = np.frombuffer(eng.client.segment.buffer, np.uint8).ctypes.data
@@ -169,12 +169,12 @@ def test_accumulation_equals_larger_batch():
         g = torch.Generator().manual_seed(1000 * t)
         x, y = torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)
         x, y = x[32 * mi:32 * (mi + 1)], y[32 * mi:32 * (mi + 1)]
-        return lambda m: torch.nn.functional.mse_loss(m(x.to(DT[dt])).float(), y)
+        return lambda m: torch.nn.functional.mse_loss(m(x.to(next(m.parameters()).dtype)).float(), y)
 
     def full(t, dt, mi=0):
         g = torch.Generator().manual_seed(1000 * t)
         x, y = torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)
-        return lambda m: torch.nn.functional.mse_loss(m(x.to(DT[dt])).float(), y)
+        return lambda m: torch.nn.functional.mse_loss(m(x.to(next(m.parameters()).dtype)).float(), y)
 
     model = mlp()
     p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -194,7 +194,8 @@ def test_traffic_is_four_bytes_per_param_per_step(zero_copy):
     model = gpt()
     n = sum(p.numel() for p in model.parameters())
     T = 7
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server_threads=1, cpu_zero_copy=zero_copy)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server_threads=1, cpu_zero_copy=zero_copy,
+                                            compute_dtype="fp16")) as eng:
         train_engine(eng, gpt_batch, T, "fp16")
         st = eng.stats()
     assert st["num_params"] == n
@@ -284,7 +285,7 @@ def test_huggingface_gpt2_trains_unchanged():
             eng.backward(out.loss)
             eng.step()
             losses.append(float(out.loss))
-        assert next(model.parameters()).dtype == torch.bfloat16
+        assert next(model.parameters()).dtype == eng.compute_dtype  # bf16, or fp32 holding bf16 values
     assert losses[-1] < losses[0] * 0.8
 
 
@@ -295,7 +296,8 @@ def test_dpu_with_accumulation_copy_path_equals_zero_copy():
     def run(zero_copy):
         model = gpt()
         cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=True, dpu_warmup_steps=2, grad_accumulation_steps=3,
-                            server_threads=1, cpu_zero_copy=zero_copy, bucket_numel=1024, progress_block_numel=64)
+                            server_threads=1, cpu_zero_copy=zero_copy, bucket_numel=1024, progress_block_numel=64,
+                            compute_dtype="bf16")
         with OffloadEngine(model, cfg) as eng:
             losses = train_engine(eng, gpt_batch, 8, "bf16", accum=3)
             eng.synchronize()  # land without copying; the copy path has it pending, the swap path too
@@ -332,7 +334,7 @@ def test_dpu_one_gradient_slot_waits_for_the_update(zero_copy):
     for slots in (1, 2):
         model = _Tables()
         cfg = OffloadConfig(lr=1e-2, dtype="bf16", dpu=True, dpu_warmup_steps=2, dpu_grad_slots=slots,
-                            server_threads=1, cpu_zero_copy=zero_copy, progress_block_numel=1 << 16)
+                            server_threads=1, cpu_zero_copy=zero_copy, progress_block_numel=1 << 16, compute_dtype="bf16")
         with OffloadEngine(model, cfg) as eng:
             assert len(eng.client.grads) == slots
             pid = eng._server.proc.pid

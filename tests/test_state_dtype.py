@@ -308,7 +308,7 @@ def test_exact_master_holds_the_models_fp32_weights_after_set_up(zero_copy):
     the master read back is the model's fp32 weights bit for bit, ties included."""
     model = tie_model()
     want = fp32_params(model)
-    with OffloadEngine(model, cfg(state_dtype="bf16", cpu_zero_copy=zero_copy)) as eng:
+    with OffloadEngine(model, cfg(state_dtype="bf16", cpu_zero_copy=zero_copy, compute_dtype="bf16")) as eng:
         got = eng.master_state_dict()
     for n, w in want.items():
         assert torch.equal(got[n].view(torch.int32), w.view(torch.int32)), n

@@ -162,7 +162,7 @@ def test_server_killed_before_a_checkpoint_is_the_named_error(tmp_path, dpu):
     try:
         for t in range(1, 4):
             x, y = global_batch(t)
-            eng.backward(torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y))
+            eng.backward(torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y))
             eng.step()
         eng._server.proc.kill()
         eng._server.proc.wait(10)

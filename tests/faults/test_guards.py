@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 def train(eng, model, steps, start=1):
     for t in range(start, start + steps):
         x, y = global_batch(t)
-        loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y)
+        loss = torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y)
         eng.backward(loss)
         eng.step()
 
@@ -176,7 +176,7 @@ def test_soak_no_growth():
                                             server_threads=1)) as eng:
         spid = eng._server.pid
         for t in range(1, steps + 1):
-            loss = torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y)
             eng.backward(loss)
             eng.step()
             if t in (warm, steps):

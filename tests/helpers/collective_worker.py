@@ -57,7 +57,7 @@ def main():
         h = None
         if t == 2:
             h = model.body[2].bias.register_hook(lambda gr: gr.index_fill(0, torch.tensor([0]), BIG))
-        loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype), use_extra=rank == 0).float(), y)
+        loss = torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype), use_extra=rank == 0).float(), y)
         eng.backward(loss)
         eng.step()
         if h is not None:

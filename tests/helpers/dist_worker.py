@@ -4,7 +4,7 @@
 
 Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
-MODE: sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
+MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
 overlap-clip / sync-clip (overlap_update against sync, clipping at CLIP) |
@@ -89,13 +89,27 @@ def config(mode: str) -> OffloadConfig:
 
 
 def main():
-    out, mode, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    """MODE may be several modes joined by "+": each runs in turn in this one launch (its
+    engine, its server session) and writes OUT_DIR/MODE/rank*.pt, so a test of several
+    modes pays for the processes' start (~15 s on 2 cores) once."""
+    out, modes, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
+    for mode in modes.split("+"):
+        d = out
+        if "+" in modes:
+            d = os.path.join(out, mode)
+            os.makedirs(d, exist_ok=True)
+        run(d, mode, steps)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(out: str, mode: str, steps: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     extra = {}
     model = make_model(mode)
     eng = OffloadEngine(model, config(mode), param_groups=groups(model, mode))
-    dt = eng.dtype
+    dt = eng.compute_dtype  # the inputs in what the model computes with
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
         eng.load_checkpoint(os.path.join(out, "ckpt"))
         extra["master_at_load"] = eng.master_state_dict()
@@ -144,7 +158,6 @@ def main():
     eng.close()
     torch.save({"master": master, "w16": {k: v.detach().clone() for k, v in model.state_dict().items()},
                 "stats": eng.stats(), **extra}, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

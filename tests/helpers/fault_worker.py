@@ -40,7 +40,7 @@ def main():
             start = eng.iteration + 1
         for t in range(start, start + steps):
             x, y = global_batch(t)
-            loss = torch.nn.functional.mse_loss(model(x.to(eng.dtype)).float(), y)
+            loss = torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y)
             eng.backward(loss)
             eng.step()
             if mode in ("sync", "dpu") and t % 5 == 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from runtime import OffloadConfig, OffloadEngine
+from runtime.compute_dtype import resolve as resolve_compute
 from runtime.demo.gpt import GPT, GPTConfig
 from tests.helpers.reference import DT, MixedPrecisionReference
 
@@ -26,11 +27,9 @@ def mlp_batch(step: int, dtype: str, micro: int = 0, bs: int = 32):
     g = torch.Generator().manual_seed(1000 * step + micro)
     x = torch.randn(bs, 16, generator=g)
     y = torch.randn(bs, 8, generator=g)
-    dt = DT[dtype]
-
-    def loss(m):
-        dev = next(m.parameters()).device
-        return torch.nn.functional.mse_loss(m(x.to(dev, dt)).float(), y.to(dev))
+    def loss(m):  # the input in the model's compute dtype: 16-bit, or fp32 (runtime.compute_dtype)
+        p = next(m.parameters())
+        return torch.nn.functional.mse_loss(m(x.to(p.device, p.dtype)).float(), y.to(p.device))
     return loss
 
 
@@ -69,20 +68,24 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=Fa
     compared after many steps without chaotic amplification."""
     model = make().to(device)
     p0 = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    compute, _ = resolve_compute(hp.get("compute", "auto"), dtype, torch.device(device))  # the engine's pick
     ref = MixedPrecisionReference(model, dtype=dtype, lr=hp.get("lr", 3e-3), weight_decay=0.01, dpu_warmup=dpu,
-                                  clip=hp.get("clip"), predict=hp.get("predict", 0.0))
+                                  clip=hp.get("clip"), predict=hp.get("predict", 0.0), compute=compute)
     cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
                         dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
                         dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24),
                         progress_block_numel=hp.get("progress_block", 1 << 20),
                         pin_host_memory=hp.get("pin", "auto"), cpu_zero_copy=hp.get("zero_copy", True),
-                        staging_numel=hp.get("staging", 0))
+                        staging_numel=hp.get("staging", 0), compute_dtype=hp.get("compute", "auto"),
+                        overlap_update=hp.get("overlap", False))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())
         for t in range(1, steps + 1):
+            if hp.get("overlap"):  # the update lands in the forward's hooks: land it now to read it
+                eng.synchronize(copy_weights=True)
             w_eng = [p.detach().clone() for p in params]
-            flips = check_weights_match(w_eng, ref.current_weights())
+            flips = check_weights_match(w_eng, ref.current_weights(), DT[dtype])
             assert flips <= 1e-3, f"step {t}: engine weights are not the schedule's ({flips:.2%} differ)"
             ref_losses.append(ref.step([batch(t, dtype)], force_weights=w_eng)[0])
             losses += train_engine(eng, batch, 1, dtype, start=t)
@@ -93,12 +96,15 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=Fa
     return p0, master, ref.master_flat().cpu(), losses, ref_losses, stats
 
 
-def check_weights_match(a, b) -> float:
-    """Fraction of 16-bit weights that differ; each difference must be at most one
-    16-bit ulp of the larger value (or tiny in absolute terms, around zero)."""
+def check_weights_match(a, b, d16) -> float:
+    """Fraction of 16-bit weights (d16 values, held in d16 or fp32) that differ; each
+    difference must be at most one 16-bit ulp of the larger value (or tiny in absolute
+    terms, around zero)."""
     n = diff = 0
     for x, y in zip(a, b):
-        ulp = 2.0 ** -7 if x.dtype == torch.bfloat16 else 2.0 ** -10
+        assert x.dtype == y.dtype, (x.dtype, y.dtype)
+        assert torch.equal(x.to(d16).to(x.dtype), x), "a weight is not a 16-bit value"
+        ulp = 2.0 ** -7 if d16 == torch.bfloat16 else 2.0 ** -10
         xf, yf = x.float(), y.float()
         d = (xf - yf).abs()
         bound = torch.maximum(xf.abs(), yf.abs()) * ulp + 1e-6

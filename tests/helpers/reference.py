@@ -2,7 +2,9 @@
 
 MixedPrecisionReference: 16-bit weights for forward/backward, an fp32 master
 updated by torch.optim.AdamW/Adam, GradScaler-style loss scaling,
-torch.nn.utils.clip_grad_norm_, and optionally the One-Step Delayed Parameter
+torch.nn.utils.clip_grad_norm_ (with compute=torch.float32: forward and backward in fp32
+on weights holding the 16-bit values, each gradient rounded to 16 bits once, as the
+engine's CPU device computes without native 16-bit matmul), and optionally the One-Step Delayed Parameter
 Update schedule of the ZeRO-Offload paper's DPU schedule written out literally: keep every
 M_k and put W_(i+1) = M_i for i+1 <= N, else M_(i-1), on the model (with
 weight prediction: M_(i-1) + predict * (M_(i-1) - M_(i-2)) once M_(i-1) itself
@@ -20,11 +22,14 @@ DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class MixedPrecisionReference:
     def __init__(self, model: torch.nn.Module, *, dtype="fp16", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, optimizer="adamw", clip=None, scale=2.0 ** 16, dynamic=True,
-                 dpu_warmup=None, accum=1, predict=0.0):
+                 dpu_warmup=None, accum=1, predict=0.0, compute=None):
         self.model = copy.deepcopy(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.model.to(DT[dtype])
+        self.d16 = DT[dtype]
+        self.model.to(self.d16)
+        if compute is not None and compute != self.d16:  # the 16-bit values, held in fp32
+            self.model.to(compute)
         cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam}[optimizer]
         self.opt = cls(self.master, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.clip = clip
@@ -40,7 +45,7 @@ class MixedPrecisionReference:
     def _set_weights(self, ms):
         with torch.no_grad():
             for p, m in zip(self.params, ms):
-                p.copy_(m)
+                p.copy_(m.to(self.d16))  # (into an fp32 model: the 16-bit value, exactly)
 
     def current_weights(self) -> list[torch.Tensor]:
         """The 16-bit weights the schedule puts on the model for the coming step."""
@@ -60,7 +65,7 @@ class MixedPrecisionReference:
             loss = fn(self.model)
             (loss * (self.scale / self.accum)).backward()
             losses.append(float(loss.detach()))
-        grads = [p.grad.float() for p in self.params]
+        grads = [p.grad.to(self.d16).float() for p in self.params]  # the one rounding to 16 bits
         for p in self.params:
             p.grad = None
         self.i += 1

@@ -27,7 +27,9 @@ def teach(model, opt, sched, ref, masters, ref_opt, ref_sched, steps: int, max_n
     clip_grad_norm_ clips them and ref_opt steps; then model does the same with opt
     (torch's clip_grad_norm_ on its parameters is routed to the engine).  each_step(t)
     after both stepped.  Returns (opt's masters by name, [(ref norm, norm)] per step)."""
-    ref.to(torch.bfloat16)
+    # the reference computes in what the offloaded model computes in (bf16, or fp32 on
+    # the bf16 values: runtime.compute_dtype), and rounds each gradient to bf16 as it does
+    ref.to(torch.bfloat16).to(next(model.parameters()).dtype)
     norms = []
     try:
         for t in range(1, steps + 1):
@@ -36,7 +38,7 @@ def teach(model, opt, sched, ref, masters, ref_opt, ref_sched, steps: int, max_n
                     q.copy_(p)
             gpt_batch(t, "bf16")(ref).backward()
             for n, q in ref.named_parameters():
-                masters[n].grad, q.grad = q.grad.float(), None
+                masters[n].grad, q.grad = q.grad.bfloat16().float(), None
             ref_norm = float(torch.nn.utils.clip_grad_norm_(list(masters.values()), max_norm))
             ref_opt.step()
             ref_sched.step()
