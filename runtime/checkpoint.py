@@ -230,7 +230,15 @@ class EngineCheckpoint:
             C.check_version(path, "version", m.get("version"), C.ENGINE_VERSION)
             metas.append(m)
         meta = metas[self.rank if src == self.world_size else 0]
+        saved_align = meta.get("param_align", 1)  # before it was recorded, every layout was packed
+        if "param_align" in expect and saved_align != expect["param_align"]:
+            raise C.CheckpointError(
+                f"checkpoint {d} lays each parameter out at a multiple of {saved_align} elements and this engine at "
+                f"{expect['param_align']} (the default is 128 on a GPU, 1 on the CPU): build the engine with "
+                f"OffloadConfig(param_align_numel={saved_align}) to load it")
         for key, mine in expect.items():
+            if key == "param_align":
+                continue
             if meta.get(key) != mine:
                 raise C.CheckpointError(f"checkpoint {d} has {key}={meta.get(key)!r} but this engine has {mine!r}")
         return d, src, meta, metas

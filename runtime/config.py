@@ -108,6 +108,10 @@ class OffloadConfig:
         or 300 (scripts/gpu_check.sh sets 30, so a hung request costs the GPU run little).
     trace_dir: write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
         zero-offload-launch --trace-dir sets for every worker, else no tracing).
+    param_align_numel: each parameter's offset in the flat space is a multiple of it
+        (0 = 128 on a GPU, 256 bytes of 16-bit weights, which cuBLAS needs for its fast
+        kernels; 1, packed, on the CPU).  A checkpoint loads only under the alignment it
+        was saved with: the error names the value to set.
     pin_host_memory: CUDA only: page-lock the shared segment (cudaHostRegister) so copies
         are DMA overlapping compute.  "auto": try, and if the system refuses (locked-memory
         limit, a sandbox) warn and go on with pageable copies, which are slower and block;
@@ -150,6 +154,7 @@ class OffloadConfig:
     trace_dir: str = ""
     device: str = ""
     pin_host_memory: str = "auto"
+    param_align_numel: int = 0
 
     def __post_init__(self) -> None:
         if callable(self.lr):
@@ -223,6 +228,8 @@ class OffloadConfig:
             raise ValueError(f"pin_host_memory must be 'auto', 'require' or 'off', got {self.pin_host_memory!r}")
         if self.device and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be '', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not (isinstance(self.param_align_numel, int) and 0 <= self.param_align_numel <= 1 << 16):
+            raise ValueError(f"param_align_numel must be an int in [0, 65536] (0: auto), got {self.param_align_numel!r}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 

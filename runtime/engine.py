@@ -65,6 +65,8 @@ from .update_cycle import UpdateCycle
 
 log = logging.getLogger("zero_offload")
 
+PARAM_ALIGN_CUDA = 128  # elements: 256 bytes of 16-bit weights
+
 MID_STEP = ("{what} in the middle of a step would lose its gradients (backward() has run, step() has not): "
             "call it after engine.step()")
 
@@ -130,8 +132,11 @@ class OffloadEngine:
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
         group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
+        # each parameter 256-byte aligned on a GPU (cuBLAS picks slower kernels for operands
+        # that are not); packed on the CPU (runtime.flat)
+        self.param_align = cfg.param_align_numel or (PARAM_ALIGN_CUDA if self.is_cuda else 1)
         self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of,
-                               shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1)
+                               shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1, align=self.param_align)
         S = self.flat.shard_numel
         self.shard_lo, self.shard_hi = self.flat.shard_range(self.rank)
         self._names = _state_dict_names(model)  # for master_state_dict()
@@ -529,7 +534,7 @@ class OffloadEngine:
         meta = {"dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer, "iteration": self.iteration,
                 "updates": self.updates, "skipped_steps": self.skipped_steps, "micro": self._micro,
                 "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small(),
-                "param_updates": self.param_updates.tolist()}
+                "param_updates": self.param_updates.tolist(), "param_align": self.param_align}
         return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
                                      pending16=pending, meta=meta, background=background)
 
@@ -566,7 +571,8 @@ class OffloadEngine:
         self._check_between_steps("load_checkpoint()")
         self.wait_checkpoint()  # a background save of ours is published (or fails) first
         d, src, meta, metas = self.checkpoints.read_meta(
-            directory, {"numel": self.flat.numel, "dtype": self.cfg.dtype, "optimizer": self.cfg.optimizer})
+            directory, {"param_align": self.param_align, "numel": self.flat.numel, "dtype": self.cfg.dtype,
+                        "optimizer": self.cfg.optimizer})
         counts = meta.get("param_updates", [meta["updates"]] * len(self.param_updates))  # older: all, every step
         if len(counts) != len(self.param_updates):
             raise ValueError(f"checkpoint {d} counts steps for {len(counts)} parameters, this model has "
@@ -610,7 +616,7 @@ class OffloadEngine:
                 "spec_rollback_steps": c.spec_rollback_steps, "spec_kept_numel": c.spec_kept_numel,
                 "spec_rolled_back_numel": c.spec_rolled_back_numel,
                 "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy,
-                "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "compute_dtype_why": self._compute_why, "num_params": self.flat.numel,
+                "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)

@@ -5,10 +5,16 @@ reverse registration order: backward produces gradients roughly last layer
 first, so each bucket (a contiguous range of that flat space) completes early
 and its copy to the host overlaps the rest of backward.
 
-    flat16 (device):  [ p_last | ... | p_1 | p_0 | pad ]     numel padded to a
-                      |<- bucket 0 ->|<- bucket 1 ->| ...     multiple of world_size
-                                                              (x 256 with int8 state)
+    flat16 (device):  [ p_last |g| ... | p_1 |g| p_0 | pad ]  numel padded to a
+                      |<- bucket 0 ->|<- bucket 1 ->| ...      multiple of world_size
+                                                               (x 256 with int8 state)
                       |<-- shard rank 0 -->|<-- shard rank 1 -->|
+
+Each parameter starts at a multiple of `align` elements (on CUDA 128: 256 bytes of
+16-bit weights, so cuBLAS gets aligned operands; 1, packed, on the CPU).  The gap g
+before a parameter (its ``lead``, < align elements) belongs to that parameter's
+bucket and group, and holds zeros everywhere: weights, gradients, master and state
+(a zero gradient leaves a zero weight and zero moments zero under every update rule).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ class ParamSpan:
     numel: int
     bucket: int
     group: int = 0       # its param group (FlatParams' groups)
+    lead: int = 0        # zero elements right before it (alignment), in its bucket and group
 
 
 @dataclass
@@ -50,13 +57,14 @@ class FlatParams:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], *, bucket_numel: int, world_size: int,
-                 groups: list[int] | None = None, shard_multiple: int = 1):
+                 groups: list[int] | None = None, shard_multiple: int = 1, align: int = 1):
         """groups[i]: the param group of params[i] (None: one group).  Each group's
         parameters lie together, in one contiguous range (group_ranges), so an update
         is one kernel call per group; inside a group, and for the groups' order, the
         layout stays reverse registration order (the group of the last parameter first).
         shard_multiple: with several ranks, each shard's length is a multiple of it (int8
-        state: its blocks of 256 must not straddle two ranks); the padding grows to fit."""
+        state: its blocks of 256 must not straddle two ranks); the padding grows to fit.
+        align: each parameter's offset is a multiple of it (the module docstring)."""
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True)")
         self.params = params
@@ -69,24 +77,28 @@ class FlatParams:
                 first.setdefault(groups[i], len(first))
             order.sort(key=lambda i: first[groups[i]])  # stable: reverse registration inside a group
         self.group_ranges: list[tuple[int, int, int]] = []  # (group, lo, hi) in flat coordinates, in order
+        self.align = align
         off = 0
         cur: Bucket | None = None
         for i in order:
             p = params[i]
             g = groups[i] if groups is not None else 0
+            n = p.numel()
+            start = (off + align - 1) // align * align  # the gap [off, start) goes with this parameter
             if not self.group_ranges or self.group_ranges[-1][0] != g:
                 self.group_ranges.append((g, off, off))
-            self.group_ranges[-1] = (g, self.group_ranges[-1][1], off + p.numel())
-            n = p.numel()
-            if cur is None or (cur.numel > 0 and cur.numel + n > bucket_numel):
+            self.group_ranges[-1] = (g, self.group_ranges[-1][1], start + n)
+            if cur is None or (cur.numel > 0 and start + n - cur.lo > bucket_numel):
                 cur = Bucket(index=len(self.buckets), lo=off, hi=off)
                 self.buckets.append(cur)
-            span = ParamSpan(p, off, n, cur.index, g)
+            span = ParamSpan(p, start, n, cur.index, g, lead=start - off)
             cur.params.append(span)
-            cur.hi = off + n
+            cur.hi = start + n
             self.spans.append(span)
-            off += n
-        self.numel = off
+            off = start + n
+        self.numel = off  # the flat space's end (alignment gaps included)
+        self.param_numel = sum(s.numel for s in self.spans)
+        self.has_gaps = self.param_numel != off
         self.world_size = world_size
         unit = world_size * (shard_multiple if world_size > 1 else 1)
         self.padded_numel = (off + unit - 1) // unit * unit
@@ -124,8 +136,8 @@ class FlatParams:
                 continue
             if out and out[-1][0] == s.group and out[-1][3] == values[i]:
                 out[-1][2] = y
-            else:
-                out.append([s.group, x, y, values[i]])
+            else:  # from where the last run ended (an alignment gap goes with the span after it)
+                out.append([s.group, out[-1][2] if out else 0, y, values[i]])
         if not out:  # a shard of padding only: the last group's
             out.append([self.spans[-1].group, 0, S, values[-1]])
         out[-1][2] = S  # the padding (past numel) with the last run
@@ -135,8 +147,11 @@ class FlatParams:
         """out[:] = the model's current weights [lo, hi) of the flat space, as fp32
         (padding zero), straight from each parameter: no flat copy of the whole model."""
         assert out.numel() == hi - lo and out.dtype == torch.float32
-        # the parameters tile [0, numel) with no gaps: only the padding needs zeros
-        out[max(self.numel, lo) - lo:].zero_()
+        # packed, the parameters tile [0, numel): only the padding needs zeros
+        if self.has_gaps:
+            out.zero_()
+        else:
+            out[max(self.numel, lo) - lo:].zero_()
         for s in self.spans:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if b > a:
@@ -154,6 +169,8 @@ class FlatParams:
         flat16[self.numel:].zero_()
         with torch.no_grad():
             for s in self.spans:
+                if s.lead:
+                    flat16[s.offset - s.lead:s.offset].zero_()
                 view = flat16[s.offset:s.offset + s.numel]
                 src = s.param.detach().reshape(-1)
                 view.copy_(src.to(via) if via is not None and via != view.dtype else src)

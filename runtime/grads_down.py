@@ -277,7 +277,8 @@ class GradStep:
             spans = d.flat.spans  # in offset order, tiling the flat space
             while n < len(spans) and id(spans[n].param) in self.seen:
                 n += 1
-            hi = spans[n].offset if n < len(spans) else d.flat.padded_numel
+            # (the alignment gap before span n is zeroed with n's gradient: not ready either)
+            hi = spans[n].offset - spans[n].lead if n < len(spans) else d.flat.padded_numel
         self.ready_front = n
         return hi
 
@@ -304,6 +305,8 @@ class HostDirectStep(GradStep):
         # copy into the shared slot and take the norm's share in one pass over
         # memory (the sum is read from cache, right behind the copy)
         d.gate.wait_free(s.offset + s.numel)
+        if s.lead:  # the alignment gap before it: zeros, before the ready scan can announce it
+            d.host[self.slot][s.offset - s.lead:s.offset].zero_()
         dst = d.host_words[self.slot][s.offset:s.offset + s.numel]
         if g.dtype == d.dtype and g.is_contiguous():
             self.sq_host += cpu_adam.copy_grad_sumsq(g.view(torch.int16).numpy(), dst, grad_dtype=d.dtype_name,
@@ -315,7 +318,7 @@ class HostDirectStep(GradStep):
     def _fill_unused(self, b: Bucket) -> None:
         for s in self._unseen(b):
             self.d.gate.wait_free(s.offset + s.numel)
-            self.d.host[self.slot][s.offset:s.offset + s.numel].zero_()
+            self.d.host[self.slot][s.offset - s.lead:s.offset + s.numel].zero_()
 
     def _bucket_done(self, b: Bucket) -> None:
         # the hooks copied the bytes and summed their squares already; the
@@ -327,8 +330,10 @@ class HostDirectStep(GradStep):
 
 class DeviceBucketStep(GradStep):
     def _buf(self, b: Bucket) -> torch.Tensor:
-        if self.bufs[b.index] is None:
-            self.bufs[b.index] = torch.empty(b.numel, dtype=self.d.dtype, device=self.d.device)
+        if self.bufs[b.index] is None:  # zeros where alignment gaps lie in it (no hook writes those)
+            gaps = self.d.flat.has_gaps and any(s.lead for s in b.params)
+            self.bufs[b.index] = (torch.zeros if gaps else torch.empty)(b.numel, dtype=self.d.dtype,
+                                                                        device=self.d.device)
         return self.bufs[b.index]
 
     def _take(self, s: ParamSpan, b: Bucket, g: torch.Tensor) -> None:

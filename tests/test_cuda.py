@@ -145,7 +145,7 @@ def test_model_built_on_cpu_trains_on_gpu():
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         assert held <= 2 * eng.flat.padded_numel * 1.05 + (4 << 20), held / n
-    assert n == eng.flat.numel
+    assert n == eng.flat.param_numel
 
 
 # ----------------------------------------------------------------------------- tests that can fail on a GPU

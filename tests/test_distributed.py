@@ -38,7 +38,7 @@ def one_rank(mode, steps):
     return master, eng.stats()
 
 
-MATCH_MODES = ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu", "groups-int8state-dpu"]
+MATCH_MODES = ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu", "groups-int8state-dpu", "align-groups-dpu"]
 MATCH_STEPS = 20
 
 
@@ -80,9 +80,12 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
         print(f"rank {r}: displacement rel err against one rank {err:.2e}")
         assert err < (6e-2 if "int8" in mode else 2e-2), r
         st = res["stats"]
-        S = -(-n // 512) * 256 if "int8" in mode else n // 2
+        flat = _layout(mode)  # align: every parameter at a multiple of 64, zeros between
+        S = flat.shard_numel
+        if "align" not in mode:  # packed: the flat space is the parameters, padded
+            assert S == (-(-n // 512) * 256 if "int8" in mode else n // 2)
         assert st["world_size"] == 2 and st["shard_numel"] == S
-        real = min(n, (r + 1) * S) - r * S  # no gradient is copied down for the padding past the model
+        real = min(flat.numel, (r + 1) * S) - r * S  # no gradient goes down for the padding past the model
         assert st["bytes_to_host"] == 2 * real * steps and st["bytes_to_device"] == 2 * S * steps
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for k in a["w16"]:
@@ -92,6 +95,19 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
         fresh = make_model(mode)
         for k in ("never.weight", "never.bias"):
             assert torch.equal(a["master"][k], getattr(fresh.never, k.split(".")[1]).detach()), k
+
+
+def _layout(mode):
+    """The flat space the engine lays out for mode on 2 ranks (runtime.flat)."""
+    from runtime.flat import FlatParams
+    m = make_model(mode)
+    ps = list(m.parameters())
+    gs = groups(m, mode)
+    group_of = None if gs is None else [next(i for i, g in enumerate(gs) if any(p is q for q in g["params"]))
+                                        for p in ps]
+    cfg = config(mode)
+    return FlatParams(ps, bucket_numel=cfg.bucket_numel, world_size=2, groups=group_of,
+                      shard_multiple=256 if "int8" in mode else 1, align=cfg.param_align_numel or 1)
 
 
 def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):

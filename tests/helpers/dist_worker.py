@@ -85,7 +85,8 @@ def config(mode: str) -> OffloadConfig:
                          state_dtype="bf16" if "bf16state" in mode else "int8" if "int8state" in mode else "fp32",
                          undo_log_bytes=(1 << 30) if "spec" in mode else 0,
                          progress_block_numel=256,  # many published blocks per shard: partial copies
-                         staging_numel=500)  # the initial shard and master_state_dict in chunks
+                         staging_numel=500,  # the initial shard and master_state_dict in chunks
+                         param_align_numel=64 if "align" in mode else 0)  # align: the GPU's layout, gaps
 
 
 def main():
