@@ -2,7 +2,7 @@
 
 Nothing is compiled at import or at run time.  Without OpenMP the extension is
 still built (single-threaded) and a loud warning is printed; at run time
-cython_ext.cpu_adam.openmp_enabled() then returns False.
+zero_offload.kernels.cpu_adam.openmp_enabled() then returns False.
 """
 import os
 import shutil
@@ -44,7 +44,7 @@ else:
           file=sys.stderr)
 
 ext = Extension(
-    "cython_ext.cpu_adam",
+    "zero_offload.kernels.cpu_adam",  # built into cython_ext/ (pyproject maps the package there)
     sources=["cython_ext/cpu_adam.pyx"],
     include_dirs=["cython_ext"],
     extra_compile_args=compile_args,

@@ -1,4 +1,4 @@
 """Compiled CPU optimizer kernels (see cpu_adam.pyx).
 
-    from cython_ext.cpu_adam import adam_step, simd_level, openmp_enabled
+    from zero_offload.kernels.cpu_adam import adam_step, simd_level, openmp_enabled
 """

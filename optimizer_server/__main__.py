@@ -1,4 +1,4 @@
-"""Run the optimizer server: ``python -m optimizer_server`` or ``zero-offload-server``.
+"""Run the optimizer server: ``python -m zero_offload.server`` or ``zero-offload-server``.
 
     zero-offload-server --address-file ~/.zero-offload/addr --threads 1
 """

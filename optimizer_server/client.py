@@ -31,7 +31,7 @@ import time
 import numpy as np
 import zmq
 
-from cython_ext.cpu_adam import load_progress, store_progress
+from zero_offload.kernels.cpu_adam import load_progress, store_progress
 
 from . import protocol as P
 from .config import LOOPBACK_HOSTS, tcp_host

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cython_ext import cpu_adam
+from zero_offload.kernels import cpu_adam
 
 from . import checkpoint as C
 from . import protocol as P

@@ -80,14 +80,14 @@ def spawn(*, threads: int = 0, address: str = "", address_file: str = "", token:
           heartbeat_timeout_s: float | None = None, exit_when_idle: bool = False, log_level: str = "WARNING",
           ready_timeout_s: float = READY_TIMEOUT_S, env: dict | None = None, stdout=None, stderr=None,
           extra_args: list[str] | None = None, trace_dir: str = "") -> ServerHandle:
-    """Start `python -m optimizer_server` as a child and return once its address is
+    """Start `python -m zero_offload.server` as a child and return once its address is
     written (within ready_timeout_s), or raise saying why it did not come up."""
     tmpdir = None
     if not address_file:
         tmpdir = tempfile.mkdtemp(prefix=SPAWN_DIR_PREFIX)
         address_file = os.path.join(tmpdir, "server.addr")
     token = token or secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "optimizer_server", "--address-file", address_file, "--threads", str(threads),
+    cmd = [sys.executable, "-m", "zero_offload.server", "--address-file", address_file, "--threads", str(threads),
            "--log-level", log_level, "--parent-pid", str(os.getpid())]
     if address:
         cmd += ["--address", address]

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cython_ext import cpu_adam
+from zero_offload.kernels import cpu_adam
 
 from .checkpoint import LEGACY_INT8
 from .protocol import COMPACT_OPTIMIZERS, QBLOCK, STATE_DTYPES

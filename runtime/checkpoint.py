@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from optimizer_server import checkpoint as C
-from optimizer_server.atomic import atomic_write_bytes
-from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
-from optimizer_server.reshard import read_range
+from zero_offload.server import checkpoint as C
+from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
+from zero_offload.server.reshard import read_range
 
 
 @dataclass

@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
-from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
+from zero_offload.server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
 
 REQUEST_TIMEOUT_ENV = "ZERO_OFFLOAD_REQUEST_TIMEOUT_S"
-from optimizer_server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
+from zero_offload.server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
 

@@ -43,11 +43,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from optimizer_server import checkpoint as ckpt_format
-from optimizer_server.client import ShardClient
-from optimizer_server.errors import OptimizerServerDeadError, OptimizerServerError
-from optimizer_server.protocol import MAX_GROUPS, QBLOCK
-from optimizer_server.tracing import Tracer
+from zero_offload.server import checkpoint as ckpt_format
+from zero_offload.server.client import ShardClient
+from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
+from zero_offload.server.protocol import MAX_GROUPS, QBLOCK
+from zero_offload.server.tracing import Tracer
 
 from . import clipping, compute_dtype, distributed, host_memory
 from .checkpoint import EngineCheckpoint
@@ -189,7 +189,7 @@ class OffloadEngine:
         addr, token = cfg.resolved_server()
         proc = None
         if not addr:
-            from optimizer_server.spawn import spawn
+            from zero_offload.server.spawn import spawn
             # exit_when_idle: if this worker is killed, the server drops it after the
             # heartbeat timeout and exits, so no orphan stays behind
             self._server = spawn(threads=cfg.server_threads, exit_when_idle=True, trace_dir=cfg.resolved_trace_dir())

@@ -40,8 +40,8 @@ import time
 
 import torch
 
-from cython_ext import cpu_adam
-from optimizer_server.errors import OptimizerServerTimeoutError
+from zero_offload.kernels import cpu_adam
+from zero_offload.server.errors import OptimizerServerTimeoutError
 
 from .flat import Bucket, FlatParams, ParamSpan
 from .stats import Counters

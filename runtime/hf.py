@@ -1,6 +1,6 @@
 """OffloadTrainer: transformers.Trainer with the optimizer offloaded (needs transformers).
 
-    from runtime.hf import OffloadTrainer
+    from zero_offload.hf import OffloadTrainer
     trainer = OffloadTrainer(model=model, args=TrainingArguments(..., bf16=True),
                              train_dataset=ds, offload={"dpu": False, "server_threads": 8})
     trainer.train()          # or train(resume_from_checkpoint=True)

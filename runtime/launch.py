@@ -1,7 +1,7 @@
 """Start one optimizer server for this node, then the training workers through torchrun.
 
     zero-offload-launch --nproc-per-node 2 scripts/train_gpt.py --steps 100
-    python -m runtime.launch --nproc-per-node 8 --server-threads 8 train.py ...
+    python -m zero_offload.launch --nproc-per-node 8 --server-threads 8 train.py ...
     # multi-node: the same on every node, with torchrun's rendezvous options
     zero-offload-launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
         --nproc-per-node 8 train.py
@@ -29,9 +29,9 @@ import subprocess
 import sys
 import time
 
-from optimizer_server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
-from optimizer_server.procs import describe_exit
-from optimizer_server.spawn import spawn
+from zero_offload.server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
+from zero_offload.server.procs import describe_exit
+from zero_offload.server.spawn import spawn
 
 STOP_TIMEOUT_S = 10.0
 POLL_S = 0.1

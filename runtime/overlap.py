@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from optimizer_server.errors import OptimizerServerTimeoutError
+from zero_offload.server.errors import OptimizerServerTimeoutError
 
 from .flat import FlatParams, ParamSpan
 from .stats import Counters

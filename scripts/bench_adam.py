@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_md import machine_line, update_section  # noqa: E402
 
-from cython_ext import cpu_adam  # noqa: E402
+from zero_offload.kernels import cpu_adam  # noqa: E402
 
 BYTES_PER_PARAM = 28
 FLUSH = np.ones(64 * 1024 * 1024, np.float32)  # 256 MiB, larger than any LLC here

@@ -122,7 +122,7 @@ class HostSampler:
 def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
     import torch
 
-    from runtime.demo.gpt import GPT, GPTConfig
+    from zero_offload.demo.gpt import GPT, GPTConfig
     torch.set_num_threads(1)
     sampler = HostSampler().start()
     base = sampler.now()
@@ -141,9 +141,9 @@ def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
         sampler.stop()
         return {"variant": variant, "params": n, "model_B": (built - base) / n, "peak_B": (sampler.peak - base) / n,
                 "steady_B": float("nan"), "init_peak_B": float("nan"), "seconds": time.perf_counter() - t0}
-    from runtime.demo.baseline import DeviceMixedPrecision
-    from runtime.config import OffloadConfig
-    from runtime.engine import OffloadEngine
+    from zero_offload.demo.baseline import DeviceMixedPrecision
+    from zero_offload.config import OffloadConfig
+    from zero_offload.engine import OffloadEngine
     state, layout = "fp32", variant
     for suffix, dt in STATE_SUFFIXES.items():
         if variant.endswith(suffix):

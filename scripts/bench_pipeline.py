@@ -46,12 +46,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 from bench_md import machine_line, update_section  # noqa: E402
-from runtime.demo.baseline import DeviceMixedPrecision  # noqa: E402
-from runtime.config import OffloadConfig  # noqa: E402
-from runtime.demo.data import Batches, Corpus  # noqa: E402
-from runtime.engine import OffloadEngine  # noqa: E402
-from runtime.demo.gpt import GPT, GPTConfig  # noqa: E402
-from runtime.trace_analysis import load  # noqa: E402
+from zero_offload.demo.baseline import DeviceMixedPrecision  # noqa: E402
+from zero_offload.config import OffloadConfig  # noqa: E402
+from zero_offload.demo.data import Batches, Corpus  # noqa: E402
+from zero_offload.engine import OffloadEngine  # noqa: E402
+from zero_offload.demo.gpt import GPT, GPTConfig  # noqa: E402
+from zero_offload.trace_analysis import load  # noqa: E402
 
 
 def pin(pid: int, cores: set[int]) -> None:
@@ -164,7 +164,7 @@ def run_deepspeed(model, batches, steps, warm, dtype):
 
 def span_cost_us(n: int = 20000) -> float:
     """What one recorded span costs the worker (enabled tracer, in memory)."""
-    from optimizer_server.tracing import Tracer
+    from zero_offload.server.tracing import Tracer
     d = tempfile.mkdtemp(prefix="zo-span-")
     tr = Tracer(d, "probe", 0)
     t0 = time.perf_counter()
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
 
 def load_setting(setting: str, corpus):
     """MODEL:BATCHxSEQ -> (model name, batch, seq, GPTConfig, 8 fixed batches)."""
-    from runtime.demo.gpt import PRESETS
+    from zero_offload.demo.gpt import PRESETS
     model_name, shape = setting.split(":")
     L, H, D = PRESETS[model_name]
     bs, sl = (int(v) for v in shape.lower().split("x"))

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from cython_ext import cpu_adam  # noqa: E402
-from optimizer_server import ShardClient, spawn  # noqa: E402
-from optimizer_server.checkpoint import resolve  # noqa: E402
-from runtime import OffloadConfig, OffloadEngine  # noqa: E402
+from zero_offload.kernels import cpu_adam  # noqa: E402
+from zero_offload.server import ShardClient, spawn  # noqa: E402
+from zero_offload.server.checkpoint import resolve  # noqa: E402
+from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
 from bench_md import machine_line, update_section  # noqa: E402
 
 SEED = 0

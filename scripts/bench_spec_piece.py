@@ -32,11 +32,11 @@ import numpy as np  # noqa: E402
 
 from bench_adam import parse_size  # noqa: E402
 from bench_md import machine_line, update_section  # noqa: E402
-from optimizer_server import protocol as P  # noqa: E402
-from optimizer_server import undo as U  # noqa: E402
-from optimizer_server.shard import Shard  # noqa: E402
-from optimizer_server.shm import Segment, ShardLayout  # noqa: E402
-from optimizer_server.state import bytes_per_param  # noqa: E402
+from zero_offload.server import protocol as P  # noqa: E402
+from zero_offload.server import undo as U  # noqa: E402
+from zero_offload.server.shard import Shard  # noqa: E402
+from zero_offload.server.shm import Segment, ShardLayout  # noqa: E402
+from zero_offload.server.state import bytes_per_param  # noqa: E402
 
 
 def make_shard(n: int, state: str, undo_log_bytes: int, weight_slots: int = 1) -> Shard:

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from bench_md import machine_line, update_section  # noqa: E402
 from bench_adam import parse_size  # noqa: E402
-from optimizer_server import ShardClient, spawn  # noqa: E402
+from zero_offload.server import ShardClient, spawn  # noqa: E402
 
 
 ECHO = r"""

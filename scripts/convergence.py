@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_md import machine_line, update_section  # noqa: E402
-from runtime.demo.trainer import TrainConfig, train  # noqa: E402
+from zero_offload.demo.trainer import TrainConfig, train  # noqa: E402
 
 RUNS = {
     "baseline": dict(offload=False, dpu=False),

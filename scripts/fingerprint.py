@@ -55,9 +55,9 @@ def sha(b) -> str:
 
 def make_model():
     try:
-        from runtime.demo.gpt import GPT, GPTConfig
+        from zero_offload.demo.gpt import GPT, GPTConfig
     except ImportError:  # before the demo moved apart from the library
-        from runtime.demo.gpt import GPT, GPTConfig
+        from zero_offload.demo.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32))
 
@@ -71,7 +71,7 @@ def batch(step: int, rank: int = 0, world: int = 1, bs: int = 8):
 
 
 def config(**kw):
-    from runtime import OffloadConfig
+    from zero_offload import OffloadConfig
     base = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), server_threads=1, bucket_numel=8192,
                 progress_block_numel=1000, staging_numel=3000)
     base.update(kw)
@@ -117,7 +117,7 @@ def state_hashes(engine, ckpt: Path) -> dict:
 
 
 def one(name: str, tmp: Path) -> dict:
-    from runtime import OffloadEngine
+    from zero_offload import OffloadEngine
     kw = SCENARIOS[name]
     model = make_model()
     with OffloadEngine(model, config(**kw)) as eng:
@@ -129,7 +129,7 @@ def one(name: str, tmp: Path) -> dict:
 def resume(tmp: Path) -> dict:
     """DPU with prediction: 6 steps, save (mid-DPU: an update has landed that the
     device does not have yet), then a fresh engine loads it and trains 6 more."""
-    from runtime import OffloadEngine
+    from zero_offload import OffloadEngine
     kw = SCENARIOS["dpu_predict"]
     with OffloadEngine(make_model(), config(**kw)) as eng:
         losses = train(eng, 1, 6)
@@ -148,7 +148,7 @@ def _stats(eng) -> dict:
 def worker(out: str, mode: str) -> None:
     """One rank of the 2-rank scenarios (under the launcher)."""
     import torch.distributed as dist
-    from runtime import OffloadEngine
+    from zero_offload import OffloadEngine
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     kw = SCENARIOS["sync" if mode == "sync" else "dpu"]
@@ -160,7 +160,7 @@ def worker(out: str, mode: str) -> None:
 
 
 def two_ranks(mode: str, tmp: Path) -> dict:
-    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--server-threads", "1",
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", "--server-threads", "1",
            str(Path(__file__).resolve()), "--worker", str(tmp), mode]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_memory import HostSampler  # noqa: E402
-from optimizer_server.shm import Segment  # noqa: E402
-from runtime.demo.baseline import DeviceMixedPrecision  # noqa: E402
-from runtime.config import OffloadConfig  # noqa: E402
-from runtime.engine import OffloadEngine  # noqa: E402
-from runtime.demo.gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
+from zero_offload.server.shm import Segment  # noqa: E402
+from zero_offload.demo.baseline import DeviceMixedPrecision  # noqa: E402
+from zero_offload.config import OffloadConfig  # noqa: E402
+from zero_offload.engine import OffloadEngine  # noqa: E402
+from zero_offload.demo.gpt import GPT, GPTConfig, flops_per_token  # noqa: E402
 
 
 def sync(dev):
@@ -62,7 +62,7 @@ def bandwidth(dev, nbytes: int) -> dict:
         err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
         registered = int(err) == 0  # the engine falls back to pageable copies; report it, do not fail
         if not registered:
-            from runtime.host_memory import clear_cuda_last_error
+            from zero_offload.host_memory import clear_cuda_last_error
             clear_cuda_last_error()
         ours = torch.from_numpy(arr).view(torch.float16)
         pinned = torch.empty(n, dtype=torch.float16, pin_memory=True)

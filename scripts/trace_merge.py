@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.trace_analysis import merge  # noqa: E402
+from zero_offload.trace_analysis import merge  # noqa: E402
 
 
 def main(argv=None) -> int:

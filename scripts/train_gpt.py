@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.demo.gpt import PRESETS  # noqa: E402
-from runtime.demo.trainer import TrainConfig, train  # noqa: E402
+from zero_offload.demo.gpt import PRESETS  # noqa: E402
+from zero_offload.demo.trainer import TrainConfig, train  # noqa: E402
 
 
 def parse(argv=None) -> TrainConfig:

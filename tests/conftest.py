@@ -36,7 +36,7 @@ def no_leftover_segments():
 
 @pytest.fixture
 def server():
-    from optimizer_server import spawn
+    from zero_offload.server import spawn
     srv = spawn(threads=1, heartbeat_timeout_s=2.0)
     try:
         yield srv

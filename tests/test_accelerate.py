@@ -22,7 +22,7 @@ STEPS = 8
 def run(out, which, nproc):
     cmd = [sys.executable, WORKER, str(out), which, str(STEPS)]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", str(nproc), *cmd[1:]]
+        cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc), *cmd[1:]]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=dict(env, PYTHONPATH=ROOT))
 
@@ -59,8 +59,8 @@ def test_accelerator_made_after_the_engine_clips_through_it():
     from accelerate import Accelerator
     from accelerate import accelerator as acc_mod
 
-    from runtime import OffloadAdamW
-    from runtime import clipping
+    from zero_offload import OffloadAdamW
+    from zero_offload import clipping
     from tests.helpers.models import gpt, gpt_batch
 
     model = gpt()

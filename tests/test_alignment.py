@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from optimizer_server.checkpoint import CheckpointError
-from runtime import OffloadConfig, OffloadEngine
-from runtime.flat import FlatParams
+from zero_offload.server.checkpoint import CheckpointError
+from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload.flat import FlatParams
 from tests.helpers.models import gpt, gpt_batch, train_engine
 
 pytestmark = pytest.mark.timeout(240)

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from optimizer_server import checkpoint as C
-from optimizer_server.errors import OptimizerServerError
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload.server import checkpoint as C
+from zero_offload.server.errors import OptimizerServerError
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -99,7 +99,7 @@ def test_a_directory_not_every_rank_sees_is_refused(tmp_path):
     """Two ranks save to what are, for them, different directories (as node-local
     disks would be): rank 0 does not see rank 1's files, so nothing is published
     and both ranks raise the error naming the fix."""
-    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2",
            os.path.join(ROOT, "tests", "helpers", "dist_worker.py"), str(tmp_path), "unshared", "3"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, PYTHONPATH=ROOT))

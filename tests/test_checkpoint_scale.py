@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from optimizer_server import ShardClient, spawn
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload.server import ShardClient, spawn
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from optimizer_server.ckpt_io import (ChunkState, Part, SaveJob, combine_pieces, crc32_combine, file_crc,
+from zero_offload.server.ckpt_io import (ChunkState, Part, SaveJob, combine_pieces, crc32_combine, file_crc,
                                       parallel_read)
 
 pytestmark = pytest.mark.timeout(120)

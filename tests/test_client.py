@@ -8,8 +8,8 @@ import signal
 import numpy as np
 import pytest
 
-from optimizer_server import ShardClient, spawn
-from optimizer_server.errors import OptimizerServerError, OptimizerServerTimeoutError
+from zero_offload.server import ShardClient, spawn
+from zero_offload.server.errors import OptimizerServerError, OptimizerServerTimeoutError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,8 +81,8 @@ def test_a_silent_remote_peer_is_declared_dead_but_its_segment_is_left_alone():
     dead; but with no evidence that its process is gone, its segment is not unlinked
     (it is the creator's to remove).  Fails if the client unlinks on silence."""
     import socket
-    from optimizer_server.client import HEARTBEAT_DEAD_AFTER_S
-    from optimizer_server.errors import OptimizerServerDeadError
+    from zero_offload.server.client import HEARTBEAT_DEAD_AFTER_S
+    from zero_offload.server.errors import OptimizerServerDeadError
     ip = _host_address()
     if ip is None:
         pytest.skip("no non-loopback address on this host")

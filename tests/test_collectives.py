@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from runtime.distributed import backend_for
+from zero_offload.distributed import backend_for
 
 pytestmark = pytest.mark.timeout(300)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,7 +28,7 @@ def test_backend_for(config, device, want):
 
 
 def run(tmp_path, mode):
-    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2",
            os.path.join(ROOT, "tests", "helpers", "collective_worker.py"), str(tmp_path), mode]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, PYTHONPATH=ROOT))

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
-from runtime import compute_dtype as cd
+from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload import compute_dtype as cd
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, run_pair, train_engine
 from tests.helpers.reference import rel_err
 

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import seeded_rng
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 
-from cython_ext import cpu_adam as ca
+from zero_offload.kernels import cpu_adam as ca
 
 DT16 = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -497,7 +497,7 @@ def test_out_of_place_update_is_bitwise_in_place(level, shift, predict):
     written to the destinations with streaming stores when they share a 64-byte line
     start (aligned), plain stores otherwise; the same bits as the update in place, and
     the sources untouched.  Overlapping source and destination are refused."""
-    from optimizer_server.state import _zeros64
+    from zero_offload.server.state import _zeros64
     rng = seeded_rng()
     n = 4099
     p, m = (rng.standard_normal(n).astype(np.float32) for _ in range(2))
@@ -526,7 +526,7 @@ def test_out_of_place_update_is_bitwise_in_place(level, shift, predict):
 def test_out_of_place_update_threads_bitwise_identical():
     """The twin's out-of-place update split over threads (each chunk peels to its own
     line start and fences its streaming stores) gives the one-thread bits."""
-    from optimizer_server.state import _zeros64
+    from zero_offload.server.state import _zeros64
     rng = seeded_rng()
     n = 3 * 262144 + 77  # past MIN_PARALLEL: the OpenMP split runs
     src = [rng.standard_normal(n).astype(np.float32) for _ in range(2)] + [np.abs(rng.standard_normal(n)).astype(np.float32)]

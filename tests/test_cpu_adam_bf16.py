@@ -12,7 +12,7 @@ from tests.helpers import seeded_rng
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 from tests.helpers.words import Master, adamw_f64, bf16_words, widen
 
-from cython_ext import cpu_adam as ca
+from zero_offload.kernels import cpu_adam as ca
 
 
 def grads(rng, n, steps, scale=0.1):
@@ -332,7 +332,7 @@ def test_exact_master_out_of_place_is_bitwise_in_place(level, shift, threads):
     the same bits as in place for the state and the weights, the sources untouched,
     over ranges that start off a line and over two threads.  Without master_hi (an
     fp32 master) it is refused."""
-    from optimizer_server.state import _zeros64
+    from zero_offload.server.state import _zeros64
     rng = seeded_rng()
     n = 3 * 262144 + 77 if threads > 1 else 4099  # past MIN_PARALLEL when split
     hi = bf16_words(rng.standard_normal(n))

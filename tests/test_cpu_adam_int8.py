@@ -15,7 +15,7 @@ from tests.helpers.int8_codes import code_step, decode_f64
 from tests.helpers.simd import LEVELS, level  # noqa: F401  (level: a fixture)
 from tests.helpers.words import Master, adamw_f64, bf16_words, widen
 
-from cython_ext import cpu_adam as ca
+from zero_offload.kernels import cpu_adam as ca
 
 Q = ca.QBLOCK
 

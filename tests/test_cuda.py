@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.conftest import our_segments
 from tests.helpers.reference import rel_err
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch, run_pair, train_engine
@@ -46,7 +46,7 @@ def lagging_side_streams(monkeypatch):
     """Every copy on a side stream runs late: the gradient copies down (copy stream), the
     weights going up block by block (weights-up stream) and overlap_update's per-module
     copies (the same stream)."""
-    from runtime import grads_down, overlap, weights_up
+    from zero_offload import grads_down, overlap, weights_up
     bucket_done, copy, expose = (grads_down.DeviceBucketStep._bucket_done, weights_up.WeightReturn._copy,
                                  overlap.ForwardPipeline._expose)
 
@@ -133,7 +133,7 @@ def test_many_small_buckets_equal_one_bucket(dtype):
 def test_model_built_on_cpu_trains_on_gpu():
     """device="cuda" with a ~25M-parameter fp32 model on the CPU: only 16-bit weights reach
     the GPU (a full fp32 copy would be 100 MB over the bound, far outside its slack)."""
-    from runtime.demo.gpt import GPT, GPTConfig
+    from zero_offload.demo.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=8, d_model=704, seq_len=64))
     n = sum(p.numel() for p in model.parameters())
@@ -215,7 +215,7 @@ def test_cuda_one_gradient_slot_waits_for_a_slow_server(monkeypatch):
 def test_device_memory_of_a_25m_model_is_the_16_bit_weights():
     """~25M parameters built on the CPU: after a step the device holds the 16-bit
     weights (2 B/param) and little else; a full fp32 copy (4 B/param) would show."""
-    from runtime.demo.gpt import GPT, GPTConfig
+    from zero_offload.demo.gpt import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_head=8, d_model=704, seq_len=64))
     n = sum(p.numel() for p in model.parameters())

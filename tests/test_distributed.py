@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from runtime import OffloadEngine
+from zero_offload import OffloadEngine
 from tests.conftest import our_segments
 from tests.helpers.dist_worker import config, forward, global_batch, groups, make_model
 from tests.helpers.reference import rel_err
@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def launch(out, mode, steps, nproc=2, extra=(), **kw):
-    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", str(nproc), *extra,
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc), *extra,
            os.path.join(ROOT, "tests", "helpers", "dist_worker.py"), str(out), mode, str(steps)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=ROOT), **kw)
@@ -99,7 +99,7 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
 
 def _layout(mode):
     """The flat space the engine lays out for mode on 2 ranks (runtime.flat)."""
-    from runtime.flat import FlatParams
+    from zero_offload.flat import FlatParams
     m = make_model(mode)
     ps = list(m.parameters())
     gs = groups(m, mode)

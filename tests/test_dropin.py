@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import gpt, gpt_batch, train_engine
 from tests.helpers.reference import rel_err
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import (flat_master, gpt, gpt_batch, mlp, mlp_batch, run_pair,
                                   train_engine)
 from tests.helpers.reference import DT, rel_err
@@ -361,7 +361,7 @@ def test_dpu_one_gradient_slot_waits_for_the_update(zero_copy):
 def test_fp32_range_of_the_flat_space_is_zero_in_the_padding():
     """What INIT sends for a shard: the parameters' values where they lie (reverse
     order) and exact zeros in the padding (checkpoints of other world sizes rely on it)."""
-    from runtime.flat import FlatParams
+    from zero_offload.flat import FlatParams
     ps = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2))]
     f = FlatParams(ps, bucket_numel=1024, world_size=3)
     assert (f.numel, f.padded_numel) == (7, 9)

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from runtime.hf import OffloadTrainer  # noqa: E402
+from zero_offload.hf import OffloadTrainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 log = logging.getLogger(__name__)

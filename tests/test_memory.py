@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 
 pytestmark = pytest.mark.timeout(240)
 

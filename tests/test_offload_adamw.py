@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import OffloadAdamW
+from zero_offload import OffloadAdamW
 from tests.helpers.models import gpt, gpt_batch
 from tests.helpers.reference import rel_err
 from tests.helpers.teacher import reference_of, teach

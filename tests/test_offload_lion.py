@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import OffloadLion
+from zero_offload import OffloadLion
 from tests.helpers.models import gpt
 from tests.helpers.reference import rel_err
 from tests.helpers.teacher import reference_of, teach

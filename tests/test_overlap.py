@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
-from runtime.demo.gpt import GPT, GPTConfig
+from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload.demo.gpt import GPT, GPTConfig
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
 from tests.helpers.overlap_runs import assert_bitwise, run, two_groups
 
@@ -84,7 +84,7 @@ def test_overlap_with_dpu_is_refused():
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy"])
 def test_offload_adamw_with_overlap_is_bitwise_sync(zero_copy):
     """A plain torch loop (loss.backward(): the update lands in the first gradient hook)."""
-    from runtime import OffloadAdamW
+    from zero_offload import OffloadAdamW
     out = []
     for overlap in (False, True):
         model = gpt()

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import gpt, gpt_batch, train_engine
 from tests.helpers.reference import rel_err
 
@@ -107,7 +107,7 @@ def test_bad_groups_are_refused_naming_the_fix(groups, msg):
 
 def test_each_group_is_one_range_of_the_flat_space():
     """So a STEP carries one range per group and shard (not one per parameter)."""
-    from runtime.flat import FlatParams
+    from zero_offload.flat import FlatParams
     model = gpt()
     gs = nanogpt_groups(model)
     params = list(model.parameters())
@@ -123,7 +123,7 @@ def test_each_group_is_one_range_of_the_flat_space():
 def test_shard_runs_split_groups_where_step_counts_differ():
     """A parameter without a gradient this step is a range of its own (value 0); its
     neighbours in one group with one count stay one range; every shard is covered."""
-    from runtime.flat import FlatParams
+    from zero_offload.flat import FlatParams
     model = gpt()
     gs = nanogpt_groups(model)
     params = list(model.parameters())

@@ -6,7 +6,7 @@ import sys
 import msgpack
 import pytest
 
-from optimizer_server import protocol as P
+from zero_offload.server import protocol as P
 
 SAMPLES = [
     P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
@@ -115,7 +115,7 @@ def test_truncated_messages_are_rejected():
 
 def test_importable_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import optimizer_server.protocol, optimizer_server.client, optimizer_server.spawn\n"
+            "import zero_offload.server.protocol, zero_offload.server.client, zero_offload.server.spawn\n"
             "print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr

@@ -18,8 +18,8 @@ import pytest
 import torch
 import zmq
 
-from optimizer_server import protocol as P
-from optimizer_server import spawn
+from zero_offload.server import protocol as P
+from zero_offload.server import spawn
 from tests.conftest import our_segments
 from tests.helpers import seeded_rng
 
@@ -157,7 +157,7 @@ def test_speculation_kept_rolled_back_and_settled_bitwise(server):
     step's gradients said final by the ready word: a matching STEP keeps the speculated
     prefix, a different grad_scale rolls it back, and SKIP and GET_MASTER settle a
     pending one first; the master and weights stay bitwise the reference's."""
-    from optimizer_server import ShardClient
+    from zero_offload.server import ShardClient
     n = 5000
     rng = seeded_rng()
     p0 = rng.standard_normal(n).astype(np.float32)
@@ -247,7 +247,7 @@ def msgpack_bytes(d):
 
 CLIENT_SCRIPT = r"""
 import sys, time, numpy as np
-from optimizer_server import ShardClient
+from zero_offload.server import ShardClient
 c = ShardClient(sys.argv[1], sys.argv[2], numel=int(sys.argv[3]), rank=1, world_size=2)
 c.init_weights(np.zeros(int(sys.argv[3]), np.float32))
 print(c.segment_name, flush=True)
@@ -429,7 +429,7 @@ def test_staging_window_chunks_and_one_gradient_slot(server):
 def test_segment_bytes_per_param():
     """Shared host RAM per parameter: one gradient slot + weights16 = 4 B (synchronous),
     6 with DPU's second gradient slot, 8 with the CPU worker's second weights slot."""
-    from optimizer_server.shm import ShardLayout
+    from zero_offload.server.shm import ShardLayout
     n = 100_000_000
     for weight_slots, grad_slots, per_param in [(1, 1, 4), (1, 2, 6), (2, 2, 8), (2, 1, 6)]:
         assert ShardLayout(numel=n, weight_slots=weight_slots, grad_slots=grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
@@ -440,9 +440,9 @@ def test_segment_bytes_per_param():
 
 # ----------------------------------------------------------------------------- parts of the server on their own
 def _shard(numel=100, optimizer="adamw", dtype="fp16", **hello):
-    from optimizer_server import protocol as P
-    from optimizer_server.shard import Shard
-    from optimizer_server.shm import Segment, ShardLayout
+    from zero_offload.server import protocol as P
+    from zero_offload.server.shard import Shard
+    from zero_offload.server.shm import Segment, ShardLayout
     from tests.conftest import PREFIX
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype=dtype,
                   optimizer=optimizer, **hello)
@@ -452,8 +452,8 @@ def _shard(numel=100, optimizer="adamw", dtype="fp16", **hello):
 
 
 def test_shard_state_table():
-    from optimizer_server import protocol as P
-    from optimizer_server.shard import ShardState
+    from zero_offload.server import protocol as P
+    from zero_offload.server.shard import ShardState
     sh = _shard()
     try:
         step = lambda k, **kw: P.Step(session="s", step=k, slot=kw.get("slot", 0), lr=1e-3,  # noqa: E731
@@ -488,8 +488,8 @@ def test_shard_state_table():
 
 def test_shard_speculation_states():
     """The SPECULATING rows of the shard's table, on the shard alone."""
-    from optimizer_server import protocol as P
-    from optimizer_server.shard import ShardState
+    from zero_offload.server import protocol as P
+    from zero_offload.server.shard import ShardState
     sh = _shard(undo_log_bytes=1 << 16)
     try:
         spec = lambda k, upto, lr=1e-3: P.Speculate(session="s", step=k, slot=0, lr=lr, upto=upto)  # noqa: E731
@@ -596,8 +596,8 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     with fp32 state writes the new state into the state's twin and logs only the
     weights slot (bf16 state with the exact master: its remainder and moments); Lion
     logs what it overwrites (master, m and the weights)."""
-    import optimizer_server.shard as S
-    from optimizer_server import protocol as P
+    import zero_offload.server.shard as S
+    from zero_offload.server import protocol as P
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000
     hello = SUBPIECE_CASES[case]
@@ -633,8 +633,8 @@ def test_shard_follows_the_ready_word_of_its_step_only():
     ready word grows (the tag names the step: another step's word counts for nothing),
     and stops when the word stops growing, when the STEP or any other request closes
     the speculation, or at the shard's end; the result is the bytes of a STEP alone."""
-    from cython_ext import cpu_adam
-    from optimizer_server import protocol as P
+    from zero_offload.kernels import cpu_adam
+    from zero_offload.server import protocol as P
     n = 1000
     spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=100)
     shards = _speculating_pair(n, dict(progress_block=128))
@@ -676,8 +676,8 @@ def test_shutdown_does_not_wait_for_a_stuck_update_without_bound(tmp_path, monke
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    import optimizer_server.server as S
-    from optimizer_server.config import ServerConfig
+    import zero_offload.server.server as S
+    from zero_offload.server.config import ServerConfig
     monkeypatch.setattr(S, "SHUTDOWN_UPDATE_WAIT_S", 0.3)
     srv = S.OptimizerServer(ServerConfig(address_file=str(tmp_path / "srv.addr"), log_level="ERROR"))
     srv.bind()
@@ -701,7 +701,7 @@ def test_shutdown_does_not_wait_for_a_stuck_update_without_bound(tmp_path, monke
 def test_server_files_survive_a_removed_directory(tmp_path):
     """The spawning parent removes the address file's directory at its exit; a
     server writing its registry then is at a normal end, not an error."""
-    from optimizer_server.files import ServerFiles
+    from zero_offload.server.files import ServerFiles
     d = tmp_path / "spawn"
     d.mkdir()
     f = ServerFiles(str(d / "server.addr"))
@@ -725,7 +725,7 @@ def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
     """With the twin, the STEP writes what speculation left into the twin too, and that
     includes ranges that got no gradient (copied, not updated): after the flip the
     state is byte for byte that of a STEP alone, master, moments and weights."""
-    from optimizer_server import protocol as P
+    from zero_offload.server import protocol as P
     n, d = 1000, 500
 
     def groups(second):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import OffloadConfig
-from runtime.speculation import MAX_BACKOFF, Phase, Speculator
-from runtime.stats import Counters
+from zero_offload import OffloadConfig
+from zero_offload.speculation import MAX_BACKOFF, Phase, Speculator
+from zero_offload.stats import Counters
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
 from tests.helpers.overlap_runs import STEPS, assert_bitwise, run, two_groups
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from optimizer_server import checkpoint as C
-from runtime import OffloadAdamW, OffloadConfig, OffloadEngine
+from zero_offload.server import checkpoint as C
+from zero_offload import OffloadAdamW, OffloadConfig, OffloadEngine
 from tests.helpers.int8_codes import decode_f64, legacy_decode_f64, legacy_encode
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 from tests.helpers.reference import rel_err
@@ -150,14 +150,14 @@ def test_checkpoint_converts_between_state_dtypes_on_load(tmp_path):
 
 def int8_of(x: np.ndarray, moment: str):
     """fp32 moments -> (codes, scales), rounded to nearest: the kernel's own encoder."""
-    from cython_ext import cpu_adam as ca
+    from zero_offload.kernels import cpu_adam as ca
     c, s = np.zeros(x.size, np.uint8), np.zeros((x.size + ca.QBLOCK - 1) // ca.QBLOCK, np.float32)
     ca.quantize_int8(np.ascontiguousarray(x, np.float32), c, s, moment=moment)
     return c, s
 
 
 def fp32_of(codes: np.ndarray, scales: np.ndarray, moment: str) -> np.ndarray:
-    from cython_ext import cpu_adam as ca
+    from zero_offload.kernels import cpu_adam as ca
     out = np.empty(codes.size, np.float32)
     ca.dequantize_int8(codes, scales, out, moment=moment)
     return out

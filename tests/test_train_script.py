@@ -86,7 +86,7 @@ def test_under_the_launcher_it_trains_one_job_of_two_ranks(tmp_path):
     size 2, each rank half the shard), every process traced into the launcher's
     --trace-dir, and the report has the server's figures."""
     tr = tmp_path / "trace"
-    cmd = [sys.executable, "-m", "runtime.launch", "--nproc-per-node", "2", "--trace-dir", str(tr),
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", "--trace-dir", str(tr),
            str(ROOT / "scripts" / "train_gpt.py"), "--steps", "12", *TINY]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -102,7 +102,7 @@ def test_under_the_launcher_it_trains_one_job_of_two_ranks(tmp_path):
 
 
 def test_an_engine_where_the_launcher_started_ranks_but_no_group_exists(tmp_path):
-    code = ("import torch; from runtime import OffloadEngine\n"
+    code = ("import torch; from zero_offload import OffloadEngine\n"
             "try:\n    OffloadEngine(torch.nn.Linear(4, 4))\n"
             "except RuntimeError as e:\n    print('refused:', e)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,

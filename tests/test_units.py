@@ -8,14 +8,14 @@ import math
 import numpy as np
 import pytest
 
-from optimizer_server import checkpoint as C
-from optimizer_server.reshard import read_range
-from runtime import OffloadConfig
-from runtime.demo.schedule import WarmupCosine
-from runtime.launch import parse, split_cores
-from runtime.loss_scaler import LossScaler
-from runtime.optimizer_proxy import ServerOptimizer
-from runtime.trace_analysis import Span, bytes_per_step, has_server, hidden_fraction
+from zero_offload.server import checkpoint as C
+from zero_offload.server.reshard import read_range
+from zero_offload import OffloadConfig
+from zero_offload.demo.schedule import WarmupCosine
+from zero_offload.launch import parse, split_cores
+from zero_offload.loss_scaler import LossScaler
+from zero_offload.optimizer_proxy import ServerOptimizer
+from zero_offload.trace_analysis import Span, bytes_per_step, has_server, hidden_fraction
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -187,7 +187,7 @@ def test_cuda_device_without_cuda_is_the_intended_error(monkeypatch):
     whatever torch.cuda.current_device() raises first."""
     import torch
 
-    from runtime.engine import _resolve_device
+    from zero_offload.engine import _resolve_device
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -200,7 +200,7 @@ def test_a_launched_rank_takes_its_local_gpu(monkeypatch):
     """With LOCAL_RANK set, device="cuda" means that rank's GPU (torchrun numbers them), not GPU 0."""
     import torch
 
-    from runtime import engine
+    from zero_offload import engine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -213,9 +213,9 @@ def test_a_launched_rank_takes_its_local_gpu(monkeypatch):
 def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
     """HELLO's host-RAM check: 12 B/param of fp32 state, 6 with bf16 state and the exact
     master, against MemAvailable plus the fp32 model the worker lets go of after INIT."""
-    from optimizer_server import admission
-    from optimizer_server import protocol as P
-    from optimizer_server.state import bytes_per_param
+    from zero_offload.server import admission
+    from zero_offload.server import protocol as P
+    from zero_offload.server.state import bytes_per_param
     assert bytes_per_param("adamw") == 12 and bytes_per_param("adamw", "bf16", True) == 6
     assert bytes_per_param("adamw", "bf16", False) == 8 and bytes_per_param("lion") == 8
     assert bytes_per_param("adamw", "int8", True) == 4 + 8 / 256  # codes, remainder, a scale per 256 each
@@ -254,8 +254,8 @@ def test_ready_scan_passes_buckets_outside_the_shard():
     (nothing of them goes down from this rank), and must not stop the scan; a bucket in
     the shard counts once its event has passed.  (Mutation: requiring an event for every
     bucket, the old scan, stops at 0 here: that rank never speculates.)"""
-    from runtime.flat import Bucket
-    from runtime.grads_down import ready_buckets
+    from zero_offload.flat import Bucket
+    from zero_offload.grads_down import ready_buckets
     bs = [Bucket(index=i, lo=20 * i, hi=20 * i + 20) for i in range(4)]  # flat [0, 80)
     events = [None, None, _Event(True), _Event(False)]
     assert ready_buckets(bs, 0, 4, events, 40, 80) == 3   # bucket 3's copy still runs

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from optimizer_server.errors import OptimizerServerTimeoutError
-from optimizer_server.protocol import Done
-from optimizer_server.tracing import Tracer
-from runtime.flat import FlatParams
-from runtime.stats import Counters
-from runtime.update_cycle import Phase, UpdateCycle
+from zero_offload.server.errors import OptimizerServerTimeoutError
+from zero_offload.server.protocol import Done
+from zero_offload.server.tracing import Tracer
+from zero_offload.flat import FlatParams
+from zero_offload.stats import Counters
+from zero_offload.update_cycle import Phase, UpdateCycle
 
 pytestmark = pytest.mark.timeout(60)
 N = 64

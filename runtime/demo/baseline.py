@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from optimizer_server.tracing import Tracer
+from zero_offload.server.tracing import Tracer
 
 from ..config import OffloadConfig
 from ..dtypes import TORCH_DTYPES

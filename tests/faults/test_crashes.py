@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import seed_for_test
 import torch
 
-from optimizer_server import spawn
+from zero_offload.server import spawn
 from tests.conftest import our_segments
 
 pytestmark = pytest.mark.timeout(300)
@@ -129,7 +129,7 @@ def test_resume_after_server_crash_is_bitwise(tmp_path):
 def test_killed_parent_leaves_no_spawn_directory():
     """spawn()'s private directory goes at the parent's exit; when the parent is
     SIGKILLed instead, the server (which exits with it) removes it."""
-    from optimizer_server.procs import pid_alive
+    from zero_offload.server.procs import pid_alive
     code = ("import time\nfrom optimizer_server import spawn\ns = spawn(threads=1)\n"
             "print(s.address_file, s.pid, flush=True)\ntime.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT,
@@ -154,8 +154,8 @@ def test_server_killed_before_a_checkpoint_is_the_named_error(tmp_path, dpu):
     """A save that finds the server dead raises OptimizerServerDeadError itself, not
     a checkpoint error wrapping it (what a trainer catches to restart), and leaves
     no partial checkpoint."""
-    from optimizer_server import OptimizerServerDeadError
-    from runtime import OffloadConfig, OffloadEngine
+    from zero_offload.server import OptimizerServerDeadError
+    from zero_offload import OffloadConfig, OffloadEngine
     from tests.helpers.dist_worker import global_batch, make_model
     model = make_model()
     eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=1))

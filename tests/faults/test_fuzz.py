@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from optimizer_server import ShardClient, spawn
-from optimizer_server import protocol as P
+from zero_offload.server import ShardClient, spawn
+from zero_offload.server import protocol as P
 from tests.faults.test_crashes import record
 
 pytestmark = pytest.mark.timeout(300)

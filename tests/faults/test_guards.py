@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimizer_server import OptimizerServerError, ShardClient, spawn
-from optimizer_server import protocol as P
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload.server import OptimizerServerError, ShardClient, spawn
+from zero_offload.server import protocol as P
+from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.dist_worker import global_batch, make_model
 from tests.conftest import our_segments
 from tests.faults.test_crashes import record

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import zmq
 
-from optimizer_server import ShardClient, spawn
-from optimizer_server import protocol as P
-from optimizer_server.admission import read_mem_available
-from optimizer_server.checkpoint import CheckpointError, resolve
-from optimizer_server.config import ServerConfig
-from optimizer_server.errors import OptimizerServerError
-from optimizer_server.shm import Segment
+from zero_offload.server import ShardClient, spawn
+from zero_offload.server import protocol as P
+from zero_offload.server.admission import read_mem_available
+from zero_offload.server.checkpoint import CheckpointError, resolve
+from zero_offload.server.config import ServerConfig
+from zero_offload.server.errors import OptimizerServerError
+from zero_offload.server.shm import Segment
 
 pytestmark = pytest.mark.timeout(180)
 

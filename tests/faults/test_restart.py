@@ -30,7 +30,7 @@ COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-eve
 
 
 def launch(tmp: Path, name: str, max_restarts: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "runtime.launch", "--max-restarts", str(max_restarts),
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--max-restarts", str(max_restarts),
            str(ROOT / "scripts" / "train_gpt.py"), *COMMON, "--ckpt-dir", str(tmp / f"{name}-ck"),
            "--log-json", str(tmp / f"{name}.jsonl")]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -82,9 +82,9 @@ def test_restart_ends_where_an_uninterrupted_run_ends(tmp_path, uninterrupted, v
             assert time.monotonic() < deadline, "the run never got going"
             time.sleep(0.005)
         if victim == "server":
-            pid = find_pid("optimizer_server", f"--parent-pid {p.pid}")
+            pid = find_pid("zero_offload.server", f"--parent-pid {p.pid}")
         else:
-            pid = find_pid("train_gpt.py", str(log), exclude=("runtime.launch", "torch.distributed.run"))
+            pid = find_pid("train_gpt.py", str(log), exclude=("zero_offload.launch", "torch.distributed.run"))
         killed_at = len(records(log))
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()

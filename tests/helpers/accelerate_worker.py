@@ -1,6 +1,6 @@
 """A training script written for Accelerate, with OffloadAdamW as its optimizer.
 
-    python -m runtime.launch --nproc-per-node 2 tests/helpers/accelerate_worker.py OUT_DIR OPT STEPS
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/accelerate_worker.py OUT_DIR OPT STEPS
 
 OPT: offload | torch (torch.optim.AdamW: the reference) | offload-ddp (prepares the
 model with several processes: must be refused).  Unchanged between the two but for
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from accelerate import Accelerator  # noqa: E402
 
-from runtime import OffloadAdamW  # noqa: E402
+from zero_offload import OffloadAdamW  # noqa: E402
 from tests.helpers.models import gpt  # noqa: E402
 
 

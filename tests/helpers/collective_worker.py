@@ -1,6 +1,6 @@
 """A worker for the collectives tests, run under the launcher with 2 ranks (gloo).
 
-    python -m runtime.launch --nproc-per-node 2 tests/helpers/collective_worker.py OUT_DIR MODE
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/collective_worker.py OUT_DIR MODE
 
 MODE gloo: the CPU ranks' path (asynchronous fp32 all-reduces).  MODE owner: the
 NCCL-style path (an fp32 reduce to each shard's owner, DeviceBucketStep) run over
@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from runtime import OffloadConfig, OffloadEngine  # noqa: E402
-from runtime.grads_down import DeviceBucketStep  # noqa: E402
+from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
+from zero_offload.grads_down import DeviceBucketStep  # noqa: E402
 
 STEPS = 4
 BIG = 40000.0  # < fp16's max 65504, but twice it is not

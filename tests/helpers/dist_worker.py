@@ -1,6 +1,6 @@
 """A training worker for the multi-rank tests, run under zero-offload-launch / torchrun.
 
-    python -m runtime.launch --nproc-per-node 2 tests/helpers/dist_worker.py OUT_DIR MODE STEPS
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/dist_worker.py OUT_DIR MODE STEPS
 
 Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from runtime import OffloadConfig, OffloadEngine  # noqa: E402
+from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
 
 
 SPEC_WAIT_S = 0.1  # spec modes: see main()

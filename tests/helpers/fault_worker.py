@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from runtime import OffloadConfig, OffloadEngine, OptimizerServerDeadError  # noqa: E402
+from zero_offload import OffloadConfig, OffloadEngine, OptimizerServerDeadError  # noqa: E402
 from tests.helpers.dist_worker import global_batch, make_model  # noqa: E402
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
-from runtime.compute_dtype import resolve as resolve_compute
-from runtime.demo.gpt import GPT, GPTConfig
+from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload.compute_dtype import resolve as resolve_compute
+from zero_offload.demo.gpt import GPT, GPTConfig
 from tests.helpers.reference import DT, MixedPrecisionReference
 
 

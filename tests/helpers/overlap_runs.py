@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from runtime import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig, OffloadEngine
 
 STEPS = 40
 # The synchronous reference runs, by configuration: test_overlap and test_speculation compare

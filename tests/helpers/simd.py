@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from cython_ext import cpu_adam as ca
+from zero_offload.kernels import cpu_adam as ca
 
 _ORDER = ["scalar", "avx2", "avx512"]
 LEVELS = _ORDER[:_ORDER.index(ca.best_simd_level()) + 1]

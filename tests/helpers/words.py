@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cython_ext import cpu_adam
+from zero_offload.kernels import cpu_adam
 
 
 def bf16_words(x) -> np.ndarray:
