@@ -138,6 +138,8 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
                         server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
     if kind == "broken":  # --dry-run --inject-failure: a variant that raises, as a CUDA error would
         raise RuntimeError("injected failure (gpu_bench --inject-failure)")
+    if kind == "hang":  # --inject-hang: a variant that never ends, as a hung kernel would
+        time.sleep(3600)
     if kind == "baseline":
         eng = DeviceMixedPrecision(model.to(dev), cfg)
     else:
@@ -243,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     ap.add_argument("--dry-run", action="store_true", help="run on the CPU with tiny sizes (checks the code)")
     ap.add_argument("--inject-failure", action="store_true", help="add a variant that raises (checks the harness)")
+    ap.add_argument("--inject-hang", action="store_true",
+                    help="add a variant that never ends, after the first batch's baseline (checks the kill path)")
     ap.add_argument("--summary", default="", help="print the table of a results JSON and exit")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no variant after this many seconds")
     ap.add_argument("--layers", type=int, default=48)
@@ -297,6 +301,8 @@ def main(argv=None) -> int:
             kinds = ("baseline", "sync", "dpu", "overlap") + (kinds_last if b == batches[-1] else ())
             if a.inject_failure and b == batches[0]:
                 kinds = kinds[:1] + ("broken",) + kinds[1:]
+            if a.inject_hang and b == batches[0]:
+                kinds = kinds[:1] + ("hang",) + kinds[1:]
             for kind in kinds:
                 if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
                     raise Deadline(f"--deadline-s {a.deadline_s:.0f} passed")

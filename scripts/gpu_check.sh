@@ -86,6 +86,8 @@ LEFT=$(( 285 - (SECONDS - T0) ))
 BENCH_S=${GPU_CHECK_BENCH_S:-$(( LEFT < 30 ? 30 : LEFT ))}
 INJECT=""
 [ -n "$DRY" ] && INJECT="--inject-failure"
+# the dry-run test of the kill path: a variant that hangs, so the bound stops the bench mid-way
+[ -n "$DRY" ] && [ -n "${GPU_CHECK_INJECT_HANG:-}" ] && INJECT="$INJECT --inject-hang"
 # SIGTERM at the bound: the bench prints the table of what finished; KILL 10 s later
 timeout -k 10 "$BENCH_S" "$PY" scripts/gpu_bench.py $DRY $INJECT $SIZE --out "$OUT" \
   --deadline-s $(( BENCH_S > 40 ? BENCH_S - 30 : BENCH_S / 2 )) 2>&1 | tee "$OUT/gpu_bench.log" | grep -v "^|" | tail -25

@@ -47,15 +47,21 @@ def two_rank_runs(tmp_path_factory):
     """Every mode of test_two_ranks_match_one_rank in one launch (the processes' start is
     most of each run's time): OUT/MODE/rank*.pt."""
     d = tmp_path_factory.mktemp("two_ranks")
-    p = launch(d, "+".join(MATCH_MODES), MATCH_STEPS)
+    launch_modes(d, MATCH_MODES, MATCH_STEPS, 600, "the two-rank runs hung")
+    return d
+
+
+def launch_modes(out, modes, steps, timeout_s, hung):
+    """One launch of 2 ranks running each mode in turn (OUT/MODE/rank*.pt); `hung` says
+    what a timeout means."""
+    p = launch(out, "+".join(modes), steps)
     try:
-        out, _ = p.communicate(timeout=600)
+        text, _ = p.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         p.kill()
-        out, _ = p.communicate()
-        raise AssertionError(f"the two-rank runs hung:\n{out[-3000:]}")
-    assert p.returncode == 0, out
-    return d
+        text, _ = p.communicate()
+        raise AssertionError(f"{hung}:\n{text[-3000:]}")
+    assert p.returncode == 0, text
 
 
 @pytest.mark.timeout(900)
@@ -118,14 +124,7 @@ def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
     bitwise those of sync, with the clip at 1.0 firing on some steps and without it."""
     res = {}
     modes = ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec", "overlap-eval")
-    p = launch(tmp_path, "+".join(modes), 12)  # one launch, each mode in turn
-    try:
-        out, _ = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        raise AssertionError(f"a mode hung (overlap-eval: a collective in rank 0's forward):\n{out[-3000:]}")
-    assert p.returncode == 0, out
+    launch_modes(tmp_path, modes, 12, 240, "a mode hung (overlap-eval: a collective in rank 0's forward)")
     for mode in modes:
         res[mode] = [torch.load(tmp_path / mode / f"rank{r}.pt") for r in range(2)]
     for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec"),
