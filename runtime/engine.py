@@ -162,11 +162,6 @@ class OffloadEngine:
             self._connect(cfg)
             self._init_weights()
             self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.flat.spans]
-            if self.compute_dtype != self.dtype:
-                # fp32 compute: a script written for 16-bit weights casts its inputs to the 16-bit
-                # dtype; those become fp32 (exactly: every 16-bit value is one), instead of a
-                # dtype clash in the first matmul
-                self._hooks.append(model.register_forward_pre_hook(self._inputs_to_compute, with_kwargs=True))
             if cfg.overlap_update:
                 self.pipeline = ForwardPipeline(model, self.flat, self.cycle, world_size=self.world_size,
                                                 tracer=self.tracer, counters=self.counters)
@@ -266,12 +261,6 @@ class OffloadEngine:
             for b in self.model.buffers():
                 b.data = b.data.to(self.device, self.compute_dtype if b.is_floating_point() else b.dtype)
         host_memory.return_freed_heap()
-
-    def _inputs_to_compute(self, module, args, kwargs):
-        """The model's top-level tensor arguments in the weights' 16-bit dtype, as fp32."""
-        def cast(x):
-            return x.to(self.compute_dtype) if isinstance(x, torch.Tensor) and x.dtype == self.dtype else x
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
     @property
     def flat16(self) -> torch.Tensor:
