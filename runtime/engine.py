@@ -616,7 +616,8 @@ class OffloadEngine:
                 "spec_rollback_steps": c.spec_rollback_steps, "spec_kept_numel": c.spec_kept_numel,
                 "spec_rolled_back_numel": c.spec_rolled_back_numel,
                 "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy,
-                "compute_dtype": str(self.compute_dtype).replace("torch.", ""), "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
+                "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
+                "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)

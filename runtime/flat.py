@@ -77,7 +77,6 @@ class FlatParams:
                 first.setdefault(groups[i], len(first))
             order.sort(key=lambda i: first[groups[i]])  # stable: reverse registration inside a group
         self.group_ranges: list[tuple[int, int, int]] = []  # (group, lo, hi) in flat coordinates, in order
-        self.align = align
         off = 0
         cur: Bucket | None = None
         for i in order:

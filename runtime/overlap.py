@@ -124,8 +124,8 @@ class ForwardPipeline:
         this module's kernels, and only what follows, see the new weights."""
         c = self.cycle
         src = c.incoming_tensor()
-        stream = self._stream
-        if stream is not None and not c.zero_copy:
+        stream = self._stream  # None on the CPU, and so under zero-copy (a CPU rank's)
+        if stream is not None:
             if self._after is not None:
                 stream.wait_event(self._after)
                 self._after = None
@@ -142,7 +142,7 @@ class ForwardPipeline:
                     self.counters.bytes_to_device += 2 * s.numel
                     self.counters.bytes_to_device_early += 2 * s.numel
                 self._visible.add(id(s))
-        if stream is not None and not c.zero_copy and spans:
+        if stream is not None and spans:
             done = torch.cuda.Event()
             done.record(stream)
             torch.cuda.current_stream(stream.device).wait_event(done)

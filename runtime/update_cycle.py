@@ -60,7 +60,8 @@ class UpdateCycle:
     """
 
     def __init__(self, client, flat: FlatParams, *, dtype: torch.dtype, device: torch.device, shard_lo: int,
-                 zero_copy: bool, compute_dtype: torch.dtype | None = None, overlap_weights_up: bool, tracer, counters: Counters, gather=None):
+                 zero_copy: bool, compute_dtype: torch.dtype | None = None, overlap_weights_up: bool, tracer,
+                 counters: Counters, gather=None):
         self.client = client
         self.flat = flat
         self.zero_copy = zero_copy
