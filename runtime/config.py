@@ -72,14 +72,14 @@ class OffloadConfig:
         the speculated part when its values turn out as assumed, else the server puts the
         saved bytes back and runs the whole update (a clip that fires, an overflow, an lr
         changed after backward): bitwise the synchronous result either way.  It pays when
-        clipping rarely fires (README: which to pick); runtime.speculation backs off after
+        clipping rarely fires (README, "Choose a mode"); runtime.speculation backs off after
         rollbacks.
     state_dtype: the optimizer state's dtype on the server (adam/adamw/lion): "fp32" (default:
         12 B/param of master, m and v, plus 4 shared) or "bf16": m and v in bf16 with
         stochastic rounding, and with bf16 weights (and no dpu_predict) the exact
         master, the fp32 master kept as the weights' bf16 plus a 16-bit remainder, the
         same fp32 bits as an fp32 master: 6 B/param plus 4 shared, and an update that
-        moves 18 B/param instead of 28 (optimizer_server.state; README: which to pick);
+        moves 18 B/param instead of 28 (optimizer_server.state; README, "Choose a state dtype");
         or "int8": m and v (Lion: m) as 8-bit codes with a scale per block of 256
         (cython_ext/_kernels_int8.h), the same exact master: 4.03 B/param plus 4 shared
         (Lion: 3.02).

@@ -7,8 +7,8 @@
 #   bash scripts/gpu_check.sh --dry-run  # the same steps on the CPU, tiny sizes (tests/test_scripts.py)
 #
 # Without CUDA it exits 0 at once: "no CUDA device; skipped".  The GPU machine has
-# no network: pyzmq is not in its image, so carry the wheel in .whl/ (README,
-# "Checking the CUDA path"); it is installed into /tmp/site.
+# no network: pyzmq is not in its image, so carry the wheel in .whl/ (docs/gpu.md);
+# it is installed into /tmp/site.
 # Budget: machine facts (s), build (<= 60 s, skipped when a carried build matches the
 # sources), the cuda tests (<= 90 s: 30 s per test, 30 s per request), the measurements
 # (<= 120 s, each variant in its own try/except, JSON after each), the summary table
