@@ -159,15 +159,28 @@ static void zo_cast_chunk(const float *src, uint16_t *dst, int ok, int64_t lo, i
 /* These are the reference the vector paths are tested against, and the tail
  * of every vector loop, so each line mirrors the vector code op for op. */
 
+/* Which of the loop's optional operations run, decided once per call (the AVX2
+ * bodies take them as a constant mask, so each variant's loop has no tests):
+ * the same decisions as the scalar loop's "x * 1 and x + 0 * p are skipped". */
+enum { ZO_F_SCALE = 1, ZO_F_L2 = 2, ZO_F_DECAY = 4 };
+#define ZO_FLAG(h, f) (zo_flags_ & (f))
+static inline int zo_flags_of(const zo_hparams *h) {
+    return (h->grad_scale != 1.0f ? ZO_F_SCALE : 0) | (h->l2 != 0.0f ? ZO_F_L2 : 0) | (h->decoupled ? ZO_F_DECAY : 0);
+}
+
 static void zo_adam_scalar(float *p, float *m, float *v, const void *g, int gk,
                            void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *h) {
     const float *rp = h->src_p ? h->src_p : p, *rm = h->src_m ? h->src_m : m, *rv = h->src_v ? h->src_v : v;
     int64_t i;
+    /* x * 1 and x + 0 * p are skipped, as the vector loops skip them (they change no
+     * finite value; the AVX2 loop is specialised on these flags, zo_flags_of) */
+    const int scale_on = h->grad_scale != 1.0f, l2_on = h->l2 != 0.0f;
     for (i = lo; i < hi; i++) {
-        float gi = zo_load_grad(g, gk, i) * h->grad_scale;
+        float gi = zo_load_grad(g, gk, i);
         float pi = rp[i];
         float mi, vi, denom;
-        gi = gi + h->l2 * pi;
+        if (scale_on) gi = gi * h->grad_scale;
+        if (l2_on) gi = gi + h->l2 * pi;
         mi = h->beta1 * rm[i] + h->one_minus_beta1 * gi;
         vi = h->beta2 * rv[i] + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
@@ -463,11 +476,13 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
             nt = 1;
         }
     }
+    const int scale_on = h->grad_scale != 1.0f, l2_on = h->l2 != 0.0f;  /* as the scalar loop */
     for (; i + 16 <= hi; i += 16) {
-        __m512 gi = _mm512_mul_ps(zo512_load_grad(g, gk, i), gs);
+        __m512 gi = zo512_load_grad(g, gk, i);
         __m512 pi = _mm512_loadu_ps(rp + i);
         __m512 mi, vi, denom;
-        gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        if (scale_on) gi = _mm512_mul_ps(gi, gs);
+        if (l2_on) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
         mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(rm + i)), _mm512_mul_ps(omb1, gi));
         vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(rv + i)),
                            _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
@@ -567,9 +582,30 @@ static inline ZO_T256 void zo256_store_out(void *o, int ok, int64_t i, __m256 v)
     }
 }
 
+/* Software prefetch ZO_PREFETCH_AHEAD elements ahead on each read stream, once per
+ * 64-byte line of the fp32 arrays (every 16 elements; the 16-bit gradient every 32).
+ * One AVX2 core spends as long on Adam's arithmetic (the square root and division
+ * share one unit) as on memory, and its out-of-order window fills with that
+ * arithmetic, so without this the hardware prefetchers left the loop at ~70% of its
+ * access pattern's bound at one thread; with it, ~90% (BENCHMARKS.md, bench_adam).
+ * The results are unchanged: a prefetch only warms the cache. */
+#ifndef ZO_PREFETCH_AHEAD
+#define ZO_PREFETCH_AHEAD 256
+#endif
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_prefetch(
+        const float *p, const float *m, const float *v, const void *g, int gk, int64_t i, int64_t lo) {
+    _mm_prefetch((const char *)(p + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(m + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(v + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    if (gk == ZO_F32)
+        _mm_prefetch((const char *)((const float *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    else if (((i - lo) & 16) == 0)
+        _mm_prefetch((const char *)((const uint16_t *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+}
+
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
         float *p, float *m, float *v, const void *g, int gk, void *out, int ok,
-        int64_t lo, int64_t hi, const zo_hparams *h) {
+        int64_t lo, int64_t hi, const zo_hparams *h, const int zo_flags_) {
     const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
     const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
     const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
@@ -590,29 +626,44 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
             nt = 1;
         }
     }
-    for (; i + 8 <= hi; i += 8) {
-        __m256 gi = _mm256_mul_ps(zo256_load_grad(g, gk, i), gs);
-        __m256 pi = _mm256_loadu_ps(rp + i);
-        __m256 mi, vi, denom;
-        gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
-        mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(rm + i)), _mm256_mul_ps(omb1, gi));
-        vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(rv + i)),
-                           _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
-        denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
-        __m256 p0 = pi;
-        if (h->decoupled) pi = _mm256_mul_ps(pi, dec);
-        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
-        if (nt) {
-            _mm256_stream_ps(m + i, mi);
-            _mm256_stream_ps(v + i, vi);
-            _mm256_stream_ps(p + i, pi);
-        } else {
-            _mm256_storeu_ps(m + i, mi);
-            _mm256_storeu_ps(v + i, vi);
-            _mm256_storeu_ps(p + i, pi);
+    {
+        /* a local, not h->: a vector store may alias *h, which would make every turn reload it */
+        const float predict = h->predict;
+        const __m256 pr = _mm256_set1_ps(predict);
+#define ZO256_ADAM8(J) do {                                                                        \
+            const int64_t j_ = (J);                                                             \
+            __m256 gi, pi, mi, vi, denom, p0;                                                  \
+            gi = zo256_load_grad(g, gk, j_);                                                    \
+            pi = _mm256_loadu_ps(rp + j_);                                                      \
+            if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);                             \
+            if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));             \
+            mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(rm + j_)), _mm256_mul_ps(omb1, gi)); \
+            vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(rv + j_)),                    \
+                               _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));                     \
+            denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);               \
+            p0 = pi;                                                                            \
+            if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, dec);                            \
+            pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));               \
+            if (nt) {                                                                           \
+                _mm256_stream_ps(m + j_, mi);                                                   \
+                _mm256_stream_ps(v + j_, vi);                                                   \
+                _mm256_stream_ps(p + j_, pi);                                                   \
+            } else {                                                                            \
+                _mm256_storeu_ps(m + j_, mi);                                                   \
+                _mm256_storeu_ps(v + j_, vi);                                                   \
+                _mm256_storeu_ps(p + j_, pi);                                                   \
+            }                                                                                   \
+            zo256_store_out(out, ok, j_, predict != 0.0f                                        \
+                            ? _mm256_add_ps(pi, _mm256_mul_ps(pr, _mm256_sub_ps(pi, p0))) : pi); \
+        } while (0)
+        /* 16 elements a turn: one prefetch per 64-byte line of each fp32 stream */
+        for (; i + 16 <= hi; i += 16) {
+            zo256_adam_prefetch(rp, rm, rv, g, gk, i, lo);
+            ZO256_ADAM8(i);
+            ZO256_ADAM8(i + 8);
         }
-        zo256_store_out(out, ok, i, h->predict != 0.0f
-                        ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi);
+        for (; i + 8 <= hi; i += 8) ZO256_ADAM8(i);
+#undef ZO256_ADAM8
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
@@ -783,14 +834,6 @@ static inline ZO_T256 __m256i zo256_quiet_round(__m256 xf, __m256i add) {
     return _mm256_or_si256(r, _mm256_and_si256(nan, _mm256_set1_epi32(0x40)));
 }
 
-/* Which of the loop's optional operations run, decided once per call (the AVX2
- * bodies take them as a constant mask, so each variant's loop has no tests):
- * the same decisions as the scalar loop's "x * 1 and x + 0 * p are skipped". */
-enum { ZO_F_SCALE = 1, ZO_F_L2 = 2, ZO_F_DECAY = 4 };
-#define ZO_FLAG(h, f) (zo_flags_ & (f))
-static inline int zo_flags_of(const zo_hparams *h) {
-    return (h->grad_scale != 1.0f ? ZO_F_SCALE : 0) | (h->l2 != 0.0f ? ZO_F_L2 : 0) | (h->decoupled ? ZO_F_DECAY : 0);
-}
 
 /* Adam on 8 lanes in any order: p and g in, the new p out, m and v rounded to bf16
  * (in u32 lanes; rnd: 16 random bits for m low, 16 for v high) */
@@ -1236,7 +1279,28 @@ static ZO_T512 void zo512_adam16p(int lion, float *p, const void *g, int gk, voi
 #define ARGS_F16_F16 p, m, v, g, ZO_F16, out, ZO_F16, lo, hi, h
 #define ARGS_BF16_BF16 p, m, v, g, ZO_BF16, out, ZO_BF16, lo, hi, h
 ZO_SPECIALISE(zo512_adam, zo512_adam_body, ZO_T512, ADAM_PARAMS, (p, m, v, g, gk, out, ok, lo, hi, h))
-ZO_SPECIALISE(zo256_adam, zo256_adam_body, ZO_T256, ADAM_PARAMS, (p, m, v, g, gk, out, ok, lo, hi, h))
+/* The AVX2 Adam body is also specialised on its optional operations (zo_flags_of;
+ * weight decay of 1.0 is a multiply by one, skipped too): on one AVX2 core the
+ * loop is at the edge of compute, and each multiply it drops is ~3% of it. */
+#define ZO256_ADAM_FLAGS(GK, OK)                                                            \
+    switch (f) {                                                                            \
+    case 0: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 0); break;                  \
+    case 1: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 1); break;                  \
+    case 2: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 2); break;                  \
+    case 3: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 3); break;                  \
+    case 4: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 4); break;                  \
+    case 5: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 5); break;                  \
+    case 6: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 6); break;                  \
+    default: zo256_adam_body(p, m, v, g, GK, out, OK, lo, hi, h, 7); break;                 \
+    }
+static ZO_T256 void zo256_adam ADAM_PARAMS {
+    int f = zo_flags_of(h);
+    if ((f & ZO_F_DECAY) && h->decay == 1.0f) f &= ~ZO_F_DECAY;
+    if (gk == ZO_F16 && ok == ZO_F16) { ZO256_ADAM_FLAGS(ZO_F16, ZO_F16) }
+    else if (gk == ZO_BF16 && ok == ZO_BF16) { ZO256_ADAM_FLAGS(ZO_BF16, ZO_BF16) }
+    else { ZO256_ADAM_FLAGS(gk, ok) }
+}
+#undef ZO256_ADAM_FLAGS
 #undef ARGS_F16_F16
 #undef ARGS_BF16_BF16
 #define ARGS_F16_F16 p, m, g, ZO_F16, out, ZO_F16, lo, hi, h

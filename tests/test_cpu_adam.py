@@ -82,12 +82,6 @@ def test_grad_scale_equals_prescaled_gradient(level):
         np.testing.assert_array_equal(x, y)
 
 
-def _ulp_diff(a, b):
-    ai = a.view(np.int32).astype(np.int64)
-    bi = b.view(np.int32).astype(np.int64)
-    return int(np.max(np.abs(ai - bi))) if a.size else 0
-
-
 @pytest.mark.parametrize("which", ["adam", "adagrad", "lion"])
 @pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
 @pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
@@ -120,9 +114,46 @@ def test_simd_paths_agree_with_scalar(which, gdt):
             ca.set_simd_level(prev)
     base = results["scalar"]
     for lv, res in results.items():
-        for x, y in zip(res[:3], base[:3]):
-            assert _ulp_diff(x, y) <= 1, lv
-        np.testing.assert_array_equal(res[3], base[3])
+        for x, y in zip(res, base):  # bitwise: the same IEEE operations in the same order
+            np.testing.assert_array_equal(x.view(np.uint32 if x.dtype == np.float32 else np.uint16),
+                                          y.view(np.uint32 if y.dtype == np.float32 else np.uint16), err_msg=lv)
+
+
+# Every combination of the Adam loop's optional operations (the AVX2 loop is compiled
+# once per combination: grad_scale != 1, an L2 term, decoupled decay != 1) and DPU's
+# prediction, each against the scalar loop, bitwise.
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+@pytest.mark.parametrize("decay", ["adamw", "adamw-wd0", "adam-l2", "adam"])
+@pytest.mark.parametrize("predict", [0.0, 1.0])
+@pytest.mark.parametrize("gdt", ["fp16", "bf16", "fp32"])
+@pytest.mark.skipif(len(LEVELS) < 2, reason="this CPU has no SIMD path to compare with the scalar one")
+def test_every_adam_variant_agrees_with_scalar_bitwise(scale, decay, predict, gdt):
+    rng = seeded_rng()
+    n = 20_011
+    g32 = rng.standard_normal(n).astype(np.float32)
+    kw = dict(grad_scale=scale, predict=predict,
+              adamw=decay.startswith("adamw"), weight_decay=0.0 if decay in ("adamw-wd0", "adam") else 0.05)
+    if gdt == "fp16":
+        g = g32.astype(np.float16)
+    elif gdt == "bf16":
+        g, kw["grad_dtype"], kw["out_dtype"] = torch.from_numpy(g32).to(torch.bfloat16).view(torch.int16).numpy(), "bf16", "bf16"
+    else:
+        g = g32
+    p0 = rng.standard_normal(n).astype(np.float32)
+    s0 = np.abs(rng.standard_normal(n)).astype(np.float32)
+    results = {}
+    for lv in LEVELS:
+        prev = ca.set_simd_level(lv)
+        try:
+            p, m, v = p0.copy(), s0.copy() - 0.5, s0.copy() * 0.5
+            out = np.empty(n, np.int16 if gdt == "bf16" else np.float16)
+            ca.adam_step(p, m, v, g, out, step=5, lr=1e-3, **kw)
+            results[lv] = [x.view(np.uint32 if x.dtype == np.float32 else np.uint16) for x in (p, m, v, out)]
+        finally:
+            ca.set_simd_level(prev)
+    for lv, res in results.items():
+        for x, y in zip(res, results["scalar"]):
+            np.testing.assert_array_equal(x, y, err_msg=lv)
 
 
 def test_fp16_words_with_keyword_equal_float16_arrays():
