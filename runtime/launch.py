@@ -94,6 +94,19 @@ def parse(argv: list[str]) -> tuple[dict, list[str], list[str]]:
     raise SystemExit(f"zero-offload-launch: no training script given\n{USAGE}")
 
 
+# torchrun options that say where the workers meet; without any, torchrun would use
+# 127.0.0.1:29500, so two single-node jobs on one machine would collide there
+RENDEZVOUS_OPTIONS = ("--standalone", "--nnodes", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+                      "--master-port", "--master_port", "--rdzv")
+
+
+def rendezvous(torch_opts: list[str]) -> list[str]:
+    """torch_opts, plus --standalone (a free port, one node) when they name no rendezvous."""
+    if any(a.partition("=")[0].startswith(RENDEZVOUS_OPTIONS) for a in torch_opts):
+        return torch_opts
+    return ["--standalone", *torch_opts]
+
+
 def split_cores(nproc: int, server_threads: int, worker_threads: int, cuda: bool) -> tuple[list[int], list[int], int, int]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     n = len(cores)
@@ -151,7 +164,8 @@ def _attempt(opts, torch_opts, script, server_cores, worker_cores, st, wt, stop,
     wenv.update({ADDRESS_ENV: server.address, TOKEN_ENV: server.token})
     if opts["trace_dir"]:
         wenv[TRACE_DIR_ENV] = opts["trace_dir"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts["nproc"]), *torch_opts, *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(opts["nproc"]),
+           *rendezvous(torch_opts), *script]
 
     def pin():
         try:

@@ -17,7 +17,7 @@ from bench_md import machine_line, update_section  # noqa: E402
 def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         rec = Path(d) / "reliability.json"
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/faults"], cwd=ROOT,
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "tests/faults"], cwd=ROOT,
                            env=dict(os.environ, ZERO_OFFLOAD_RECORD=str(rec)))
         data = json.loads(rec.read_text()) if rec.exists() else {}
     lines = [f"## Reliability (scripts/reliability_report.py: tests/faults)\n\n{machine_line()}; suite exit code "

@@ -17,7 +17,8 @@ from zero_offload.server import ShardClient, spawn
 from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 
-pytestmark = pytest.mark.timeout(240)
+# "memory": GBs of state; one worker runs every such test, so none sees another's
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("memory")]
 SEED = 20261203
 
 

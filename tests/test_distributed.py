@@ -65,6 +65,7 @@ def launch_modes(out, modes, steps, timeout_s, hung):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("two_rank_runs")  # its module fixture's one launch serves every mode on one worker
 @pytest.mark.parametrize("mode", MATCH_MODES)
 def test_two_ranks_match_one_rank(two_rank_runs, mode):
     """unused-dpu: a parameter without a gradient on every rank is left alone, one with

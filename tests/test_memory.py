@@ -14,7 +14,8 @@ import torch
 
 from zero_offload import OffloadConfig, OffloadEngine
 
-pytestmark = pytest.mark.timeout(240)
+# "memory": it measures RSS; one worker runs every memory-heavy test (tests/test_checkpoint_scale.py)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("memory")]
 
 WIDTH, DEPTH = 2048, 4  # 16.8M parameters: 67 MB in fp32, far above allocator noise
 WINDOW = 1 << 20  # staging chunks of 4 MiB: 16 INIT round trips

@@ -12,7 +12,7 @@ from zero_offload.server import checkpoint as C
 from zero_offload.server.reshard import read_range
 from zero_offload import OffloadConfig
 from zero_offload.demo.schedule import WarmupCosine
-from zero_offload.launch import parse, split_cores
+from zero_offload.launch import parse, rendezvous, split_cores
 from zero_offload.loss_scaler import LossScaler
 from zero_offload.optimizer_proxy import ServerOptimizer
 from zero_offload.trace_analysis import Span, bytes_per_step, has_server, hidden_fraction
@@ -28,6 +28,15 @@ def test_parse_splits_our_options_torchruns_and_the_script():
     assert opts["nproc"] == 4 and opts["server_threads"] == 3 and opts["trace_dir"] == "/tmp/t"
     assert torch_opts == ["--nnodes", "2", "--standalone", "--rdzv-id=x"]
     assert script == ["train.py", "--lr", "1", "--nproc-per-node", "9"]  # the script's own arguments stay its own
+
+
+def test_a_single_node_job_meets_on_a_free_port_unless_told_otherwise():
+    # torchrun's default 127.0.0.1:29500 would make two jobs on one machine collide
+    assert rendezvous([]) == ["--standalone"]
+    assert rendezvous(["--redirects=3"]) == ["--standalone", "--redirects=3"]
+    for given in (["--nnodes", "2", "--master-addr", "h"], ["--master_port=1234"], ["--rdzv-endpoint", "h:1"],
+                  ["--standalone"], ["--node-rank", "0"]):
+        assert rendezvous(given) == given
 
 
 @pytest.mark.parametrize("argv, msg", [
