@@ -1,6 +1,6 @@
 """Train a byte-level GPT on the Python standard library's source, with ZeRO-Offload.
 
-    python scripts/train_gpt.py                       # CPU defaults: a few minutes on 2 cores
+    python scripts/train_gpt.py                       # CPU defaults: under a minute on 2 cores
     python scripts/train_gpt.py --no-offload          # the plain-PyTorch baseline
     python scripts/train_gpt.py --device cuda --model gpt2 --batch-size 16 --seq-len 1024 --dtype fp16
 

@@ -16,6 +16,7 @@ import torch
 from zero_offload.server import ShardClient, spawn
 from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
+from tests.conftest import our_segments
 
 # "memory": GBs of state; one worker runs every such test, so none sees another's
 pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("memory")]
@@ -54,7 +55,7 @@ class Poller:
 
 
 def _segments():
-    return {n for n in os.listdir("/dev/shm")}
+    return our_segments()  # this test process's servers' segments, not another run's beside it
 
 
 def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
