@@ -11,7 +11,7 @@ every timed step (the real offload state lives in DRAM, not cache):
   ds     DeepSpeedCPUAdam with the same casts, when deepspeed is importable
   bound  28 B/param at the bandwidth of a loop with Adam's access pattern and
          trivial arithmetic (cython_ext stream_probe) on the same buffers, in the same run
-Writes the table into BENCHMARKS.md (section "bench_adam").
+Writes the table into BENCHMARKS.md (section "bench_adam", "bench_adam_avx2" on an AVX2 host).
 
     python scripts/bench_adam.py --state-dtypes  # section "bench_adam_state"
 
@@ -45,6 +45,13 @@ from zero_offload.kernels import cpu_adam  # noqa: E402
 
 BYTES_PER_PARAM = 28
 FLUSH = np.ones(64 * 1024 * 1024, np.float32)  # 256 MiB, larger than any LLC here
+
+
+def section(name: str) -> str:
+    """One section per SIMD level, so an AVX2 host's run does not replace an AVX-512
+    host's (the AVX-512 sections keep their first names)."""
+    level = cpu_adam.simd_level()
+    return name if level == "avx512" else f"{name}_{level}"
 
 
 def flush_cache() -> None:
@@ -229,7 +236,7 @@ def main_lion_state(sizes, threads, reps, write) -> int:
             f"median of {reps} steps, 256 MiB cache flush before each, all variants interleaved in one run.\n\n"
             + "\n".join(rows) + "\n")
     if write:
-        update_section("bench_lion_state", body)
+        update_section(section("bench_lion_state"), body)
     return 0
 
 
@@ -260,7 +267,7 @@ def main_state(sizes, threads, reps, write) -> int:
             f"Each state's bound is a loop with its own access pattern and trivial arithmetic on the same "
             f"buffers.\n\n" + "\n".join(rows) + "\n")
     if write:
-        update_section("bench_adam_state", body)
+        update_section(section("bench_adam_state"), body)
     return 0
 
 
@@ -298,7 +305,7 @@ def main(argv=None) -> int:
             f"openmp={cpu_adam.openmp_enabled()}; median of {args.reps} steps, 256 MiB cache flush before each, "
             f"all variants interleaved in one run.\n\n" + "\n".join(rows) + "\n")
     if not args.no_write:
-        update_section("bench_adam", body)
+        update_section(section("bench_adam"), body)
     return 0
 
 
