@@ -198,7 +198,7 @@ class ShardClient:
             raise OptimizerServerError("client is closed")
         if self._broken is not None:
             raise OptimizerServerError(f"this client is no longer usable: {self._broken}; close it and connect a new "
-                                       f"one (or restart the server and load_checkpoint)", code="timeout")
+                                       f"one (or restart the server and load_checkpoint)", code=P.E_TIMEOUT)
 
     def _request(self, msg: P.Message, expect: type, timeout_s: float | None = None):
         self._check_usable()

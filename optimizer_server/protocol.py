@@ -441,7 +441,15 @@ E_SESSION = "session"        # unknown session
 E_ORDER = "order"            # out-of-order step, busy shard
 E_RESOURCE = "resource"      # not enough RAM / shm
 E_CHECKPOINT = "checkpoint"  # save/load failed or layout mismatch
-E_INTERNAL = "internal"
+E_INTERNAL = "internal"      # a bug on the server, answered rather than crashed on
+# Raised on the worker's side only, never sent: the server process is gone, or a request
+# made no progress within its bound.  In the same set, so OptimizerServerError.code is
+# always one of these.
+E_DEAD = "dead"
+E_TIMEOUT = "timeout"
+# The closed set: an ERROR with any other code is not a message of this protocol.
+ERROR_CODES = frozenset({E_DECODE, E_INVALID, E_VERSION, E_AUTH, E_SESSION, E_ORDER, E_RESOURCE, E_CHECKPOINT,
+                         E_INTERNAL, E_DEAD, E_TIMEOUT})
 
 
 @dataclass(kw_only=True)
@@ -449,6 +457,9 @@ class Error(Message):
     TYPE: ClassVar[str] = "ERROR"
     code: str
     message: str
+
+    def validate(self) -> None:
+        _require(self.code in ERROR_CODES, f"unknown error code {self.code!r}; known: {sorted(ERROR_CODES)}")
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
@@ -506,4 +517,6 @@ def decode(data: bytes) -> Message:
 
 
 def error(code: str, message: str) -> bytes:
+    if code not in ERROR_CODES:
+        raise ValueError(f"unknown error code {code!r}; known: {sorted(ERROR_CODES)}")
     return Error(code=code, message=message).encode()

@@ -295,8 +295,10 @@ class OptimizerServer:
         def run():
             try:
                 return P.Ok(info=fn() or {}).encode()
-            except (OSError, ValueError) as e:
-                return P.error(P.E_CHECKPOINT if what in ("SAVE", "LOAD") else P.E_ORDER, str(e))
+            except (OSError, ValueError) as e:  # SAVE/LOAD: the files; else a bad request or no room
+                code = (P.E_CHECKPOINT if what in ("SAVE", "LOAD") else
+                        P.E_INVALID if isinstance(e, ValueError) else P.E_RESOURCE)
+                return P.error(code, str(e))
             except Exception as e:  # noqa: BLE001 - a bug must not kill the server: answer it
                 log.exception("internal error in %s", what)
                 return P.error(P.E_INTERNAL, f"{what} failed: {type(e).__name__}: {e}")

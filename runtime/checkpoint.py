@@ -21,6 +21,7 @@ import numpy as np
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
+from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
 
 
@@ -179,12 +180,12 @@ class EngineCheckpoint:
             raise err  # a dead server is the one named error, whatever it interrupted
         if err is not None:
             raise OptimizerServerError(f"saving checkpoint {name} in {root} failed ({err}); the previous "
-                                       f"checkpoint is intact", code="checkpoint") from err
+                                       f"checkpoint is intact", code=E_CHECKPOINT) from err
         if where:
             raise OptimizerServerError(f"saving checkpoint {name} failed: {where}; the previous checkpoint is "
-                                       f"intact", code="checkpoint")
+                                       f"intact", code=E_CHECKPOINT)
         raise OptimizerServerError(f"saving checkpoint {name} failed on another rank; the previous "
-                                   f"checkpoint is intact", code="checkpoint")
+                                   f"checkpoint is intact", code=E_CHECKPOINT)
 
     def poll(self, client) -> str | None:
         """Between steps, while a background save is in flight: publish it if every rank's

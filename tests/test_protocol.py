@@ -119,3 +119,21 @@ def test_importable_without_torch():
             "print('ok')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_error_codes_are_a_closed_set():
+    """Every code a worker can see is in protocol.ERROR_CODES, the server's and the
+    worker-side ones alike; an ERROR with another code is not a message."""
+    from zero_offload.server.errors import (OptimizerServerDeadError, OptimizerServerError,
+                                            OptimizerServerTimeoutError)
+    assert OptimizerServerDeadError("x").code == P.E_DEAD
+    assert OptimizerServerTimeoutError("x").code == P.E_TIMEOUT
+    assert OptimizerServerError("x").code == P.E_INTERNAL
+    assert {P.E_DEAD, P.E_TIMEOUT, P.E_ORDER, P.E_INVALID} <= P.ERROR_CODES
+    for code in P.ERROR_CODES:
+        assert P.decode(P.error(code, "m")).code == code
+    with pytest.raises(ValueError, match="unknown error code"):
+        P.error("oops", "m")
+    forged = msgpack.packb({"t": "ERROR", "code": "oops", "message": "m"}, use_bin_type=True)
+    with pytest.raises(P.ProtocolError, match="unknown error code"):
+        P.decode(forged)
