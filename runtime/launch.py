@@ -23,6 +23,7 @@ launcher exits with the workers' exit code.
 """
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -107,6 +108,16 @@ def rendezvous(torch_opts: list[str]) -> list[str]:
     return ["--standalone", *torch_opts]
 
 
+def gpus_visible() -> bool:
+    """Whether the workers will see a GPU, told without importing torch (which costs
+    the launcher ~3 s of a core): an NVIDIA or AMD GPU device node, unless
+    CUDA_VISIBLE_DEVICES hides every device.  It only decides how cores are split."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None and vis.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
 def split_cores(nproc: int, server_threads: int, worker_threads: int, cuda: bool) -> tuple[list[int], list[int], int, int]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     n = len(cores)
@@ -124,11 +135,7 @@ def split_cores(nproc: int, server_threads: int, worker_threads: int, cuda: bool
 
 def main(argv: list[str] | None = None) -> int:
     opts, torch_opts, script = parse(sys.argv[1:] if argv is None else argv)
-    try:
-        import torch
-        cuda = torch.cuda.is_available()
-    except ImportError:
-        cuda = False
+    cuda = gpus_visible()
     server_cores, worker_cores, st, wt = split_cores(opts["nproc"], opts["server_threads"], opts["worker_threads"],
                                                      cuda)
     print(f"zero-offload-launch: {len(os.sched_getaffinity(0))} cores: optimizer server {st} thread(s) on cores "

@@ -42,12 +42,21 @@ MATCH_MODES = ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu", "grou
 MATCH_STEPS = 20
 
 
+OVERLAP_MODES = ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec", "overlap-eval")
+OVERLAP_STEPS = 12
+OVERFLOW_STEPS = 5
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
-    """Every mode of test_two_ranks_match_one_rank in one launch (the processes' start is
-    most of each run's time): OUT/MODE/rank*.pt."""
+    """Every mode of test_two_ranks_match_one_rank, test_overlap_update_on_two_ranks_is_bitwise_sync
+    and test_overflow_on_one_rank_skips_everywhere in one launch (the processes' start is
+    most of each run's time): OUT/MODE/rank*.pt.  Its tests are one xdist group, so one
+    worker runs them and the launch happens once."""
     d = tmp_path_factory.mktemp("two_ranks")
-    launch_modes(d, MATCH_MODES, MATCH_STEPS, 600, "the two-rank runs hung")
+    modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}"]
+    launch_modes(d, modes, MATCH_STEPS, 600,
+                 "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
     return d
 
 
@@ -117,17 +126,16 @@ def _layout(mode):
                       shard_multiple=256 if "int8" in mode else 1, align=cfg.param_align_numel or 1)
 
 
-def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
+@pytest.mark.xdist_group("two_rank_runs")
+def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     """overlap_update across ranks (step() lands the update and its all-gather), with rank
     0 alone running an evaluation forward between steps (overlap-eval: a forward hook
     that gathered would issue a collective rank 1 never joins, and hang), and with speculation during backward (each rank's server speculates
     on its shard as the gloo all-reduces finish): master and weights on both ranks
     bitwise those of sync, with the clip at 1.0 firing on some steps and without it."""
     res = {}
-    modes = ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec", "overlap-eval")
-    launch_modes(tmp_path, modes, 12, 240, "a mode hung (overlap-eval: a collective in rank 0's forward)")
-    for mode in modes:
-        res[mode] = [torch.load(tmp_path / mode / f"rank{r}.pt") for r in range(2)]
+    for mode in OVERLAP_MODES:
+        res[mode] = [torch.load(two_rank_runs / f"{mode}@{OVERLAP_STEPS}" / f"rank{r}.pt") for r in range(2)]
     for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec"),
                       ("sync", "overlap-eval")):
         for r in range(2):
@@ -144,13 +152,11 @@ def test_overlap_update_on_two_ranks_is_bitwise_sync(tmp_path):
     assert st["spec_kept_steps"] > 0 and st["spec_rollback_steps"] > 0, st
 
 
-def test_overflow_on_one_rank_skips_everywhere(tmp_path):
-    p = launch(tmp_path, "overflow", 5)
-    out, _ = p.communicate(timeout=240)
-    assert p.returncode == 0, out
+@pytest.mark.xdist_group("two_rank_runs")
+def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):
     for r in range(2):
-        st = torch.load(tmp_path / f"rank{r}.pt")["stats"]
-        assert st["skipped_steps"] == 1 and st["updates"] == 4 and st["loss_scale"] == 2.0 ** 15
+        st = torch.load(two_rank_runs / f"overflow@{OVERFLOW_STEPS}" / f"rank{r}.pt")["stats"]
+        assert st["skipped_steps"] == 1 and st["updates"] == OVERFLOW_STEPS - 1 and st["loss_scale"] == 2.0 ** 15
 
 
 def test_failing_worker_stops_everything(tmp_path):

@@ -12,7 +12,7 @@ from zero_offload.server import checkpoint as C
 from zero_offload.server.reshard import read_range
 from zero_offload import OffloadConfig
 from zero_offload.demo.schedule import WarmupCosine
-from zero_offload.launch import parse, rendezvous, split_cores
+from zero_offload.launch import gpus_visible, parse, rendezvous, split_cores
 from zero_offload.loss_scaler import LossScaler
 from zero_offload.optimizer_proxy import ServerOptimizer
 from zero_offload.trace_analysis import Span, bytes_per_step, has_server, hidden_fraction
@@ -49,6 +49,19 @@ def test_a_single_node_job_meets_on_a_free_port_unless_told_otherwise():
 def test_parse_refuses_with_the_fix(argv, msg):
     with pytest.raises(SystemExit, match=msg):
         parse(argv)
+
+
+def test_gpus_visible_follows_the_device_nodes_and_cuda_visible_devices(monkeypatch):
+    monkeypatch.setattr("glob.glob", lambda pat: ["/dev/nvidia0"] if pat.startswith("/dev/nvidia") else [])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not gpus_visible()  # every device hidden
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpus_visible()
+    monkeypatch.setattr("glob.glob", lambda pat: [])
+    monkeypatch.setattr("os.path.exists", lambda p: False)
+    assert not gpus_visible()  # no device node: a CPU machine
 
 
 def test_split_cores(monkeypatch):

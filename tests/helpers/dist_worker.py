@@ -92,15 +92,17 @@ def config(mode: str) -> OffloadConfig:
 def main():
     """MODE may be several modes joined by "+": each runs in turn in this one launch (its
     engine, its server session) and writes OUT_DIR/MODE/rank*.pt, so a test of several
-    modes pays for the processes' start (~15 s on 2 cores) once."""
+    modes pays for the processes' start (~15 s on 2 cores) once.  MODE@N runs N steps
+    instead of STEPS (into OUT_DIR/MODE@N)."""
     out, modes, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
-    for mode in modes.split("+"):
+    for spec in modes.split("+"):
+        mode, _, n = spec.partition("@")
         d = out
         if "+" in modes:
-            d = os.path.join(out, mode)
+            d = os.path.join(out, spec)
             os.makedirs(d, exist_ok=True)
-        run(d, mode, steps)
+        run(d, mode, int(n) if n else steps)
         dist.barrier()
     dist.destroy_process_group()
 
