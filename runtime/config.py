@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Union
 
@@ -12,6 +13,9 @@ REQUEST_TIMEOUT_ENV = "ZERO_OFFLOAD_REQUEST_TIMEOUT_S"
 from zero_offload.server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
+# the loss-scaling fields and their defaults (GradScaler's); any other value under bf16 warns
+LOSS_SCALING_DEFAULTS = {"loss_scale": "dynamic", "initial_scale": 2.0 ** 16, "growth_factor": 2.0,
+                         "backoff_factor": 0.5, "growth_interval": 2000}
 
 
 @dataclass(kw_only=True)
@@ -30,7 +34,8 @@ class OffloadConfig:
         16-bit slot as each update lands (4 B/param of worker RAM, the same 4 B/param/step
         of traffic).  "fp32" or the 16-bit dtype forces either ("fp32": CPU device only).
         stats()["compute_dtype"] and ["compute_dtype_why"] say what was picked and why.
-    loss_scale: "dynamic" (GradScaler's rules) or a fixed positive float; ignored for bf16.
+    loss_scale: "dynamic" (GradScaler's rules) or a fixed positive float; fp16 only (with bf16
+        any loss-scaling field set away from its default warns that it is ignored).
     initial_scale, growth_factor, backoff_factor, growth_interval: dynamic scaling
         (torch.amp.GradScaler's defaults).
     clip_grad_norm: None, or the max global L2 norm of the unscaled gradients.
@@ -188,6 +193,13 @@ class OffloadConfig:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
         if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.dtype == "bf16":
+            scaling = {k: getattr(self, k) for k, d in LOSS_SCALING_DEFAULTS.items() if getattr(self, k) != d}
+            if scaling:
+                # said, not silently dropped: a script ported from fp16 may count on it
+                warnings.warn(f"{', '.join(f'{k}={v!r}' for k, v in scaling.items())}: loss scaling is for fp16, "
+                              f"and with dtype='bf16' (fp32's exponent range, no overflow to guard against) it is "
+                              f"ignored; remove it", UserWarning, stacklevel=3)
         if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
             raise ValueError(f"clip_grad_norm must be None or a finite float > 0, got {self.clip_grad_norm!r}")
         if not (isinstance(self.grad_accumulation_steps, int) and self.grad_accumulation_steps >= 1):

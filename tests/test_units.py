@@ -4,6 +4,7 @@ the trace analysis."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -103,6 +104,17 @@ def test_loss_scaler_for_config():
     assert LossScaler.for_config(OffloadConfig(dtype="bf16")).scale == 1.0
     f = LossScaler.for_config(OffloadConfig(dtype="fp16", loss_scale=64.0))
     assert not f.dynamic and f.scale == 64.0
+
+
+def test_loss_scaling_with_bf16_is_said_to_be_ignored():
+    for kw in (dict(loss_scale=64.0), dict(initial_scale=512.0), dict(growth_interval=7)):
+        with pytest.warns(UserWarning, match="loss scaling is for fp16.*ignored"):
+            cfg = OffloadConfig(dtype="bf16", **kw)
+        assert LossScaler.for_config(cfg).scale == 1.0  # and it is indeed ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        OffloadConfig(dtype="bf16")       # the defaults say nothing
+        OffloadConfig(dtype="fp16", loss_scale=64.0)
 
 
 # ----------------------------------------------------------------------------- schedule, proxy
