@@ -97,26 +97,33 @@ def test_simd_paths_agree_with_scalar(which, gdt):
         g, kw = g32, {}
     p0 = rng.standard_normal(n).astype(np.float32)
     s0 = np.abs(rng.standard_normal(n)).astype(np.float32)
+
+    def run():
+        p, s1, s2 = p0.copy(), s0.copy(), s0.copy() * 0.5
+        out = np.empty(n, np.float16)
+        if which == "adam":
+            ca.adam_step(p, s1, s2, g, out, step=3, lr=1e-3, weight_decay=0.01, **kw)
+        elif which == "adagrad":
+            ca.adagrad_step(p, s1, g, out, lr=1e-2, weight_decay=0.01, **kw)
+        else:
+            ca.lion_step(p, s1, g, out, lr=1e-4, weight_decay=0.1, **kw)
+        return p, s1, s2, out
+    _bitwise_at_every_level(run)
+
+
+def _bitwise_at_every_level(run) -> None:
+    """run() at each SIMD level; every array it returns bitwise the scalar level's (the same
+    IEEE operations in the same order)."""
     results = {}
     for lv in LEVELS:
         prev = ca.set_simd_level(lv)
         try:
-            p, s1, s2 = p0.copy(), s0.copy(), s0.copy() * 0.5
-            out = np.empty(n, np.float16)
-            if which == "adam":
-                ca.adam_step(p, s1, s2, g, out, step=3, lr=1e-3, weight_decay=0.01, **kw)
-            elif which == "adagrad":
-                ca.adagrad_step(p, s1, g, out, lr=1e-2, weight_decay=0.01, **kw)
-            else:
-                ca.lion_step(p, s1, g, out, lr=1e-4, weight_decay=0.1, **kw)
-            results[lv] = (p, s1, s2, out)
+            results[lv] = [x.view(np.uint32 if x.dtype == np.float32 else np.uint16) for x in run()]
         finally:
             ca.set_simd_level(prev)
-    base = results["scalar"]
     for lv, res in results.items():
-        for x, y in zip(res, base):  # bitwise: the same IEEE operations in the same order
-            np.testing.assert_array_equal(x.view(np.uint32 if x.dtype == np.float32 else np.uint16),
-                                          y.view(np.uint32 if y.dtype == np.float32 else np.uint16), err_msg=lv)
+        for x, y in zip(res, results["scalar"]):
+            np.testing.assert_array_equal(x, y, err_msg=lv)
 
 
 # Every combination of the Adam loop's optional operations (the AVX2 loop is compiled
@@ -141,19 +148,13 @@ def test_every_adam_variant_agrees_with_scalar_bitwise(scale, decay, predict, gd
         g = g32
     p0 = rng.standard_normal(n).astype(np.float32)
     s0 = np.abs(rng.standard_normal(n)).astype(np.float32)
-    results = {}
-    for lv in LEVELS:
-        prev = ca.set_simd_level(lv)
-        try:
-            p, m, v = p0.copy(), s0.copy() - 0.5, s0.copy() * 0.5
-            out = np.empty(n, np.int16 if gdt == "bf16" else np.float16)
-            ca.adam_step(p, m, v, g, out, step=5, lr=1e-3, **kw)
-            results[lv] = [x.view(np.uint32 if x.dtype == np.float32 else np.uint16) for x in (p, m, v, out)]
-        finally:
-            ca.set_simd_level(prev)
-    for lv, res in results.items():
-        for x, y in zip(res, results["scalar"]):
-            np.testing.assert_array_equal(x, y, err_msg=lv)
+
+    def run():
+        p, m, v = p0.copy(), s0.copy() - 0.5, s0.copy() * 0.5
+        out = np.empty(n, np.int16 if gdt == "bf16" else np.float16)
+        ca.adam_step(p, m, v, g, out, step=5, lr=1e-3, **kw)
+        return p, m, v, out
+    _bitwise_at_every_level(run)
 
 
 def test_fp16_words_with_keyword_equal_float16_arrays():
