@@ -22,6 +22,38 @@ def our_segments() -> set[str]:
         return set()
 
 
+# Tests that one pytest-xdist worker runs one after another (nodeid prefix -> group):
+# - a module fixture's tests, so its launch happens once;
+# - what holds GBs of host RAM or reads MemAvailable, so none sees another's memory.
+# Every other test is its own unit.  (A table here, not xdist_group markers: with
+# pytest 9.2, pytest-xdist 3.8's loadgroup no longer tags the items, so the markers
+# were ignored.)
+XDIST_GROUPS = (
+    ("tests/test_distributed.py::test_two_ranks_match_one_rank", "two_rank_runs"),
+    ("tests/test_distributed.py::test_overlap_update_on_two_ranks_is_bitwise_sync", "two_rank_runs"),
+    ("tests/test_distributed.py::test_overflow_on_one_rank_skips_everywhere", "two_rank_runs"),
+    ("tests/faults/test_restart.py", "restart"),
+    ("tests/test_checkpoint_scale.py", "memory"),
+    ("tests/test_memory.py", "memory"),
+    ("tests/test_scripts.py::test_bench_memory_tiny", "memory"),
+    ("tests/faults/test_hardening.py::test_admission_adds_up_the_sessions_it_admitted", "memory"),
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # without pytest-xdist (the GPU image) it is not called
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for prefix, group in XDIST_GROUPS:
+                if nodeid.startswith(prefix):
+                    return group
+            return nodeid
+
+    return Grouped(config, log)
+
+
 @pytest.fixture(autouse=True)
 def no_leftover_segments():
     before = our_segments()

@@ -18,8 +18,7 @@ from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 from tests.conftest import our_segments
 
-# "memory": GBs of state; one worker runs every such test, so none sees another's
-pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("memory")]
+pytestmark = pytest.mark.timeout(240)  # xdist group "memory" (tests/conftest.py XDIST_GROUPS)
 SEED = 20261203
 
 

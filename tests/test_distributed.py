@@ -81,7 +81,6 @@ def launch_modes(out, modes, steps, timeout_s, hung):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xdist_group("two_rank_runs")  # its module fixture's one launch serves every mode on one worker
 @pytest.mark.parametrize("mode", MATCH_MODES)
 def test_two_ranks_match_one_rank(two_rank_runs, mode):
     """unused-dpu: a parameter without a gradient on every rank is left alone, one with
@@ -133,7 +132,6 @@ def _layout(mode):
                       shard_multiple=256 if "int8" in mode else 1, align=cfg.param_align_numel or 1)
 
 
-@pytest.mark.xdist_group("two_rank_runs")
 def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     """overlap_update across ranks (step() lands the update and its all-gather), with rank
     0 alone running an evaluation forward between steps (overlap-eval: a forward hook
@@ -159,7 +157,6 @@ def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     assert st["spec_kept_steps"] > 0 and st["spec_rollback_steps"] > 0, st
 
 
-@pytest.mark.xdist_group("two_rank_runs")
 def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):
     for r in range(2):
         st = torch.load(two_rank_runs / f"overflow@{OVERFLOW_STEPS}" / f"rank{r}.pt")["stats"]

@@ -14,8 +14,7 @@ import torch
 
 from zero_offload import OffloadConfig, OffloadEngine
 
-# "memory": it measures RSS; one worker runs every memory-heavy test (tests/test_checkpoint_scale.py)
-pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("memory")]
+pytestmark = pytest.mark.timeout(240)  # xdist group "memory" (tests/conftest.py XDIST_GROUPS)
 
 WIDTH, DEPTH = 2048, 4  # 16.8M parameters: 67 MB in fp32, far above allocator noise
 WINDOW = 1 << 20  # staging chunks of 4 MiB: 16 INIT round trips

@@ -64,7 +64,6 @@ def test_bench_pipeline_tiny():
     assert "| int8 | none |" in out and " / 0% / " in rows[0], rows  # no clip: nothing rolled back
 
 
-@pytest.mark.xdist_group("memory")  # measures RSS against MemAvailable
 def test_bench_memory_tiny():
     # one variant per layout, mode and state dtype (each starts its own processes: ~6 s a variant)
     variants = ("baseline", "offload-sync", "offload-dpu-copy", "offload-sync-copy-bf16state",

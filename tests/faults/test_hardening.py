@@ -99,7 +99,6 @@ def test_a_planted_registry_unlinks_nothing(tmp_path):
         other.unlink()
 
 
-@pytest.mark.xdist_group("memory")  # reads MemAvailable: not beside a test that holds GBs
 def test_admission_adds_up_the_sessions_it_admitted():
     """Shards that each fit alone but not together: before, every HELLO was checked on
     its own and all were admitted (sparse state, an OOM kill later); now the third is

@@ -22,8 +22,7 @@ import pytest
 from tests.conftest import our_segments
 from tests.faults.test_crashes import record
 
-# one worker runs this module, so its module fixture (the uninterrupted run) runs once
-pytestmark = [pytest.mark.timeout(240), pytest.mark.xdist_group("restart")]
+pytestmark = pytest.mark.timeout(240)  # one xdist worker runs this module (tests/conftest.py XDIST_GROUPS)
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, CKPT_EVERY, KILL_AFTER = 300, 10, 25
 COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--dpu-warmup", "3",
