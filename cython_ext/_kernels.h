@@ -173,14 +173,14 @@ static void zo_adam_scalar(float *p, float *m, float *v, const void *g, int gk,
     const float *rp = h->src_p ? h->src_p : p, *rm = h->src_m ? h->src_m : m, *rv = h->src_v ? h->src_v : v;
     int64_t i;
     /* x * 1 and x + 0 * p are skipped, as the vector loops skip them (they change no
-     * finite value; the AVX2 loop is specialised on these flags, zo_flags_of) */
-    const int scale_on = h->grad_scale != 1.0f, l2_on = h->l2 != 0.0f;
+     * finite value; the AVX2 loop is specialised on these flags) */
+    const int zo_flags_ = zo_flags_of(h);
     for (i = lo; i < hi; i++) {
         float gi = zo_load_grad(g, gk, i);
         float pi = rp[i];
         float mi, vi, denom;
-        if (scale_on) gi = gi * h->grad_scale;
-        if (l2_on) gi = gi + h->l2 * pi;
+        if (ZO_FLAG(h, ZO_F_SCALE)) gi = gi * h->grad_scale;
+        if (ZO_FLAG(h, ZO_F_L2)) gi = gi + h->l2 * pi;
         mi = h->beta1 * rm[i] + h->one_minus_beta1 * gi;
         vi = h->beta2 * rv[i] + h->one_minus_beta2 * (gi * gi);
         denom = sqrtf(vi) * h->inv_sqrt_bc2 + h->eps;
@@ -476,13 +476,13 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
             nt = 1;
         }
     }
-    const int scale_on = h->grad_scale != 1.0f, l2_on = h->l2 != 0.0f;  /* as the scalar loop */
+    const int zo_flags_ = zo_flags_of(h);  /* the scalar loop's decisions */
     for (; i + 16 <= hi; i += 16) {
         __m512 gi = zo512_load_grad(g, gk, i);
         __m512 pi = _mm512_loadu_ps(rp + i);
         __m512 mi, vi, denom;
-        if (scale_on) gi = _mm512_mul_ps(gi, gs);
-        if (l2_on) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+        if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);
+        if (ZO_FLAG(h, ZO_F_L2)) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
         mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(rm + i)), _mm512_mul_ps(omb1, gi));
         vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(rv + i)),
                            _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
