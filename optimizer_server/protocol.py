@@ -517,6 +517,6 @@ def decode(data: bytes) -> Message:
 
 
 def error(code: str, message: str) -> bytes:
-    if code not in ERROR_CODES:
-        raise ValueError(f"unknown error code {code!r}; known: {sorted(ERROR_CODES)}")
-    return Error(code=code, message=message).encode()
+    msg = Error(code=code, message=message)
+    msg.validate()  # the closed set: a ProtocolError (a ValueError) for any other code
+    return msg.encode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Union
 
 from zero_offload.server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
@@ -13,9 +13,8 @@ REQUEST_TIMEOUT_ENV = "ZERO_OFFLOAD_REQUEST_TIMEOUT_S"
 from zero_offload.server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
 LrType = Union[float, Callable[[int], float]]
-# the loss-scaling fields and their defaults (GradScaler's); any other value under bf16 warns
-LOSS_SCALING_DEFAULTS = {"loss_scale": "dynamic", "initial_scale": 2.0 ** 16, "growth_factor": 2.0,
-                         "backoff_factor": 0.5, "growth_interval": 2000}
+# the loss-scaling fields: any of them away from its default under bf16 warns
+LOSS_SCALING_FIELDS = ("loss_scale", "initial_scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 @dataclass(kw_only=True)
@@ -194,7 +193,8 @@ class OffloadConfig:
         if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
         if self.dtype == "bf16":
-            scaling = {k: getattr(self, k) for k, d in LOSS_SCALING_DEFAULTS.items() if getattr(self, k) != d}
+            scaling = {f.name: getattr(self, f.name) for f in fields(self)
+                       if f.name in LOSS_SCALING_FIELDS and getattr(self, f.name) != f.default}
             if scaling:
                 # said, not silently dropped: a script ported from fp16 may count on it
                 warnings.warn(f"{', '.join(f'{k}={v!r}' for k, v in scaling.items())}: loss scaling is for fp16, "
