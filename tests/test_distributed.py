@@ -47,24 +47,16 @@ OVERLAP_STEPS = 12
 OVERFLOW_STEPS = 5
 
 
-_TWO_RANK_RUNS: dict = {}
-
-
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
     """Every mode of test_two_ranks_match_one_rank, test_overlap_update_on_two_ranks_is_bitwise_sync
     and test_overflow_on_one_rank_skips_everywhere in one launch (the processes' start is
-    most of each run's time): OUT/MODE/rank*.pt.  Its tests are one xdist group, so one
-    worker runs them and the launch happens once."""
-    # kept per process: pytest-xdist may tear a module fixture down between its tests
-    # (when the worker's queue runs dry) and set it up again, a second ~40 s launch
-    if not _TWO_RANK_RUNS:
-        d = tmp_path_factory.mktemp("two_ranks")
-        modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}"]
-        launch_modes(d, modes, MATCH_STEPS, 600,
-                     "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
-        _TWO_RANK_RUNS["dir"] = d
-    return _TWO_RANK_RUNS["dir"]
+    most of each run's time): OUT/MODE/rank*.pt.  Its tests are one xdist group
+    (tests/conftest.py XDIST_GROUPS), so one worker runs them and the launch happens once."""
+    d = tmp_path_factory.mktemp("two_ranks")
+    modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}"]
+    launch_modes(d, modes, MATCH_STEPS, 600, "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
+    return d
 
 
 def launch_modes(out, modes, steps, timeout_s, hung):

@@ -61,21 +61,13 @@ def final_files(ck: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.glob("*.bin"))}
 
 
-_UNINTERRUPTED: dict = {}
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    # kept per process: pytest-xdist may tear a module fixture down between its tests
-    # (when the worker's queue runs dry) and set it up again, a second 17-40 s launch
-    if not _UNINTERRUPTED:
-        tmp = tmp_path_factory.mktemp("ref")
-        p = launch(tmp, "ref", 0)
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, out
-        _UNINTERRUPTED["ref"] = ({r["step"]: r["loss"] for r in records(tmp / "ref.jsonl")},
-                                 final_files(tmp / "ref-ck"))
-    return _UNINTERRUPTED["ref"]
+    tmp = tmp_path_factory.mktemp("ref")
+    p = launch(tmp, "ref", 0)
+    out, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, out
+    return {r["step"]: r["loss"] for r in records(tmp / "ref.jsonl")}, final_files(tmp / "ref-ck")
 
 
 @pytest.mark.parametrize("victim", ["server", "worker"])
