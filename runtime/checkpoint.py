@@ -236,7 +236,7 @@ class EngineCheckpoint:
             raise C.CheckpointError(
                 f"checkpoint {d} lays each parameter out at a multiple of {saved_align} elements and this engine at "
                 f"{expect['param_align']} (the default is 128 on a GPU, 1 on the CPU): build the engine with "
-                f"OffloadConfig(param_align_numel={saved_align}) to load it")
+                f"OffloadConfig(expert={{'param_align_numel': {saved_align}}}) to load it")
         for key, mine in expect.items():
             if key == "param_align":
                 continue

@@ -64,11 +64,11 @@ def resolve(choice: str, dtype: str, device: torch.device) -> tuple[torch.dtype,
         return d16, "asked for"
     if choice == "fp32":
         if device.type != "cpu":
-            raise ValueError("compute_dtype='fp32' is for the CPU device (on a GPU the device would hold 4 B/param "
-                             "of weights instead of 2): use compute_dtype='auto' there")
+            raise ValueError("expert.compute_dtype='fp32' is for the CPU device (on a GPU the device would hold 4 "
+                             "B/param of weights instead of 2): use expert.compute_dtype='auto' there")
         return torch.float32, "asked for"
     if choice != "auto":
-        raise ValueError(f"compute_dtype must be 'auto', 'fp32' or the weights' dtype {dtype!r}, got {choice!r}")
+        raise ValueError(f"expert.compute_dtype must be 'auto', 'fp32' or the weights' dtype {dtype!r}, got {choice!r}")
     if device.type != "cpu":
         return d16, f"{device.type} device"
     flags = cpu_flags()

@@ -112,6 +112,12 @@ class Collectives:
         dist.all_reduce(flag)
         return int(flag) == 0
 
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        """The largest of each value over all ranks (float64; a few numbers)."""
+        x = torch.tensor(values, dtype=torch.float64, device=self.device if self.nccl else "cpu")
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return [float(v) for v in x.cpu()]
+
     def barrier(self) -> None:
         if self.nccl:
             dist.barrier(device_ids=[self.device.index])  # NCCL would otherwise guess the GPU

@@ -1,6 +1,6 @@
 """OffloadEngine: the training worker's side of ZeRO-Offload.
 
-    engine = OffloadEngine(model, OffloadConfig(lr=3e-4, dtype="bf16", dpu=True))
+    engine = OffloadEngine(model, OffloadConfig(lr=3e-4, dtype="bf16", mode="dpu"))
     for x, y in loader:
         loss = model(x, y)          # the model holds 16-bit weights on its device
         engine.backward(loss)
@@ -16,8 +16,9 @@ The engine owns its parts and calls them; each has one concern:
 
     runtime.grads_down     gradients down (hooks, buckets, reduces, the one-slot gate, the norm)
     runtime.update_cycle   the update in flight and its weights' way to the device (phases)
+    runtime.exact_mode     mode="exact": which strategy hides the update (measured)
     runtime.overlap        overlap_update's forward pipeline
-    runtime.speculation    speculation during backward (undo_log_bytes)
+    runtime.speculation    speculation during backward
     runtime.checkpoint     the engine's checkpoint files (optimizer_server.checkpoint: the format)
     runtime.host_memory    page-locking the shared segment, returning freed heap
     runtime.optimizer_proxy  engine.optimizer, so torch LR schedulers drive the lr
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 import weakref
 from collections import OrderedDict
 
@@ -46,11 +48,14 @@ import torch.distributed as dist
 from zero_offload.server import checkpoint as ckpt_format
 from zero_offload.server.client import ShardClient
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
+from zero_offload.server.admission import read_mem_available
 from zero_offload.server.protocol import MAX_GROUPS, QBLOCK
+from zero_offload.server.state import bytes_per_param
 from zero_offload.server.tracing import Tracer
 
 from . import clipping, compute_dtype, distributed, host_memory
 from .checkpoint import EngineCheckpoint
+from . import exact_mode
 from .config import OffloadConfig
 from .dtypes import TORCH_DTYPES
 from .flat import FlatParams
@@ -73,7 +78,8 @@ MID_STEP = ("{what} in the middle of a step would lose its gradients (backward()
 
 class OffloadEngine:
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
-                 param_groups: list | None = None, backward_mode: str = "engine", **overrides):
+                 param_groups: list | None = None, backward_mode: str = "engine", overlap_ok: bool = True,
+                 auto_overlap: bool = True, **overrides):
         """param_groups: torch.optim's groups, [{"params": [...], "weight_decay": 0.0, "lr": ...}, ...]
         over the model's trainable parameters (each in exactly one group), each with its own
         lr, betas, eps and weight_decay (the config's where a group does not say);
@@ -84,7 +90,17 @@ class OffloadEngine:
         by grad_accumulation_steps).  "hooks": call loss.backward() yourself, as with a
         torch optimizer (runtime.OffloadAdamW): the engine sees each backward through its
         gradient hooks and autograd's end-of-backward callback; the loss is used as given
-        (divide it for accumulation yourself), so fp16 (which needs loss scaling) is refused."""
+        (divide it for accumulation yourself), so fp16 (which needs loss scaling) is refused.
+
+        overlap_ok: the model's forward runs its modules' hooks (False: `model` only holds
+        the parameters, as OffloadAdamW's without model=; overlap_update is then no
+        candidate of mode="exact", and forcing it is refused).  auto_overlap: mode="exact"'s
+        "auto" may pick overlap_update, under which the parameters hold the previous
+        update's weights between step() and the next forward (that forward, backward, a
+        checkpoint, master_state_dict() or synchronize(copy_weights=True) lands the new
+        ones).  OffloadAdamW and OffloadLion pass False: torch.optim's contract is that
+        after step() the parameters are the new ones (an EMA of them, a
+        model.state_dict() saved there); forcing overlap_update still works."""
         if config is None:
             config = OffloadConfig(**overrides)
         elif overrides:
@@ -114,7 +130,8 @@ class OffloadEngine:
         self.device = _resolve_device(cfg.device, src)
         self.is_cuda = self.device.type == "cuda"
         # fp32 forward and backward on a CPU that only emulates 16-bit matmul
-        self.compute_dtype, self._compute_why = compute_dtype.resolve(cfg.compute_dtype, cfg.dtype, self.device)
+        self.compute_dtype, self._compute_why = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype,
+                                                                      self.device)
         self.distributed = _process_group()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -122,32 +139,39 @@ class OffloadEngine:
         # slots: the server writes the next weights into the one the model is not
         # using, and landing an update swaps the model onto it; no copy up at all)
         # (fp32 compute: the parameters are fp32, so they cannot view the 16-bit slots)
-        self._zero_copy = (self.world_size == 1 and not self.is_cuda and cfg.cpu_zero_copy
+        self._zero_copy = (self.world_size == 1 and not self.is_cuda and cfg.expert.cpu_zero_copy
                            and self.compute_dtype == self.dtype)
         # DPU writes step t+1's gradients while the server still reads step t's: with
         # one slot each range waits until the update has passed it (SlotGate), with
         # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
         # DONE before the next backward anyway.
-        self._grad_slots = cfg.dpu_grad_slots if cfg.dpu else 1
+        self._grad_slots = cfg.expert.dpu_grad_slots if cfg.mode == "dpu" else 1
         self.tracer = Tracer(cfg.resolved_trace_dir(), "worker", self.rank)
         group_of, group_opts = _index_groups(param_groups, params, model) if param_groups is not None else (None, None)
         self.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
         # each parameter 256-byte aligned on a GPU (cuBLAS picks slower kernels for operands
         # that are not); packed on the CPU (runtime.flat)
-        self.param_align = cfg.param_align_numel or (PARAM_ALIGN_CUDA if self.is_cuda else 1)
-        self.flat = FlatParams(params, bucket_numel=cfg.bucket_numel, world_size=self.world_size, groups=group_of,
+        self.param_align = cfg.expert.param_align_numel or (PARAM_ALIGN_CUDA if self.is_cuda else 1)
+        self.flat = FlatParams(params, bucket_numel=cfg.expert.bucket_numel, world_size=self.world_size,
+                               groups=group_of,
                                shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1, align=self.param_align)
         S = self.flat.shard_numel
         self.shard_lo, self.shard_hi = self.flat.shard_range(self.rank)
         self._names = _state_dict_names(model)  # for master_state_dict()
         self.counters = Counters()
         self.coll = distributed.Collectives(self.device, self.rank, self.world_size, S) if self.distributed else None
+        # mode="exact": the strategies this engine may use (runtime.exact_mode); the undo
+        # log speculation needs is asked for at HELLO, so it is settled here
+        self.picker: exact_mode.ExactModePicker | None = None
+        self._undo_log_bytes = 0
+        if cfg.mode == "exact":
+            self.picker, self._undo_log_bytes = self._exact_strategies(cfg, overlap_ok, auto_overlap)
 
         self._server = None
         self.client: ShardClient | None = None
         self.cycle: UpdateCycle | None = None
-        self.pipeline: ForwardPipeline | None = None  # overlap_update
-        self.speculator: Speculator | None = None  # undo_log_bytes > 0
+        self.pipeline: ForwardPipeline | None = None  # a candidate overlaps
+        self.speculator: Speculator | None = None  # a candidate speculates
         self.grads: GradientsDown | None = None
         self._pinned = None
         self._hooks = []
@@ -162,7 +186,7 @@ class OffloadEngine:
             self._connect(cfg)
             self._init_weights()
             self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.flat.spans]
-            if cfg.overlap_update:
+            if self.picker is not None and any(map(exact_mode.overlaps, self.picker.order)):
                 self.pipeline = ForwardPipeline(model, self.flat, self.cycle, world_size=self.world_size,
                                                 tracer=self.tracer, counters=self.counters)
         except BaseException:
@@ -185,6 +209,34 @@ class OffloadEngine:
         self.last_grad_norm = float("nan")
 
     # ------------------------------------------------------------------ set-up
+    def _exact_strategies(self, cfg: OffloadConfig, overlap_ok: bool,
+                          auto_overlap: bool) -> tuple[exact_mode.ExactModePicker, int]:
+        """mode="exact": the picker over the strategies this engine may use, and the undo
+        log to ask the server for (0: no speculation)."""
+        x = cfg.expert
+        forced = None if x.exact_strategy == "auto" else x.exact_strategy
+        if forced is not None and exact_mode.overlaps(forced) and not overlap_ok:
+            raise ValueError(f"expert.exact_strategy={forced!r} waits in the model's forward pre-hooks, so it needs "
+                             f"the model: pass model=model (OffloadAdamW(..., model=model))")
+        # what a whole update overwrites (state and the weights slot): with that much the
+        # server updates into a twin of the state instead of logging it (optimizer_server.shard)
+        whole = math.ceil((bytes_per_param(cfg.optimizer, cfg.state_dtype, cfg.exact_master) + 2)
+                          * self.flat.shard_numel) + (1 << 20)
+        if forced is not None:
+            undo = (x.undo_log_bytes or whole) if exact_mode.speculates(forced) else 0
+            return exact_mode.ExactModePicker([forced], forced=forced), undo
+        if x.undo_log_bytes is None:
+            # spare RAM only: at most half of what the host has available now
+            undo = whole if whole <= read_mem_available() // 2 else 0
+        else:
+            undo = x.undo_log_bytes
+        order = exact_mode.candidates(world_size=self.world_size, overlap_ok=overlap_ok and auto_overlap,
+                                      speculation_ok=undo > 0)
+        agree = None
+        if self.world_size > 1:
+            agree = lambda values: self.coll.all_reduce_max(values)  # noqa: E731
+        return exact_mode.ExactModePicker(order, agree=agree), undo
+
     def _connect(self, cfg: OffloadConfig) -> None:
         addr, token = cfg.resolved_server()
         proc = None
@@ -192,7 +244,8 @@ class OffloadEngine:
             from zero_offload.server.spawn import spawn
             # exit_when_idle: if this worker is killed, the server drops it after the
             # heartbeat timeout and exits, so no orphan stays behind
-            self._server = spawn(threads=cfg.server_threads, exit_when_idle=True, trace_dir=cfg.resolved_trace_dir())
+            self._server = spawn(threads=cfg.server.threads, exit_when_idle=True,
+                                 trace_dir=cfg.resolved_trace_dir())
             addr, token, proc = self._server.address, self._server.token, self._server.proc
         hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
               "weight_decay": cfg.weight_decay}
@@ -203,29 +256,29 @@ class OffloadEngine:
             frees = max(0, frees - self.compute_dtype.itemsize * self.flat.padded_numel)
         self.client = c = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
                                       numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
-                                      hparams=hp, request_timeout_s=cfg.request_timeout_s, server_proc=proc,
-                                      progress_block=cfg.progress_block_numel,
+                                      hparams=hp, request_timeout_s=cfg.server.request_timeout_s, server_proc=proc,
+                                      progress_block=cfg.expert.progress_block_numel,
                                       weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
-                                      staging_numel=cfg.staging_numel, state_dtype=cfg.state_dtype,
+                                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
                                       exact_master=cfg.exact_master, frees_bytes=frees,
-                                      undo_log_bytes=cfg.undo_log_bytes)
+                                      undo_log_bytes=self._undo_log_bytes)
         if self.is_cuda:
-            self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.pin_host_memory)
+            self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.expert.pin_host_memory)
         gather = None
         if self.world_size > 1:
             gather = lambda flat16: self.coll.all_gather_weights(flat16, self.tracer)  # noqa: E731
         self.cycle = UpdateCycle(c, self.flat, dtype=self.dtype, compute_dtype=self.compute_dtype,
                                  device=self.device, shard_lo=self.shard_lo,
-                                 zero_copy=self._zero_copy, overlap_weights_up=cfg.overlap_weights_up,
+                                 zero_copy=self._zero_copy, overlap_weights_up=cfg.expert.overlap_weights_up,
                                  tracer=self.tracer, counters=self.counters, gather=gather)
         gate = SlotGate(self.cycle, enabled=self._grad_slots == 1, tracer=self.tracer, counters=self.counters)
-        if cfg.undo_log_bytes:
+        if self._undo_log_bytes:
             self.speculator = Speculator(self.cycle, self._expected_step, tracer=self.tracer, counters=self.counters)
         self.grads = GradientsDown(self.flat, c.grads, dtype=self.dtype, dtype_name=cfg.dtype, device=self.device,
                                    rank=self.rank, world_size=self.world_size, gate=gate, on_free=self.cycle.pump,
                                    tracer=self.tracer, counters=self.counters, collectives=self.coll,
                                    on_ready=self.speculator.ready if self.speculator is not None else None,
-                                   ready_every=cfg.progress_block_numel)
+                                   ready_every=cfg.expert.progress_block_numel)
 
     def _init_weights(self) -> None:
         with self.tracer.span("init_weights"):
@@ -317,7 +370,8 @@ class OffloadEngine:
         final = self._micro % self.cfg.grad_accumulation_steps == 0
         if final:
             slot = self.iteration % self._grad_slots
-            if self.speculator is not None:  # before the first hook can announce a bucket
+            if self.speculator is not None and exact_mode.speculates(self.picker.current):
+                # before the first hook can announce a bucket
                 self.speculator.begin(self.updates + 1, slot)
             self._step_grads = self.grads.begin(slot)
         return final
@@ -386,11 +440,16 @@ class OffloadEngine:
             raise RuntimeError("step() before backward(): call engine.backward(loss) on the last micro-batch first")
         self._grads_ready = False
         self.checkpoints.wait_snapshot()  # a background save has copied the weights the step changes
+        if self.picker is not None:
+            self.picker.step_begins(time.perf_counter())
         self.iteration += 1
         grads, self._step_grads = self._step_grads, None
         clip_now, self._clip_now = self._clip_now, None
+        skipped = self.skipped_steps
         with self.tracer.span("step", iteration=self.iteration), marker("zo.step", self.is_cuda):
             self._step(grads, clip_now)
+        if self.picker is not None:  # every rank, at the same iterations (it may all-reduce)
+            self.picker.step_ends(self.iteration, skipped=self.skipped_steps != skipped)
         if self.checkpoints.in_flight is not None:
             self._poll_checkpoint()
 
@@ -405,7 +464,7 @@ class OffloadEngine:
             log.warning("%s", e)
 
     def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
-        delayed = self.cfg.dpu and self.iteration >= self.cfg.dpu_warmup_steps
+        delayed = self.cfg.mode == "dpu" and self.iteration >= self.cfg.expert.dpu_warmup_steps
         with self.tracer.span("grad_check"):
             sq, used = grads.totals()
         overflow = not math.isfinite(sq)
@@ -429,7 +488,7 @@ class OffloadEngine:
         if max_norm is not None:
             clip = min(1.0, max_norm / (norm + 1e-6))
         k = self.updates + 1
-        args = self._step_args(used, clip, grads.slot, self.cfg.dpu_predict if delayed else 0.0)
+        args = self._step_args(used, clip, grads.slot, self.cfg.expert.dpu_predict if delayed else 0.0)
         with self.tracer.span("signal", step=k):
             self.cycle.send(k, **args)
         if self.speculator is not None:
@@ -438,7 +497,7 @@ class OffloadEngine:
         self.param_updates += np.asarray(used, dtype=np.int64)
         self.scaler.update(False)
         self.optimizer.step()  # keeps torch LR schedulers' bookkeeping happy
-        if self.pipeline is not None:
+        if self._overlapping():
             self.pipeline.arm(k)  # the next forward waits for it, module by module
         elif not delayed:
             self.cycle.land(copy=True)
@@ -462,7 +521,11 @@ class OffloadEngine:
                                    f"carries ({MAX_GROUPS}): put parameters that are often unused in a param "
                                    f"group of their own")
         return dict(grad_slot=slot, lr=lrs[0], grad_scale=clip / self.scaler.scale, hparams=hps[0],
-                    predict=predict, groups=groups, reverse=self.pipeline is not None and self.pipeline.per_module)
+                    predict=predict, groups=groups, reverse=self._overlapping() and self.pipeline.per_module)
+
+    def _overlapping(self) -> bool:
+        """This step's update runs during the next forward (mode="exact"'s strategy)."""
+        return self.pipeline is not None and exact_mode.overlaps(self.picker.current)
 
     def _expected_step(self, slot: int) -> dict | None:
         """runtime.speculation: the STEP this step sends if every parameter gets a gradient,
@@ -618,7 +681,8 @@ class OffloadEngine:
                 "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy,
                 "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
                 "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
-                "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size}
+                "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size,
+                "mode": self.cfg.mode, **(self.picker.report() if self.picker is not None else {})}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)
     def _agree(self, ok: bool) -> bool:

@@ -76,7 +76,7 @@ class SlotGate:
                 if time.monotonic() - t0 > c.request_timeout_s:
                     raise OptimizerServerTimeoutError(f"update {k} did not pass element {hi} of the gradient "
                                                       f"slot within {c.request_timeout_s:.0f} s; if the server is "
-                                                      f"just slow, raise request_timeout_s (or dpu_grad_slots=2 "
+                                                      f"just slow, raise server.request_timeout_s (or expert.dpu_grad_slots=2 "
                                                       f"never waits)")
                 time.sleep(GRAD_SLOT_POLL_S)
             self.counters.grad_slot_wait_s += time.monotonic() - t0

@@ -2,7 +2,7 @@
 
     from zero_offload.hf import OffloadTrainer
     trainer = OffloadTrainer(model=model, args=TrainingArguments(..., bf16=True),
-                             train_dataset=ds, offload={"dpu": False, "server_threads": 8})
+                             train_dataset=ds, offload={"mode": "dpu", "server": {"threads": 8}})
     trainer.train()          # or train(resume_from_checkpoint=True)
 
 It builds an OffloadAdamW from the TrainingArguments as Trainer builds
@@ -17,7 +17,7 @@ resume_from_checkpoint goes on bitwise.
 `offload`: OffloadAdamW's offload options (an OffloadConfig's fields as a dict, or
 an OffloadConfig): dtype (bf16, the default; the weights are 16-bit whatever
 args.bf16 says, and args.fp16 is refused: it needs loss scaling a plain backward
-does not do), dpu, server_threads, ...
+does not do), mode, server, ...
 
 TrainingArguments.optim picks the optimizer and its state as Trainer would: the
 AdamW names (adamw_torch, adamw_torch_fused, paged_adamw_32bit, ...) OffloadAdamW

@@ -20,12 +20,13 @@ class LossScaler:
 
     @classmethod
     def for_config(cls, cfg) -> "LossScaler":
-        """The scaler an OffloadConfig asks for: dynamic for fp16 with loss_scale="dynamic",
+        """The scaler an OffloadConfig asks for: dynamic for fp16 with loss_scaling.scale="dynamic",
         fixed for a float, 1 for bf16."""
-        dynamic = cfg.dtype == "fp16" and cfg.loss_scale == "dynamic"
-        scale = 1.0 if cfg.dtype == "bf16" else cfg.initial_scale if cfg.loss_scale == "dynamic" else cfg.loss_scale
-        return cls(dynamic=dynamic, scale=scale, growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
-                   growth_interval=cfg.growth_interval)
+        ls = cfg.loss_scaling
+        dynamic = cfg.dtype == "fp16" and ls.scale == "dynamic"
+        scale = 1.0 if cfg.dtype == "bf16" else ls.initial_scale if ls.scale == "dynamic" else ls.scale
+        return cls(dynamic=dynamic, scale=scale, growth_factor=ls.growth_factor, backoff_factor=ls.backoff_factor,
+                   growth_interval=ls.growth_interval)
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:

@@ -94,14 +94,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         cfg = dataclasses.replace(offload, optimizer=self.OPTIMIZER, **defaults)
         super().__init__(params, defaults)
         params_all = [p for g in self.param_groups for p in g["params"]]
+        overlap_ok = model is not None  # a forward of the user's model runs the overlap's hooks
         if model is None:
-            if cfg.overlap_update:
-                raise ValueError("overlap_update waits in the model's forward pre-hooks, so it needs the model: "
-                                 f"pass {type(self).__name__}(..., model=model)")
             model = _Params(params_all)
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
         self.state_dir = state_dir
-        self.engine = OffloadEngine(model, cfg, param_groups=groups, backward_mode="hooks")
+        # auto_overlap=False: torch.optim's contract, the parameters are the new ones after step()
+        self.engine = OffloadEngine(model, cfg, param_groups=groups, backward_mode="hooks", overlap_ok=overlap_ok,
+                                    auto_overlap=False)
         # the engine reads each group's values from these dicts, where schedulers write
         self.engine.optimizer.follow(self.param_groups)
         self._close = weakref.finalize(self, self.engine.close)

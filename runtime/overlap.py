@@ -110,7 +110,7 @@ class ForwardPipeline:
                     if time.monotonic() - t0 > c.request_timeout_s:
                         raise OptimizerServerTimeoutError(
                             f"update {k} did not publish the weights a forward needs within "
-                            f"{c.request_timeout_s:.0f} s; if the server is just slow, raise request_timeout_s")
+                            f"{c.request_timeout_s:.0f} s; if the server is just slow, raise server.request_timeout_s")
                     time.sleep(OVERLAP_POLL_S)
             finally:
                 self.counters.overlap_wait_s += time.monotonic() - t0

@@ -148,8 +148,9 @@ def child(variant: str, layers: int, d_model: int, steps: int) -> dict:
     for suffix, dt in STATE_SUFFIXES.items():
         if variant.endswith(suffix):
             state, layout = dt, variant.removesuffix(suffix)
-    cfg = OffloadConfig(lr=1e-4, dtype="bf16", dpu=layout.startswith("offload-dpu"), dpu_warmup_steps=1,
-                        cpu_zero_copy=not layout.endswith("-copy"), server_threads=1, state_dtype=state)
+    cfg = OffloadConfig(lr=1e-4, dtype="bf16", mode="dpu" if layout.startswith("offload-dpu") else "exact",
+                        server={"threads": 1}, expert={"dpu_warmup_steps": 1,
+                                                       "cpu_zero_copy": not layout.endswith("-copy")}, state_dtype=state)
     t0 = time.perf_counter()
     eng = DeviceMixedPrecision(model, cfg) if variant == "baseline" else OffloadEngine(model, cfg)
     init_peak = sampler.peak

@@ -98,12 +98,17 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
         undo, name = 1 << 32, name.removesuffix("-spec")
     dpu = name.startswith("dpu")
     overlap = name.startswith("overlap")
-    cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, dpu=dpu, dpu_warmup_steps=dpu_warmup, state_dtype=state,
-                        dpu_predict=1.0 if dpu else 0.0, overlap_weights_up=not name.endswith("-after"),
-                        cpu_zero_copy=not name.endswith(("-copy", "-after")),
-                        dpu_grad_slots=2 if name == "dpu-2slots" else 1, overlap_update=overlap,
-                        server_threads=len(server_cores) or 1, clip_grad_norm=clip, trace_dir=trace_dir,
-                        undo_log_bytes=undo)
+    expert = dict(dpu_warmup_steps=dpu_warmup, dpu_predict=1.0 if dpu else 0.0,
+                  overlap_weights_up=not name.endswith("-after"), cpu_zero_copy=not name.endswith(("-copy", "-after")),
+                  dpu_grad_slots=2 if name == "dpu-2slots" else 1, trace_dir=trace_dir)
+    if not dpu:  # mode="exact": the variant names its strategy ("exact" alone: the engine picks)
+        expert["exact_strategy"] = ("auto" if name.startswith("exact") else
+                                    "+".join(filter(None, ["overlap_update" if overlap else "",
+                                                           "speculation" if undo else ""])) or "sync")
+        if undo:
+            expert["undo_log_bytes"] = undo
+    cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, mode="dpu" if dpu else "exact", state_dtype=state,
+                        server={"threads": len(server_cores) or 1}, clip_grad_norm=clip, expert=expert)
     if name == "deepspeed":
         return run_deepspeed(model, batches, steps, warm, dtype)
     offload = not name.startswith("baseline")

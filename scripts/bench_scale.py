@@ -94,7 +94,7 @@ def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
     model = Tables(rows)
-    cfg = OffloadConfig(lr=1e-3, dtype="bf16", state_dtype=state_dtype, server_threads=threads)
+    cfg = OffloadConfig(lr=1e-3, dtype="bf16", state_dtype=state_dtype, server={"threads": threads})
     eng = OffloadEngine(model, cfg)
     out = {"params": sum(p.numel() for p in model.parameters()), "state_dtype": state_dtype}
     out["construct_s"] = time.perf_counter() - t0

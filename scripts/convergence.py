@@ -8,8 +8,8 @@ Trains the same GPT on the same data and seed five ways:
   sync       offload, synchronous
   dpu        offload with One-Step Delayed Parameter Update
   dpu-sim    plain-PyTorch simulation of the DPU schedule (the ZeRO-Offload paper's schedule)
-  overlap    offload with overlap_update (must equal sync at every evaluation: it says so)
-  overlap-spec  overlap_update with speculation during backward (undo_log_bytes; equal to sync too)
+  overlap    offload with the exact strategy overlap_update (must equal sync at every evaluation: it says so)
+  overlap-spec  overlap_update with speculation during backward (equal to sync too)
   sync-bf16state  offload, synchronous, state_dtype="bf16" (bf16 moments, the exact master)
   sync-int8state  offload, synchronous, state_dtype="int8" (block-wise 8-bit moments, the exact master)
 prints the validation losses at each evaluation, writes the curves as
@@ -34,14 +34,14 @@ from zero_offload.demo.trainer import TrainConfig, train  # noqa: E402
 
 RUNS = {
     "baseline": dict(offload=False, dpu=False),
-    "sync": dict(offload=True, dpu=False),
+    "sync": dict(offload=True, dpu=False, exact_strategy="sync"),
     "dpu": dict(offload=True, dpu=True),
-    "overlap": dict(offload=True, dpu=False, overlap_update=True),
+    "overlap": dict(offload=True, dpu=False, exact_strategy="overlap_update"),
     # speculation during backward on top (an undo log for the whole state): also bitwise sync
-    "overlap-spec": dict(offload=True, dpu=False, overlap_update=True, undo_log_bytes=1 << 32),
+    "overlap-spec": dict(offload=True, dpu=False, exact_strategy="overlap_update+speculation", undo_log_bytes=1 << 32),
     "dpu-sim": dict(offload=False, dpu=True, simulate_dpu=True),
-    "sync-bf16state": dict(offload=True, dpu=False, state_dtype="bf16"),
-    "sync-int8state": dict(offload=True, dpu=False, state_dtype="int8"),
+    "sync-bf16state": dict(offload=True, dpu=False, exact_strategy="sync", state_dtype="bf16"),
+    "sync-int8state": dict(offload=True, dpu=False, exact_strategy="sync", state_dtype="int8"),
 }
 # the main table's value columns (the state dtypes have a table of their own)
 MAIN_RUNS = ("baseline", "sync", "dpu", "dpu-sim", "overlap")

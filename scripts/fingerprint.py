@@ -75,6 +75,18 @@ def config(**kw):
     base = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), server_threads=1, bucket_numel=8192,
                 progress_block_numel=1000, staging_numel=3000)
     base.update(kw)
+    if "expert" in OffloadConfig.__dataclass_fields__:
+        # the grouped config: the scenarios' flat names go to their groups (mode="exact"
+        # with its default strategy, "auto", where the scenario is not DPU: the runs
+        # before the groups were synchronous, and auto must give their bits)
+        from zero_offload.config import DEPRECATED
+        groups: dict = {}
+        for k in [k for k in base if k in DEPRECATED]:
+            group, name = DEPRECATED[k]
+            groups.setdefault(group, {})[name] = base.pop(k)
+        base["mode"] = "dpu" if base.pop("dpu", False) else "exact"
+        groups.setdefault("expert", {}).setdefault("compute_dtype", base.get("dtype", "fp16"))
+        return OffloadConfig(**base, **groups)
     if "compute_dtype" in OffloadConfig.__dataclass_fields__:
         # the 16-bit compute path on every machine (auto picks fp32 on a CPU without
         # native 16-bit matmul), so runs before and after that field compare

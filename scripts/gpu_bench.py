@@ -131,11 +131,15 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     host0 = host.now()
     model = make_model(mc, dev)
     n = model.num_params()
-    cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, dpu=kind.startswith("dpu"), dpu_warmup_steps=2,
-                        overlap_weights_up=kind != "dpu-after", overlap_update=kind.startswith("overlap"),
-                        undo_log_bytes=16 * n if kind == "overlap-spec" else 0,
+    expert = dict(dpu_warmup_steps=2, overlap_weights_up=kind != "dpu-after")
+    if not kind.startswith("dpu"):
+        expert["exact_strategy"] = {"overlap": "overlap_update", "overlap-spec": "overlap_update+speculation"}.get(
+            kind, "sync")
+        if kind == "overlap-spec":
+            expert["undo_log_bytes"] = 16 * n
+    cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, mode="dpu" if kind.startswith("dpu") else "exact",
                         clip_grad_norm=None if kind == "overlap-spec" else 1.0,
-                        server_threads=max(1, (os.cpu_count() or 2) - 2), device=str(dev))
+                        server={"threads": max(1, (os.cpu_count() or 2) - 2)}, device=str(dev), expert=expert)
     if kind == "broken":  # --dry-run --inject-failure: a variant that raises, as a CUDA error would
         raise RuntimeError("injected failure (gpu_bench --inject-failure)")
     if kind == "hang":  # --inject-hang: a variant that never ends, as a hung kernel would

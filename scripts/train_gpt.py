@@ -39,11 +39,16 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--dpu-warmup", type=int, default=d.dpu_warmup, help="synchronous steps before DPU")
     ap.add_argument("--dpu-predict", type=float, default=d.dpu_predict,
                     help="weight prediction under DPU (0: plain DPU as in the paper)")
+    ap.add_argument("--exact-strategy", default=d.exact_strategy,
+                    choices=["auto", "sync", "overlap_update", "speculation", "overlap_update+speculation"],
+                    help="with --no-dpu (mode exact, bitwise synchronous): how the CPU update is hidden; auto: "
+                         "the engine measures the candidates and keeps the fastest")
     ap.add_argument("--overlap-update", action="store_true",
-                    help="hide the CPU update behind the next forward, bitwise synchronous (use with --no-dpu)")
+                    help="short for --exact-strategy overlap_update (with --undo-log-bytes: "
+                         "overlap_update+speculation)")
     ap.add_argument("--undo-log-bytes", type=int, default=d.undo_log_bytes,
-                    help="speculation during backward, with an undo log of this many bytes of host RAM (0: off; "
-                         "with --no-dpu)")
+                    help="speculation during backward, with an undo log of this many bytes of host RAM "
+                         "(with --no-dpu; alone it means --exact-strategy speculation)")
     ap.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16", "int8"],
                     help="optimizer state on the host: bf16 moments and the exact master, 10 B/param instead of 16; "
                          "int8 moments, 8 B/param (the exact master needs --dtype bf16 and --dpu-predict 0 or --no-dpu)")
@@ -78,12 +83,16 @@ def parse(argv=None) -> TrainConfig:
     # and halve the forward and backward on 2 cores (775 -> 443 ms a step, 2-core AVX2)
     cores = os.cpu_count() or 2
     threads = a.threads or (cores if cores < 4 else max(1, cores - (a.server_threads if a.offload else 0)))
+    strategy = a.exact_strategy
+    if a.overlap_update or a.undo_log_bytes:
+        strategy = "overlap_update" if a.overlap_update else ""
+        strategy = "+".join(filter(None, [strategy, "speculation" if a.undo_log_bytes else ""]))
     try:
         return TrainConfig(model=a.model, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, steps=a.steps,
                            batch_size=a.batch_size, seq_len=a.seq_len, device=a.device, dtype=a.dtype,
                            offload=a.offload, dpu=a.dpu, dpu_warmup=a.dpu_warmup, dpu_predict=a.dpu_predict,
-                           state_dtype=a.state_dtype, grad_accum=a.grad_accum, overlap_update=a.overlap_update,
-                           undo_log_bytes=a.undo_log_bytes,
+                           state_dtype=a.state_dtype, grad_accum=a.grad_accum,
+                           exact_strategy=strategy, undo_log_bytes=a.undo_log_bytes,
                            clip=a.clip or None, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                            beta1=a.beta1, beta2=a.beta2, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every,
                            resume=a.resume, auto_resume=a.auto_resume, trace_dir=a.trace_dir, seed=a.seed, log_json=a.log_json,

@@ -65,7 +65,7 @@ def test_accelerator_made_after_the_engine_clips_through_it():
 
     model = gpt()
     ref = copy.deepcopy(model)
-    with OffloadAdamW(model.parameters(), lr=1e-3, server_threads=1) as opt:
+    with OffloadAdamW(model.parameters(), lr=1e-3, server={"threads": 1}) as opt:
         # as if accelerate had been imported after the engine was made
         acc_mod.Accelerator.clip_grad_norm_ = clipping._TORCH["accelerate"]
         acc = Accelerator(cpu=True)

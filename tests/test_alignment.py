@@ -48,8 +48,8 @@ def test_layout_aligns_each_parameter_and_covers_every_shard(align, world):
 
 def _run(tmp_path, align, steps=8, **kw):
     model = gpt()
-    cfg = OffloadConfig(lr=3e-3, weight_decay=0.1, dtype="bf16", server_threads=1, param_align_numel=align,
-                        progress_block_numel=256, bucket_numel=4096, **kw)
+    expert = {"param_align_numel": align, "progress_block_numel": 256, "bucket_numel": 4096, **kw.pop("expert", {})}
+    cfg = OffloadConfig(lr=3e-3, weight_decay=0.1, dtype="bf16", server={"threads": 1}, expert=expert, **kw)
     with OffloadEngine(model, cfg) as eng:
         flat16 = eng.flat16
         for s in eng.flat.spans:  # the alignment holds in memory, relative to flat16
@@ -78,8 +78,9 @@ def test_aligned_training_is_bitwise_the_packed_layout(tmp_path, mode):
     slots; overlap-spec: the per-module copies up and speculation's ready prefix, which
     must not announce a gap before it is zeroed.  (Mutation: dropping the gap's zeroing in
     HostDirectStep._take leaves the staging window's bytes there: the gap's master moves.)"""
-    kw = {"zero-copy": dict(compute_dtype="bf16"), "dpu": dict(dpu=True, dpu_warmup_steps=3),
-          "overlap-spec": dict(overlap_update=True, undo_log_bytes=1 << 26),
+    kw = {"zero-copy": dict(expert={"compute_dtype": "bf16"}),
+          "dpu": dict(mode="dpu", expert={"dpu_warmup_steps": 3}),
+          "overlap-spec": dict(expert={"exact_strategy": "overlap_update+speculation", "undo_log_bytes": 1 << 26}),
           "clip": dict(clip_grad_norm=0.5)}[mode]
     packed = _run(tmp_path, 1, **kw)
     aligned = _run(tmp_path, 128, **kw)
@@ -102,8 +103,8 @@ def test_aligned_checkpoint_resumes_and_a_packed_one_is_refused_naming_the_fix(t
     model = gpt()
 
     def cfg(align):
-        return OffloadConfig(lr=3e-3, dtype="bf16", server_threads=1, param_align_numel=align, dpu=True,
-                             dpu_warmup_steps=2)
+        return OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu", server={"threads": 1},
+                             expert={"param_align_numel": align, "dpu_warmup_steps": 2})
     with OffloadEngine(copy.deepcopy(model), cfg(128)) as eng:
         train_engine(eng, gpt_batch, 4, "bf16")
         eng.save_checkpoint(str(tmp_path / "aligned"))
@@ -114,7 +115,7 @@ def test_aligned_checkpoint_resumes_and_a_packed_one_is_refused_naming_the_fix(t
         want_packed = train_engine(eng, gpt_batch, 3, "bf16", start=5)
     with OffloadEngine(copy.deepcopy(model), cfg(128)) as eng:
         before = np.array(eng.client.get_master())
-        with pytest.raises(CheckpointError, match=r"param_align_numel=1"):
+        with pytest.raises(CheckpointError, match=r"'param_align_numel': 1"):
             eng.load_checkpoint(str(tmp_path / "packed"))
         assert np.array_equal(np.array(eng.client.get_master()), before)  # nothing was touched
         eng.load_checkpoint(str(tmp_path / "aligned"))

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cfg(**kw):
-    return OffloadConfig(lr=3e-3, dtype="bf16", dpu=True, dpu_warmup_steps=3, server_threads=1, **kw)
+    return OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu", server={"threads": 1}, expert={"dpu_warmup_steps": 3}, **kw)
 
 
 def test_directory_protocol_latest_retention_and_stale_tmp(tmp_path):

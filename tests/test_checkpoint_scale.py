@@ -136,7 +136,7 @@ def test_engine_background_save_resumes_bitwise(tmp_path):
     trains bitwise like the uninterrupted run."""
     torch.manual_seed(SEED)
     model = gpt()
-    cfg = dict(lr=3e-3, dtype="bf16", server_threads=1)
+    cfg = dict(lr=3e-3, dtype="bf16", server={"threads": 1})
     with OffloadEngine(copy.deepcopy(model), OffloadConfig(**cfg)) as eng:
         train_engine(eng, gpt_batch, 4, "bf16")
         blocking = eng.save_checkpoint(str(tmp_path / "blocking"))

@@ -50,9 +50,9 @@ def test_forcing_and_refusals(monkeypatch):
     with pytest.raises(ValueError, match="CPU device"):
         cd.resolve("fp32", "bf16", torch.device("cuda"))
     with pytest.raises(ValueError, match="compute_dtype"):
-        OffloadConfig(dtype="bf16", compute_dtype="fp16")
+        OffloadConfig(dtype="bf16", expert={"compute_dtype": "fp16"})
     with pytest.raises(ValueError, match="compute_dtype"):
-        OffloadConfig(compute_dtype="float32")
+        OffloadConfig(expert={"compute_dtype": "float32"})
 
 
 @pytest.mark.parametrize("compute", ["bf16", "fp32"])
@@ -65,7 +65,7 @@ def test_each_compute_dtype_does_what_it_says(compute):
     model = gpt()
     model.pos.weight.requires_grad_(False)  # a frozen weight
     model.register_buffer("scale_buf", torch.full((3,), 1.0 + 2 ** -12))
-    cfg = OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, compute_dtype=compute)
+    cfg = OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1}, expert={"compute_dtype": compute})
     with OffloadEngine(model, cfg) as eng:
         train_engine(eng, gpt_batch, 3, "bf16")
         st = eng.stats()
@@ -133,7 +133,8 @@ def test_fp32_compute_is_not_the_16_bit_run():
 def test_fp32_compute_checkpoint_resumes_bitwise(tmp_path):
     """A checkpoint stores the 16-bit weights (2 B/param, as with 16-bit compute); resuming
     under fp32 compute continues the uninterrupted run bit for bit."""
-    cfg = dict(lr=1e-3, dtype="bf16", server_threads=1, compute_dtype="fp32", dpu=True, dpu_warmup_steps=2)
+    cfg = dict(lr=1e-3, dtype="bf16", server={"threads": 1}, mode="dpu",
+               expert={"compute_dtype": "fp32", "dpu_warmup_steps": 2})
     with OffloadEngine(gpt(), OffloadConfig(**cfg)) as eng:
         train_engine(eng, gpt_batch, 4, "bf16")
         eng.save_checkpoint(str(tmp_path))

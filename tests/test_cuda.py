@@ -70,7 +70,7 @@ def lagging_side_streams(monkeypatch):
 
 def test_segment_is_page_locked_then_released():
     model = mlp().cuda()
-    eng = OffloadEngine(model, OffloadConfig(dtype="bf16", server_threads=1))
+    eng = OffloadEngine(model, OffloadConfig(dtype="bf16", server={"threads": 1}))
     seg = eng.client.segment_name
     assert eng._pinned is not None
     assert eng.grads.host[0].is_pinned() and eng.cycle._host[0].is_pinned()  # cudaHostRegister'ed
@@ -122,8 +122,8 @@ def test_many_small_buckets_equal_one_bucket(dtype):
     for bucket in (1024, 1 << 24):
         torch.manual_seed(0)
         model = gpt().cuda()
-        with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype=dtype, bucket_numel=bucket,
-                                                server_threads=1)) as eng:
+        with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype=dtype, server={"threads": 1},
+                                                expert={"bucket_numel": bucket})) as eng:
             assert (len(eng.flat.buckets) > 10) == (bucket == 1024)
             train_engine(eng, gpt_batch, 5, dtype)
             out.append(torch.cat([v.reshape(-1) for v in eng.master_state_dict().values()]))
@@ -139,7 +139,7 @@ def test_model_built_on_cpu_trains_on_gpu():
     n = sum(p.numel() for p in model.parameters())
     _warm_cublas()
     base = torch.cuda.memory_allocated()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=2)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server={"threads": 2})) as eng:
         assert next(model.parameters()).is_cuda
         train_engine(eng, gpt_batch, 2, "bf16")
         torch.cuda.synchronize()
@@ -198,8 +198,8 @@ def test_cuda_one_gradient_slot_waits_for_a_slow_server(monkeypatch):
     results = []
     for slots in (1, 2):
         model = _Tables().cuda()
-        cfg = OffloadConfig(lr=1e-2, dtype="bf16", dpu=True, dpu_warmup_steps=2, dpu_grad_slots=slots,
-                            server_threads=1, progress_block_numel=1 << 16)
+        cfg = OffloadConfig(lr=1e-2, dtype="bf16", mode="dpu", server={"threads": 1},
+                            expert={"dpu_warmup_steps": 2, "dpu_grad_slots": slots, "progress_block_numel": 1 << 16})
         with OffloadEngine(model, cfg) as eng:
             for t in range(1, 7):
                 idx = torch.randint(0, 1 << 18, (64,), generator=torch.Generator().manual_seed(t)).cuda()
@@ -222,7 +222,7 @@ def test_device_memory_of_a_25m_model_is_the_16_bit_weights():
     assert n > 20_000_000
     _warm_cublas()
     base = torch.cuda.memory_allocated()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server_threads=4)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", device="cuda", server={"threads": 4})) as eng:
         train_engine(eng, gpt_batch, 2, "bf16")
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
@@ -240,8 +240,8 @@ def test_cuda_compact_state_matches_the_cpu_device(sd, dpu):
     for device in ("cpu", "cuda"):
         model = gpt()
         p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        cfg = OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16", server_threads=1, state_dtype=sd,
-                            dpu=dpu is not None, dpu_warmup_steps=dpu or 1)
+        cfg = OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16", mode="dpu" if dpu is not None else "exact",
+                            server={"threads": 1}, expert={"dpu_warmup_steps": dpu or 1}, state_dtype=sd)
         with OffloadEngine(model.to(device), cfg) as eng:
             assert eng.cfg.exact_master
             losses = train_engine(eng, gpt_batch, 20, "bf16")

@@ -120,8 +120,8 @@ def _layout(mode):
     group_of = None if gs is None else [next(i for i, g in enumerate(gs) if any(p is q for q in g["params"]))
                                         for p in ps]
     cfg = config(mode)
-    return FlatParams(ps, bucket_numel=cfg.bucket_numel, world_size=2, groups=group_of,
-                      shard_multiple=256 if "int8" in mode else 1, align=cfg.param_align_numel or 1)
+    return FlatParams(ps, bucket_numel=cfg.expert.bucket_numel, world_size=2, groups=group_of,
+                      shard_multiple=256 if "int8" in mode else 1, align=cfg.expert.param_align_numel or 1)
 
 
 def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):

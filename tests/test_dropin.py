@@ -44,7 +44,7 @@ def batch(t):
 def test_frozen_parameters_are_cast_and_kept():
     model = Tied()
     frozen = model.pos.weight.detach().clone()
-    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1})) as eng:
         # the compute dtype (bf16, or fp32 holding the bf16 values: runtime.compute_dtype)
         assert model.pos.weight.dtype == eng.compute_dtype and not model.pos.weight.requires_grad
         for t in range(1, 4):
@@ -56,7 +56,7 @@ def test_frozen_parameters_are_cast_and_kept():
 
 def test_master_state_dict_loads_strictly_into_a_plain_model():
     model = Tied()
-    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1})) as eng:
         for t in range(1, 3):
             eng.backward(model(*batch(t)))
             eng.step()
@@ -72,7 +72,7 @@ def test_master_state_dict_loads_strictly_into_a_plain_model():
 def test_torch_compile_names_have_no_prefix():
     model = gpt()
     compiled = torch.compile(model, backend="eager")
-    with OffloadEngine(compiled, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(compiled, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})) as eng:
         train_engine(eng, gpt_batch, 2, "bf16")
         keys = set(eng.master_state_dict())
     assert keys == set(gpt().state_dict()) and not any(k.startswith("_orig_mod.") for k in keys)
@@ -80,21 +80,21 @@ def test_torch_compile_names_have_no_prefix():
 
 def test_a_second_engine_on_an_open_engines_model_is_refused():
     model = gpt()
-    first = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1))
+    first = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1}))
     try:
         with pytest.raises(ValueError, match="already has an open OffloadEngine.*close"):
-            OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1))
+            OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1}))
         twin = copy.deepcopy(model)  # a copy is another model
-        OffloadEngine(twin, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)).close()
+        OffloadEngine(twin, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})).close()
     finally:
         first.close()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as again:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})) as again:
         train_engine(again, gpt_batch, 1, "bf16")  # after close: a new engine takes the model
 
 
 def test_a_scheduler_that_writes_betas_is_followed(tmp_path):
     model = gpt()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})) as eng:
         sched = torch.optim.lr_scheduler.OneCycleLR(eng.optimizer, max_lr=1e-3, total_steps=10)  # cycles beta1
         betas = []
         for t in range(1, 5):
@@ -107,7 +107,7 @@ def test_a_scheduler_that_writes_betas_is_followed(tmp_path):
 
 
 def test_add_param_group_is_refused_not_ignored():
-    with OffloadEngine(gpt(), OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(gpt(), OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})) as eng:
         with pytest.raises(ValueError, match="param groups it was built with"):
             eng.optimizer.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.0})
 
@@ -144,7 +144,9 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
     model = Branchy()
     ref = copy.deepcopy(model)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = OffloadConfig(lr=1e-2, weight_decay=0.1, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=3,
+    # the weights are read between step() and the next forward: sync, not an overlapped update
+    cfg = OffloadConfig(lr=1e-2, weight_decay=0.1, dtype="bf16", mode="dpu" if dpu else "exact", server={"threads": 1},
+                        expert={"dpu_warmup_steps": 3, "exact_strategy": "auto" if dpu else "sync"},
                         grad_accumulation_steps=accum)
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
     opt = torch.optim.AdamW(list(masters.values()), lr=1e-2, weight_decay=0.1)

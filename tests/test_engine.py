@@ -79,8 +79,9 @@ def test_cpu_zero_copy_model_lives_in_the_segment_and_swaps_slots(dpu):
     The copying path gives bitwise the same training."""
     def run(zero_copy):
         model = gpt()
-        cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu is not None, dpu_warmup_steps=dpu or 40,
-                            server_threads=1, cpu_zero_copy=zero_copy, compute_dtype="bf16")  # 16-bit: zero-copy
+        cfg = OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu" if dpu is not None else "exact", server={"threads": 1},
+                            expert={"dpu_warmup_steps": dpu or 40, "cpu_zero_copy": zero_copy,
+                                    "compute_dtype": "bf16"})  # 16-bit: zero-copy
         eng = OffloadEngine(model, cfg)
         p = next(model.parameters())
         seg = np.frombuffer(eng.client.segment.buffer, np.uint8).ctypes.data
@@ -122,8 +123,8 @@ def test_dpu_step_n_plus_one_reuses_weights():
     N = 3
     model = mlp()
     fixed = lambda t, dt, mi=0: mlp_batch(1, dt)  # noqa: E731
-    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", dpu=True, dpu_warmup_steps=N,
-                                            server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", mode="dpu", server={"threads": 1},
+                                            expert={"dpu_warmup_steps": N})) as eng:
         losses = train_engine(eng, fixed, 6, "bf16")
     assert losses[N] == losses[N - 1]            # W_4 == W_3 == M_2
     assert len(set(losses[:N])) == N             # synchronous before
@@ -131,7 +132,7 @@ def test_dpu_step_n_plus_one_reuses_weights():
 
 def test_overflow_skips_and_leaves_state_bitwise(tmp_path):
     model = mlp()
-    cfg = OffloadConfig(lr=1e-2, dtype="fp16", server_threads=1)
+    cfg = OffloadConfig(lr=1e-2, dtype="fp16", server={"threads": 1})
     with OffloadEngine(model, cfg) as eng:
         train_engine(eng, mlp_batch, 3, "fp16")
         eng.save_checkpoint(str(tmp_path / "a"))
@@ -181,7 +182,7 @@ def test_accumulation_equals_larger_batch():
     out = []
     for accum, fn in ((2, half), (1, full)):
         with OffloadEngine(copy.deepcopy(model), OffloadConfig(lr=3e-3, dtype="bf16", grad_accumulation_steps=accum,
-                                                               server_threads=1)) as eng:
+                                                               server={"threads": 1})) as eng:
             train_engine(eng, fn, 10, "bf16", accum=accum)
             out.append(flat_master(eng))
     assert rel_err(out[0] - p0, out[1] - p0) < 2e-2  # bf16 gradient rounding of two half-batch sums
@@ -194,9 +195,10 @@ def test_traffic_is_four_bytes_per_param_per_step(zero_copy):
     model = gpt()
     n = sum(p.numel() for p in model.parameters())
     T = 7
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server_threads=1, cpu_zero_copy=zero_copy,
-                                            compute_dtype="fp16")) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="fp16", server={"threads": 1},
+                                            expert={"cpu_zero_copy": zero_copy, "compute_dtype": "fp16"})) as eng:
         train_engine(eng, gpt_batch, T, "fp16")
+        eng.synchronize(copy_weights=True)  # an overlapped last update is copied up here
         st = eng.stats()
     assert st["num_params"] == n
     assert st["bytes_to_host"] == 2 * n * T
@@ -205,8 +207,8 @@ def test_traffic_is_four_bytes_per_param_per_step(zero_copy):
 
 @pytest.mark.parametrize("dpu,predict", [(False, 0.0), (True, 0.0), (True, 1.0)])
 def test_checkpoint_resume_is_bitwise(tmp_path, dpu, predict):
-    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", dpu=dpu, dpu_warmup_steps=4, server_threads=1,  # noqa: E731
-                                dpu_predict=predict)
+    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu" if dpu else "exact", server={"threads": 1},
+                                expert={"dpu_warmup_steps": 4, "dpu_predict": predict})
     model = gpt()
     with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
         full_losses = train_engine(eng, gpt_batch, 20, "bf16")
@@ -227,10 +229,10 @@ def test_lr_callable_and_torch_scheduler():
     p0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # lr 0 for every update: the master must not move (weight decay scaled by lr too)
     with OffloadEngine(copy.deepcopy(model), OffloadConfig(lr=lambda k: 0.0, weight_decay=0.1, dtype="bf16",
-                                                           server_threads=1)) as eng:
+                                                           server={"threads": 1})) as eng:
         train_engine(eng, mlp_batch, 3, "bf16")
         assert torch.equal(flat_master(eng), p0)
-    with OffloadEngine(copy.deepcopy(model), OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(copy.deepcopy(model), OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1})) as eng:
         sched = torch.optim.lr_scheduler.LambdaLR(eng.optimizer, lambda s: 1.0 if s == 0 else 0.0)
         train_engine(eng, mlp_batch, 1, "bf16")  # update 1 at lr 1e-2
         m1 = flat_master(eng)
@@ -242,19 +244,24 @@ def test_lr_callable_and_torch_scheduler():
 
 
 @pytest.mark.parametrize("field,value", [("lr", -1.0), ("lr", float("nan")), ("betas", (0.9, 1.0)),
-                                         ("eps", 0.0), ("optimizer", "sgd"), ("dtype", "fp8"),
-                                         ("loss_scale", -2.0), ("clip_grad_norm", 0.0),
-                                         ("grad_accumulation_steps", 0), ("dpu_warmup_steps", 0),
-                                         ("bucket_numel", 10), ("server_address", "http://x"),
-                                         ("progress_block_numel", 0), ("pin_host_memory", "yes")])
+                                         ("eps", 0.0), ("optimizer", "sgd"), ("dtype", "fp8"), ("mode", "fast"),
+                                         ("loss_scaling.scale", -2.0), ("clip_grad_norm", 0.0),
+                                         ("grad_accumulation_steps", 0), ("expert.dpu_warmup_steps", 0),
+                                         ("expert.bucket_numel", 10), ("server.address", "http://x"),
+                                         ("expert.progress_block_numel", 0), ("expert.pin_host_memory", "yes"),
+                                         ("expert.exact_strategy", "fastest"), ("expert.undo_log_bytes", -1)])
 def test_config_rejects_bad_values(field, value):
-    with pytest.raises(ValueError, match=field):
-        OffloadConfig(**{field: value})
+    """Each bad value is refused naming its field (the group's too); a group given as a
+    dict is checked as its dataclass is."""
+    group, _, name = field.rpartition(".")
+    kw = {group: {name: value}} if group else {field: value}
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        OffloadConfig(**kw)
 
 
 def test_checkpoint_in_the_middle_of_a_step_is_refused(tmp_path):
     """Saving between backward() and step() would drop that step's gradients."""
-    with OffloadEngine(mlp(), OffloadConfig(dtype="bf16", server_threads=1, grad_accumulation_steps=2)) as eng:
+    with OffloadEngine(mlp(), OffloadConfig(dtype="bf16", server={"threads": 1}, grad_accumulation_steps=2)) as eng:
         eng.backward(mlp_batch(1, "bf16")(eng.model))
         with pytest.raises(RuntimeError, match="after engine.step"):
             eng.save_checkpoint(str(tmp_path))
@@ -267,7 +274,7 @@ def test_checkpoint_in_the_middle_of_a_step_is_refused(tmp_path):
 
 
 def test_step_without_backward_is_an_error():
-    with OffloadEngine(mlp(), OffloadConfig(dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(mlp(), OffloadConfig(dtype="bf16", server={"threads": 1})) as eng:
         with pytest.raises(RuntimeError, match="backward"):
             eng.step()
 
@@ -278,7 +285,7 @@ def test_huggingface_gpt2_trains_unchanged():
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2)
     model = transformers.GPT2LMHeadModel(cfg)
     idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
-    with OffloadEngine(model, OffloadConfig(lr=3e-3, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=3e-3, dtype="bf16", server={"threads": 1})) as eng:
         losses = []
         for _ in range(15):
             out = model(input_ids=idx, labels=idx)
@@ -295,9 +302,9 @@ def test_dpu_with_accumulation_copy_path_equals_zero_copy():
     copy path must train bitwise like the zero-copy one, which copies nothing."""
     def run(zero_copy):
         model = gpt()
-        cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=True, dpu_warmup_steps=2, grad_accumulation_steps=3,
-                            server_threads=1, cpu_zero_copy=zero_copy, bucket_numel=1024, progress_block_numel=64,
-                            compute_dtype="bf16")
+        cfg = OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu", server={"threads": 1},
+                            expert={"dpu_warmup_steps": 2, "cpu_zero_copy": zero_copy, "bucket_numel": 1024,
+                                    "progress_block_numel": 64, "compute_dtype": "bf16"}, grad_accumulation_steps=3)
         with OffloadEngine(model, cfg) as eng:
             losses = train_engine(eng, gpt_batch, 8, "bf16", accum=3)
             eng.synchronize()  # land without copying; the copy path has it pending, the swap path too
@@ -333,8 +340,9 @@ def test_dpu_one_gradient_slot_waits_for_the_update(zero_copy):
     results = []
     for slots in (1, 2):
         model = _Tables()
-        cfg = OffloadConfig(lr=1e-2, dtype="bf16", dpu=True, dpu_warmup_steps=2, dpu_grad_slots=slots,
-                            server_threads=1, cpu_zero_copy=zero_copy, progress_block_numel=1 << 16, compute_dtype="bf16")
+        cfg = OffloadConfig(lr=1e-2, dtype="bf16", mode="dpu", server={"threads": 1},
+                            expert={"dpu_warmup_steps": 2, "dpu_grad_slots": slots, "cpu_zero_copy": zero_copy,
+                                    "progress_block_numel": 1 << 16, "compute_dtype": "bf16"})
         with OffloadEngine(model, cfg) as eng:
             assert len(eng.client.grads) == slots
             pid = eng._server.proc.pid
@@ -354,7 +362,7 @@ def test_dpu_one_gradient_slot_waits_for_the_update(zero_copy):
     (m1, wait1), (m2, wait2) = results
     assert torch.equal(m1, m2)
     assert wait1 > 0 and wait2 == 0
-    with OffloadEngine(_Tables(), OffloadConfig(dtype="bf16", dpu=True, server_threads=1)) as eng:
+    with OffloadEngine(_Tables(), OffloadConfig(dtype="bf16", mode="dpu", server={"threads": 1})) as eng:
         assert len(eng.client.grads) == 1  # the default: 16 B/param of host RAM with DPU too
 
 
@@ -381,7 +389,7 @@ def test_close_stops_the_server_even_if_a_release_raises():
     class Broken:
         def release(self):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    eng = OffloadEngine(gpt(), OffloadConfig(dtype="bf16", server_threads=1))
+    eng = OffloadEngine(gpt(), OffloadConfig(dtype="bf16", server={"threads": 1}))
     seg, srv = eng.client.segment_name, eng._server
     eng._pinned = Broken()
     with pytest.raises(RuntimeError, match="illegal memory access"):

@@ -63,7 +63,7 @@ def args(out, **over):
 def run(cls, out, resume=None, **over):
     model = tiny_gpt2()
     rec = Record()
-    extra = {"offload": {"server_threads": 1}} if cls is OffloadTrainer else {}
+    extra = {"offload": {"server": {"threads": 1}}} if cls is OffloadTrainer else {}
     t = cls(model=model, args=args(out, **over), train_dataset=TextWindows(), callbacks=[rec], **extra)
     t.train(resume_from_checkpoint=resume)
     return rec.logs, model
@@ -112,7 +112,7 @@ def test_optim_picks_the_optimizer_and_state_dtype(tmp_path, eight, thirty_two, 
         rec = Record()
         t = OffloadTrainer(model=tiny_gpt2(), args=args(tmp_path / optim, max_steps=6, optim=optim,
                                                         learning_rate=3e-4 if optimizer == "lion" else 3e-3),
-                           train_dataset=TextWindows(), callbacks=[rec], offload=dict(offload, server_threads=1))
+                           train_dataset=TextWindows(), callbacks=[rec], offload=dict(offload, server={"threads": 1}))
         t.create_optimizer()
         cfg = t.offload_optimizer.engine.cfg
         t.train()

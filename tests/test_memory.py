@@ -55,8 +55,9 @@ def test_setup_and_load_make_no_full_size_temporaries(tmp_path, zero_copy):
     me = os.getpid()
     _reset_peak(me)
     rss0 = _kb(me, "VmRSS:") * 1024
-    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, cpu_zero_copy=zero_copy,
-                                             staging_numel=WINDOW, compute_dtype="bf16"))  # the 16-bit layout
+    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1},
+                                             expert={"cpu_zero_copy": zero_copy, "staging_numel": WINDOW,
+                                                     "compute_dtype": "bf16"}))  # the 16-bit layout
     try:
         srv = eng._server.pid
         # worker: the 16-bit weights it casts into (2 B/param) and the staging window

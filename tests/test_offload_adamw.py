@@ -37,7 +37,7 @@ def test_unchanged_torch_loop_trains_like_torch_adamw():
     ref_model, model = gpt(), gpt()
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     ref_losses, ref_norms = torch_loop(ref_model, torch.optim.AdamW(ref_model.parameters(), **kw), 25)
-    with OffloadAdamW(model.parameters(), **kw, server_threads=1) as opt:
+    with OffloadAdamW(model.parameters(), **kw, server={"threads": 1}) as opt:
         losses, norms = torch_loop(model, opt, 25)
     assert all(abs(a - b) / b < 3e-3 for a, b in zip(losses, ref_losses)), list(zip(losses, ref_losses))
     assert all(abs(a - b) / b < 2e-2 for a, b in zip(norms[:12], ref_norms)), list(zip(norms, ref_norms))
@@ -60,8 +60,8 @@ def test_matches_torch_adamw_with_clipping_groups_and_onecycle(dpu):
     ref, masters, ref_groups = reference_of(model, nogroups)
     ref_opt = torch.optim.AdamW(ref_groups, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=3e-3, total_steps=40)
-    opt = OffloadAdamW(nogroups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, model=model, server_threads=1,
-                       dpu=dpu, dpu_warmup_steps=3)
+    opt = OffloadAdamW(nogroups(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, model=model,
+                       mode="dpu" if dpu else "exact", server={"threads": 1}, expert={"dpu_warmup_steps": 3})
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=40)
 
     def same_betas(t):
@@ -80,7 +80,8 @@ def test_state_dict_resume_is_bitwise(tmp_path, dpu):
     (here: new objects) loads them and goes on bitwise like the uninterrupted run."""
     def make():
         m = gpt()
-        o = OffloadAdamW(m.parameters(), lr=3e-3, model=m, server_threads=1, dpu=dpu, dpu_warmup_steps=2,
+        o = OffloadAdamW(m.parameters(), lr=3e-3, model=m, mode="dpu" if dpu else "exact", server={"threads": 1},
+                         expert={"dpu_warmup_steps": 2},
                          state_dir=str(tmp_path / "opt"))
         return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
 
@@ -124,7 +125,7 @@ def test_closure_accumulation_and_frozen_parameters():
     model.pos.weight.requires_grad_(False)
     frozen = model.pos.weight.detach().clone()
     with OffloadAdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, model=model,
-                      grad_accumulation_steps=2, server_threads=1) as opt:
+                      grad_accumulation_steps=2, server={"threads": 1}) as opt:
         for t in range(1, 4):
             def closure():
                 opt.zero_grad()
@@ -145,9 +146,9 @@ def test_refusals_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="amsgrad"):
         OffloadAdamW(gpt().parameters(), amsgrad=True)
     model = gpt()
-    with OffloadAdamW(model.parameters(), server_threads=1) as opt:
+    with OffloadAdamW(model.parameters(), server={"threads": 1}) as opt:
         with pytest.raises(ValueError, match="already has an open"):
-            OffloadAdamW(model.parameters(), server_threads=1)
+            OffloadAdamW(model.parameters(), server={"threads": 1})
         with pytest.raises(ValueError, match="constructor"):
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
         sd = opt.state_dict()  # without state_dir: only back into this optimizer, at this step

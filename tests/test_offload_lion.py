@@ -50,7 +50,7 @@ def test_matches_torch_lion_with_clipping_groups_and_a_scheduler(state_dtype):
     ref, masters, ref_groups = reference_of(model, groups)
     ref_opt = TorchLion(ref_groups, lr=3e-4, betas=(0.9, 0.99))
     ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=20)
-    opt = OffloadLion(groups(model), lr=3e-4, betas=(0.9, 0.99), model=model, server_threads=1,
+    opt = OffloadLion(groups(model), lr=3e-4, betas=(0.9, 0.99), model=model, server={"threads": 1},
                       state_dtype=state_dtype)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=20)
 

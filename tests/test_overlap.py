@@ -77,8 +77,10 @@ def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypa
 
 
 def test_overlap_with_dpu_is_refused():
-    with pytest.raises(ValueError, match="choose one"):
-        OffloadConfig(overlap_update=True, dpu=True)
+    with pytest.raises(ValueError, match="exact_strategy.*is for mode='exact'"):
+        OffloadConfig(mode="dpu", expert={"exact_strategy": "overlap_update"})
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="choose one"):
+        OffloadConfig(overlap_update=True, dpu=True)  # the old names: the old words
 
 
 @pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy"])
@@ -88,9 +90,10 @@ def test_offload_adamw_with_overlap_is_bitwise_sync(zero_copy):
     out = []
     for overlap in (False, True):
         model = gpt()
-        with OffloadAdamW(model.parameters(), lr=3e-3, model=model, server_threads=1, overlap_update=overlap,
-                          cpu_zero_copy=zero_copy, progress_block_numel=256,
-                          compute_dtype="bf16") as opt:  # zero-copy: 16-bit compute
+        with OffloadAdamW(model.parameters(), lr=3e-3, model=model, server={"threads": 1},
+                          expert={"exact_strategy": "overlap_update" if overlap else "sync",
+                                  "cpu_zero_copy": zero_copy, "progress_block_numel": 256,
+                                  "compute_dtype": "bf16"}) as opt:  # zero-copy: 16-bit compute
             losses = []
             for t in range(1, 16):
                 loss = gpt_batch(t, "bf16")(model)
@@ -102,6 +105,6 @@ def test_offload_adamw_with_overlap_is_bitwise_sync(zero_copy):
         out.append((losses, master, {k: v.clone() for k, v in model.state_dict().items()}))
     assert out[0][0] == out[1][0]
     with pytest.raises(ValueError, match="model=model"):
-        OffloadAdamW(gpt().parameters(), overlap_update=True)
+        OffloadAdamW(gpt().parameters(), expert={"exact_strategy": "overlap_update"})
     for k in out[0][1]:
         assert torch.equal(out[0][1][k], out[1][1][k]) and torch.equal(out[0][2][k], out[1][2][k]), k

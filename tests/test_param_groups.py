@@ -32,7 +32,10 @@ def test_param_groups_match_torch_adamw(dpu):
     model = gpt()
     ref = copy.deepcopy(model)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = OffloadConfig(lr=3e-3, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=3, bucket_numel=2048)
+    # the weights are read between step() and the next forward: sync, not an overlapped update
+    cfg = OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu" if dpu else "exact", server={"threads": 1},
+                        expert={"dpu_warmup_steps": 3, "bucket_numel": 2048,
+                                "exact_strategy": "auto" if dpu else "sync"})
     eng = OffloadEngine(model, cfg, param_groups=nanogpt_groups(model))
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in ref.named_parameters()}
     by_id = {id(p): n for n, p in ref.named_parameters()}
@@ -69,7 +72,8 @@ def test_param_groups_match_torch_adamw(dpu):
 
 def test_param_groups_resume_bitwise(tmp_path):
     model = gpt()
-    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", server_threads=1, dpu=True, dpu_warmup_steps=2)  # noqa: E731
+    cfg = lambda: OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu", server={"threads": 1},
+                                expert={"dpu_warmup_steps": 2})  # noqa: E731
     runs = []
     for stop in (None, 4):
         m = copy.deepcopy(model)
@@ -102,7 +106,7 @@ def test_param_groups_resume_bitwise(tmp_path):
 def test_bad_groups_are_refused_naming_the_fix(groups, msg):
     model = gpt()
     with pytest.raises((ValueError, TypeError), match=msg):
-        OffloadEngine(model, OffloadConfig(dtype="bf16", server_threads=1), param_groups=groups(model))
+        OffloadEngine(model, OffloadConfig(dtype="bf16", server={"threads": 1}), param_groups=groups(model))
 
 
 def test_each_group_is_one_range_of_the_flat_space():

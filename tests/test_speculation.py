@@ -89,9 +89,11 @@ def test_slowed_server_speculation_is_bitwise_sync(tmp_path, monkeypatch):
 
 def test_undo_log_bytes_refusals():
     with pytest.raises(ValueError, match="undo_log_bytes"):
-        OffloadConfig(undo_log_bytes=-1)
-    with pytest.raises(ValueError, match="choose dpu"):
-        OffloadConfig(undo_log_bytes=1 << 20, dpu=True)
+        OffloadConfig(expert={"exact_strategy": "speculation", "undo_log_bytes": -1})
+    with pytest.raises(ValueError, match="choose mode='dpu'"):
+        OffloadConfig(mode="dpu", expert={"undo_log_bytes": 1 << 20})
+    with pytest.raises(ValueError, match="needs an undo log"):
+        OffloadConfig(expert={"exact_strategy": "speculation", "undo_log_bytes": 0})
 
 
 class _Cycle:

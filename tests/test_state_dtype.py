@@ -19,6 +19,7 @@ import torch
 
 from zero_offload.server import checkpoint as C
 from zero_offload import OffloadAdamW, OffloadConfig, OffloadEngine
+from tests.helpers.config import offload_config
 from tests.helpers.int8_codes import decode_f64, legacy_decode_f64, legacy_encode
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 from tests.helpers.reference import rel_err
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 def cfg(**kw):
     base = dict(lr=3e-3, weight_decay=0.01, dtype="bf16", server_threads=1, dpu_warmup_steps=4)
     base.update(kw)
-    return OffloadConfig(**base)
+    return offload_config(**base)
 
 
 def train(model, steps, **kw):
@@ -262,7 +263,7 @@ def test_offload_adamw_takes_state_dtype():
     for sd in ("fp32", "bf16"):
         model = gpt()
         opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, dtype="bf16", state_dtype=sd,
-                           server_threads=1)
+                           server={"threads": 1})
         try:
             out = []
             for t in range(1, 16):

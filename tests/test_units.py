@@ -99,23 +99,118 @@ def test_loss_scaler_follows_gradscaler_rules():
 
 
 def test_loss_scaler_for_config():
-    s = LossScaler.for_config(OffloadConfig(dtype="fp16", initial_scale=512.0, growth_interval=7))
+    s = LossScaler.for_config(OffloadConfig(dtype="fp16", loss_scaling={"initial_scale": 512.0, "growth_interval": 7}))
     assert s.dynamic and s.scale == 512.0 and s.growth_interval == 7
     assert LossScaler.for_config(OffloadConfig(dtype="bf16")).scale == 1.0
-    f = LossScaler.for_config(OffloadConfig(dtype="fp16", loss_scale=64.0))
+    f = LossScaler.for_config(OffloadConfig(dtype="fp16", loss_scaling={"scale": 64.0}))
     assert not f.dynamic and f.scale == 64.0
 
 
 def test_loss_scaling_with_bf16_is_said_to_be_ignored():
-    for kw in (dict(loss_scale=64.0), dict(initial_scale=512.0), dict(growth_interval=7)):
+    for kw in (dict(scale=64.0), dict(initial_scale=512.0), dict(growth_interval=7)):
         with pytest.warns(UserWarning, match="loss scaling is for fp16.*ignored"):
-            cfg = OffloadConfig(dtype="bf16", **kw)
+            cfg = OffloadConfig(dtype="bf16", loss_scaling=kw)
         assert LossScaler.for_config(cfg).scale == 1.0  # and it is indeed ignored
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         OffloadConfig(dtype="bf16")       # the defaults say nothing
-        OffloadConfig(dtype="fp16", loss_scale=64.0)
+        OffloadConfig(dtype="fp16", loss_scaling={"scale": 64.0})
 
+
+
+# ----------------------------------------------------------------------------- config: groups, old names
+# every flat name of the versions before the groups, a value for it, and where it lands
+OLD_NAMES = [("loss_scale", 64.0, "loss_scaling.scale"), ("initial_scale", 512.0, "loss_scaling.initial_scale"),
+             ("growth_factor", 4.0, "loss_scaling.growth_factor"),
+             ("backoff_factor", 0.25, "loss_scaling.backoff_factor"),
+             ("growth_interval", 7, "loss_scaling.growth_interval"),
+             ("server_address", "ipc:///tmp/x", "server.address"), ("server_token", "t", "server.token"),
+             ("server_threads", 3, "server.threads"), ("request_timeout_s", 9.0, "server.request_timeout_s"),
+             ("compute_dtype", "fp32", "expert.compute_dtype"), ("dpu_warmup_steps", 5, "expert.dpu_warmup_steps"),
+             ("dpu_predict", 1.0, "expert.dpu_predict"), ("dpu_grad_slots", 2, "expert.dpu_grad_slots"),
+             ("bucket_numel", 4096, "expert.bucket_numel"), ("progress_block_numel", 64, "expert.progress_block_numel"),
+             ("staging_numel", 100, "expert.staging_numel"), ("param_align_numel", 64, "expert.param_align_numel"),
+             ("pin_host_memory", "off", "expert.pin_host_memory"), ("trace_dir", "/tmp/t", "expert.trace_dir"),
+             ("cpu_zero_copy", False, "expert.cpu_zero_copy"), ("overlap_weights_up", False,
+                                                                "expert.overlap_weights_up"),
+             ("undo_log_bytes", 1 << 20, "expert.undo_log_bytes")]
+
+
+def _get(cfg, dotted):
+    group, name = dotted.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def test_config_groups_cover_every_old_name():
+    """The table above is every deprecated name the config knows (a new field that forgot
+    its old name, or an old name left out here, fails)."""
+    from zero_offload.config import DEPRECATED, MODE_SWITCHES
+    assert {n for n, _, _ in OLD_NAMES} == set(DEPRECATED)
+    assert set(MODE_SWITCHES) == {"dpu", "overlap_update"}
+    assert {f"{g}.{f}" for g, f in DEPRECATED.values()} == {d for _, _, d in OLD_NAMES}
+
+
+@pytest.mark.parametrize("old,value,new", OLD_NAMES, ids=[n for n, _, _ in OLD_NAMES])
+def test_old_flat_name_maps_to_its_group_with_a_deprecation_warning(old, value, new):
+    """Each old name sets its new field, warns naming it, and reads back (warning); given
+    together with its group it is refused, naming the new field.  (Mutation: mapping an
+    old name to a wrong field, or dropping the warning, fails here.)"""
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.") if "." in new else new):
+        cfg = OffloadConfig(dtype="fp16", **{old: value})
+    assert _get(cfg, new) == value
+    with pytest.warns(DeprecationWarning, match=f"read {new}"):
+        assert getattr(cfg, old) == value
+    group = new.split(".")[0]
+    with pytest.raises(ValueError, match=new.replace(".", r"\.")):
+        OffloadConfig(dtype="fp16", **{old: value, group: {}})
+
+
+@pytest.mark.parametrize("old,want", [
+    (dict(dpu=True), ("dpu", "auto")), (dict(dpu=False), ("exact", "auto")),
+    (dict(overlap_update=True), ("exact", "overlap_update")), (dict(overlap_update=False), ("exact", "sync")),
+    (dict(undo_log_bytes=1 << 20), ("exact", "speculation")),
+    (dict(overlap_update=True, undo_log_bytes=1 << 20), ("exact", "overlap_update+speculation")),
+    (dict(dpu=True, undo_log_bytes=0), ("dpu", "auto")),
+])
+def test_old_mode_switches_name_the_mode_and_strategy(old, want):
+    """dpu / overlap_update / undo_log_bytes > 0 were the mode: they map to mode and the
+    exact strategy they meant (explicitly off: sync), each with a DeprecationWarning."""
+    with pytest.warns(DeprecationWarning):
+        cfg = OffloadConfig(**old)
+    assert (cfg.mode, cfg.expert.exact_strategy) == want
+
+
+def test_old_mode_switch_with_its_new_field_is_refused():
+    with pytest.raises(ValueError, match="set mode only"):
+        OffloadConfig(dpu=True, mode="dpu")
+    with pytest.raises(ValueError, match="set expert.exact_strategy only"):
+        OffloadConfig(overlap_update=True, expert={"bucket_numel": 4096})
+
+
+def test_config_top_level_is_small_and_documented():
+    """The user's level: at most ~12 fields and three groups, each field of every group
+    with a docstring under it (the attribute docstrings are read from the source)."""
+    import ast
+    import dataclasses
+    import inspect
+    from zero_offload import config as C
+    top = [f.name for f in dataclasses.fields(OffloadConfig)]
+    assert len(top) <= 14 and {"mode", "loss_scaling", "server", "expert"} <= set(top), top
+    tree = ast.parse(inspect.getsource(C))
+    for cls in (C.OffloadConfig, C.LossScaling, C.ServerConnection, C.ExpertConfig):
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        body = node.body
+        documented = {body[i].target.id for i in range(len(body) - 1)
+                      if isinstance(body[i], ast.AnnAssign) and isinstance(body[i + 1], ast.Expr)
+                      and isinstance(body[i + 1].value, ast.Constant) and isinstance(body[i + 1].value.value, str)}
+        assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+def test_config_groups_accept_dicts_and_name_unknown_fields():
+    cfg = OffloadConfig(server={"threads": 2}, expert={"bucket_numel": 4096})
+    assert cfg.server.threads == 2 and cfg.expert.bucket_numel == 4096 and cfg.loss_scaling.scale == "dynamic"
+    with pytest.raises(ValueError, match=r"expert: unknown field\(s\) \['bucket_size'\]"):
+        OffloadConfig(expert={"bucket_size": 4096})
 
 # ----------------------------------------------------------------------------- schedule, proxy
 def test_warmup_cosine():

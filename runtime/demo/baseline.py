@@ -43,7 +43,7 @@ class DeviceMixedPrecision:
         self.scaler = LossScaler.for_config(cfg)
         self.iteration = self.updates = self.skipped_steps = 0
         self.update_s = 0.0
-        self.tracer = Tracer(cfg.trace_dir, "baseline", 0)
+        self.tracer = Tracer(cfg.expert.trace_dir, "baseline", 0)
         self.simulate_dpu = simulate_dpu
         self._prev2 = None  # M_(i-2) while simulating DPU with prediction
 
@@ -75,14 +75,14 @@ class DeviceMixedPrecision:
             if callable(self.cfg.lr):
                 for g in self.optimizer.param_groups:
                     g["lr"] = self.cfg.lr_at(k)
-            N = self.cfg.dpu_warmup_steps
+            N = self.cfg.expert.dpu_warmup_steps
             delayed = self.simulate_dpu and self.iteration >= N
             prev = [m.detach().clone() for m in self.master] if delayed else None  # M_(i-1)
             self.optimizer.step()                                                # M_i
             weights = prev or self.master
-            if delayed and self.cfg.dpu_predict and self.iteration - 1 >= N:
+            if delayed and self.cfg.expert.dpu_predict and self.iteration - 1 >= N:
                 # M_(i-1) came from a delayed update, sent up with weight prediction
-                weights = [a + self.cfg.dpu_predict * (a - b) for a, b in zip(prev, self._prev2)]
+                weights = [a + self.cfg.expert.dpu_predict * (a - b) for a, b in zip(prev, self._prev2)]
             for p, m in zip(self.params, weights):
                 p.copy_(m)
             for m in self.master:

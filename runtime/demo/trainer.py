@@ -32,10 +32,11 @@ class TrainConfig:
     warmup: lr warm-up updates; lr decays by cosine to min_lr_ratio x lr at `steps`.
     dpu_predict: weight prediction under DPU (1.0: the measured default that keeps DPU's
         loss cost under 2% at lr 3e-4; 0 = the paper's plain DPU).
-    overlap_update: the engine's overlap_update (bitwise sync, the update during the
-        next forward); with dpu=False.
-    undo_log_bytes: the engine's undo_log_bytes (speculation during backward; 0: off); with
-        dpu=False.
+    exact_strategy: with dpu=False (mode="exact"): the engine's expert.exact_strategy
+        ("auto": it measures and picks; or "sync", "overlap_update", "speculation",
+        "overlap_update+speculation").
+    undo_log_bytes: with dpu=False: the engine's expert.undo_log_bytes (0: its default,
+        what a whole update needs where that fits).
     state_dtype: the engine's state_dtype ("bf16": 6 B/param of optimizer state on the
         host instead of 12, the exact master where the weights are bf16 and dpu_predict 0;
         "int8": 4 B/param, block-wise 8-bit moments).
@@ -60,7 +61,7 @@ class TrainConfig:
     dpu: bool = True
     dpu_warmup: int = 40
     dpu_predict: float = 1.0
-    overlap_update: bool = False
+    exact_strategy: str = "auto"
     undo_log_bytes: int = 0
     state_dtype: str = "fp32"
     grad_accum: int = 1
@@ -118,11 +119,15 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int, dev
     """The model arrives in fp32 on the CPU.  Offload: only its 16-bit weights go to the
     device (a model whose fp32 copy would not fit there still trains).  Baseline: all of it."""
     sched = WarmupCosine(peak=tc.lr, warmup=tc.warmup, total=total_updates, min_ratio=tc.min_lr_ratio)
+    expert = dict(dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict, trace_dir=tc.trace_dir)
+    if not tc.dpu:
+        expert["exact_strategy"] = tc.exact_strategy
+        if tc.undo_log_bytes:
+            expert["undo_log_bytes"] = tc.undo_log_bytes
     oc = OffloadConfig(lr=sched, betas=(tc.beta1, tc.beta2), weight_decay=tc.weight_decay, dtype=tc.dtype,
-                       clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum, dpu=tc.dpu,
-                       dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict,
-                       overlap_update=tc.overlap_update, undo_log_bytes=tc.undo_log_bytes, state_dtype=tc.state_dtype,
-                       server_threads=tc.server_threads, trace_dir=tc.trace_dir, device=str(device))
+                       clip_grad_norm=tc.clip, grad_accumulation_steps=tc.grad_accum,
+                       mode="dpu" if tc.dpu else "exact", state_dtype=tc.state_dtype,
+                       server={"threads": tc.server_threads}, expert=expert, device=str(device))
     if tc.offload:
         return OffloadEngine(model, oc)
     return DeviceMixedPrecision(model.to(device), oc, simulate_dpu=tc.simulate_dpu)

@@ -158,7 +158,8 @@ def test_server_killed_before_a_checkpoint_is_the_named_error(tmp_path, dpu):
     from zero_offload import OffloadConfig, OffloadEngine
     from tests.helpers.dist_worker import global_batch, make_model
     model = make_model()
-    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server_threads=1, dpu=dpu, dpu_warmup_steps=1))
+    eng = OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", mode="dpu" if dpu else "exact",
+                                             server={"threads": 1}, expert={"dpu_warmup_steps": 1}))
     try:
         for t in range(1, 4):
             x, y = global_batch(t)

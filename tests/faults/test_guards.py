@@ -35,8 +35,8 @@ def test_nonfinite_gradient_skips_and_keeps_state(tmp_path, dtype, bad, dpu):
     """Documented behaviour, fp16 and bf16 alike: the step is skipped, the fp32 state is
     bitwise unchanged, and (fp16, dynamic scaling) the loss scale backs off."""
     model = make_model()
-    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype=dtype, dpu=dpu, dpu_warmup_steps=2,
-                                            server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype=dtype, mode="dpu" if dpu else "exact",
+                                            server={"threads": 1}, expert={"dpu_warmup_steps": 2})) as eng:
         train(eng, model, 4)
         eng.save_checkpoint(str(tmp_path / "a"))
         scale = eng.scaler.scale
@@ -89,7 +89,7 @@ def small_tmpfs(tmp_path):
 
 def test_full_and_readonly_disk_keep_previous_checkpoint(small_tmpfs):
     model = make_model()  # 6.5K params: a checkpoint is ~40 KiB, two do not fit in 96 KiB
-    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1})) as eng:
         train(eng, model, 2)
         first = Path(eng.save_checkpoint(str(small_tmpfs)))
         snapshot = {p.name: p.read_bytes() for p in first.iterdir()}
@@ -106,7 +106,7 @@ def test_full_and_readonly_disk_keep_previous_checkpoint(small_tmpfs):
         train(eng, model, 1, start=5)  # training goes on
     # and the intact checkpoint still loads
     model2 = make_model()
-    with OffloadEngine(model2, OffloadConfig(lr=1e-2, dtype="bf16", server_threads=1)) as eng2:
+    with OffloadEngine(model2, OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1})) as eng2:
         eng2.load_checkpoint(str(small_tmpfs))
         assert eng2.iteration == 2
 
@@ -172,8 +172,8 @@ def test_soak_no_growth():
     x, y = torch.randn(8, 32), torch.randn(8, 4)
     samples = {}
     t0 = time.monotonic()
-    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", dpu=True, dpu_warmup_steps=5,
-                                            server_threads=1)) as eng:
+    with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", mode="dpu", server={"threads": 1},
+                                            expert={"dpu_warmup_steps": 5})) as eng:
         spid = eng._server.pid
         for t in range(1, steps + 1):
             loss = torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y)

@@ -39,7 +39,7 @@ def train(out: str, which: str, steps: int) -> dict:
     model = gpt()
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if which.startswith("offload"):
-        opt = OffloadAdamW(model.parameters(), **kw, model=model, grad_accumulation_steps=2, server_threads=1)
+        opt = OffloadAdamW(model.parameters(), **kw, model=model, grad_accumulation_steps=2, server={"threads": 1})
     else:
         opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))

@@ -44,7 +44,8 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a mismatch fails, not hangs
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Model()
-    cfg = OffloadConfig(lr=1e-3, dtype="fp16", loss_scale=1.0, bucket_numel=1024, server_threads=1)
+    cfg = OffloadConfig(lr=1e-3, dtype="fp16", loss_scaling={"scale": 1.0}, server={"threads": 1},
+                        expert={"bucket_numel": 1024})
     eng = OffloadEngine(model, cfg)
     if mode == "owner":
         eng.grads.coll = copy.copy(eng.coll)

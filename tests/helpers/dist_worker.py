@@ -79,14 +79,20 @@ def groups(model, mode: str):
 
 
 def config(mode: str) -> OffloadConfig:
+    dpu = mode.endswith("dpu")
+    expert = dict(dpu_warmup_steps=4, bucket_numel=2048,
+                  progress_block_numel=256,  # many published blocks per shard: partial copies
+                  staging_numel=500,  # the initial shard and master_state_dict in chunks
+                  param_align_numel=64 if "align" in mode else 0)  # align: the GPU's layout, gaps
+    if not dpu and (mode.startswith("overlap") or "spec" in mode):  # else mode="exact" picks (both ranks agree)
+        expert["exact_strategy"] = "+".join(filter(None, ["overlap_update" if mode.startswith("overlap") else "",
+                                                          "speculation" if "spec" in mode else ""]))
+        if "spec" in mode:
+            expert["undo_log_bytes"] = 1 << 30
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
-                         dpu=mode.endswith("dpu"), dpu_warmup_steps=4, bucket_numel=2048,
-                         overlap_update=mode.startswith("overlap"), clip_grad_norm=CLIP if "clip" in mode else None,
+                         mode="dpu" if dpu else "exact", clip_grad_norm=CLIP if "clip" in mode else None,
                          state_dtype="bf16" if "bf16state" in mode else "int8" if "int8state" in mode else "fp32",
-                         undo_log_bytes=(1 << 30) if "spec" in mode else 0,
-                         progress_block_numel=256,  # many published blocks per shard: partial copies
-                         staging_numel=500,  # the initial shard and master_state_dict in chunks
-                         param_align_numel=64 if "align" in mode else 0)  # align: the GPU's layout, gaps
+                         expert=expert)
 
 
 def main():

@@ -28,8 +28,8 @@ def main():
         os.environ.pop("ZERO_OFFLOAD_ADDRESS", None)
     model = make_model()
     # resume continues a DPU run; full is that run without the interruption
-    cfg = OffloadConfig(lr=3e-3, dtype="bf16", dpu=mode in ("dpu", "resume", "full"), dpu_warmup_steps=3,
-                        server_threads=1)
+    cfg = OffloadConfig(lr=3e-3, dtype="bf16", mode="dpu" if mode in ("dpu", "resume", "full") else "exact",
+                        server={"threads": 1}, expert={"dpu_warmup_steps": 3})
     try:
         eng = OffloadEngine(model, cfg)
         if private:

@@ -71,13 +71,17 @@ def run_pair(make, batch, dtype, steps=30, dpu=None, device="cpu", land_early=Fa
     compute, _ = resolve_compute(hp.get("compute", "auto"), dtype, torch.device(device))  # the engine's pick
     ref = MixedPrecisionReference(model, dtype=dtype, lr=hp.get("lr", 3e-3), weight_decay=0.01, dpu_warmup=dpu,
                                   clip=hp.get("clip"), predict=hp.get("predict", 0.0), compute=compute)
-    cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, dpu=dpu is not None,
-                        dpu_warmup_steps=dpu or 40, clip_grad_norm=hp.get("clip"), server_threads=1,
-                        dpu_predict=hp.get("predict", 0.0), bucket_numel=hp.get("bucket_numel", 1 << 24),
-                        progress_block_numel=hp.get("progress_block", 1 << 20),
-                        pin_host_memory=hp.get("pin", "auto"), cpu_zero_copy=hp.get("zero_copy", True),
-                        staging_numel=hp.get("staging", 0), compute_dtype=hp.get("compute", "auto"),
-                        overlap_update=hp.get("overlap", False))
+    # the weights are read between steps (below), so the strategy is fixed: sync, or
+    # overlap_update, whose update is landed before reading
+    cfg = OffloadConfig(lr=hp.get("lr", 3e-3), weight_decay=0.01, dtype=dtype, mode="exact" if dpu is None else "dpu",
+                        clip_grad_norm=hp.get("clip"), server={"threads": 1},
+                        expert=dict(dpu_warmup_steps=dpu or 40, dpu_predict=hp.get("predict", 0.0),
+                                    bucket_numel=hp.get("bucket_numel", 1 << 24),
+                                    progress_block_numel=hp.get("progress_block", 1 << 20),
+                                    pin_host_memory=hp.get("pin", "auto"), cpu_zero_copy=hp.get("zero_copy", True),
+                                    staging_numel=hp.get("staging", 0), compute_dtype=hp.get("compute", "auto"),
+                                    exact_strategy="auto" if dpu is not None else
+                                    "overlap_update" if hp.get("overlap") else "sync"))
     losses, ref_losses = [], []
     with OffloadEngine(model, cfg) as eng:
         params = list(eng.model.parameters())

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload import OffloadEngine
+
+from .config import offload_config
 
 STEPS = 40
 # The synchronous reference runs, by configuration: test_overlap and test_speculation compare
@@ -42,7 +44,7 @@ def _run(tmp, make, batch, dtype, overlap, accum, groups, slow_forward, inject_a
     hooks = []
     if slow_forward:  # a slower device: each module's forward takes a little longer
         hooks = [m.register_forward_pre_hook(lambda m, a: time.sleep(0.0005)) for m in model.modules()]
-    eng = OffloadEngine(model, OffloadConfig(**kw), param_groups=groups(model) if groups else None)
+    eng = OffloadEngine(model, offload_config(**kw), param_groups=groups(model) if groups else None)
     with eng:
         losses = []
         for t in range(1, STEPS + 1):
