@@ -55,13 +55,16 @@ class ShardClient:
     writes what when.
     """
 
-    def __init__(self, address: str, token: str, *, rank: int = 0, world_size: int = 1, numel: int,
-                 dtype: str = "fp16", optimizer: str = "adamw", hparams: dict | None = None,
+    def __init__(self, address: str, token: str, spec: P.ShardSpec | None = None, *,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, server_proc=None,
-                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, progress_block: int = 0,
-                 weight_slots: int = 1, grad_slots: int = 1, staging_numel: int = 0,
-                 state_dtype: str = "fp32", exact_master: bool = False, frees_bytes: int = 0,
-                 undo_log_bytes: int = 0):
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, **spec_fields):
+        """spec: the shard to register (protocol.ShardSpec), or its fields as keywords
+        (numel=..., state_dtype=...: what scripts and tests write)."""
+        if spec is None:
+            spec = P.ShardSpec(**spec_fields)
+        elif spec_fields:
+            raise TypeError("pass either spec=ShardSpec(...) or its fields as keywords, not both")
+        self.spec = spec
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s
@@ -83,11 +86,7 @@ class ShardClient:
         self.segment: Segment | None = None
         self.progress = None
         self._inflight: int | None = None  # step number of a STEP awaiting DONE
-        hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, rank=rank, world_size=world_size, numel=numel,
-                        dtype=dtype, optimizer=optimizer, hparams=dict(hparams or {}), pid=os.getpid(),
-                        progress_block=progress_block, weight_slots=weight_slots, grad_slots=grad_slots,
-                        staging_numel=staging_numel, state_dtype=state_dtype, exact_master=exact_master,
-                        frees_bytes=frees_bytes, undo_log_bytes=undo_log_bytes)
+        hello = P.Hello(version=P.PROTOCOL_VERSION, token=token, pid=os.getpid(), **spec.spec_fields())
         try:
             ok = self._request(hello, P.HelloOk, timeout_s=30.0)
         except BaseException:

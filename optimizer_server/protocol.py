@@ -160,17 +160,16 @@ def _require(cond: bool, msg: str) -> None:
 
 
 @dataclass(kw_only=True)
-class Hello(Message):
-    TYPE: ClassVar[str] = "HELLO"
-    version: int
-    token: str
-    rank: int
-    world_size: int
+class ShardSpec:
+    """What a worker asks its shard to be: the one typed description that goes from the
+    engine (which builds it from OffloadConfig) through ShardClient into HELLO, whose
+    fields it is, to the server's Shard, which keeps it (Shard.spec)."""
+    rank: int = 0
+    world_size: int = 1
     numel: int
-    dtype: str
-    optimizer: str
+    dtype: str = "fp16"
+    optimizer: str = "adamw"
     hparams: dict = field(default_factory=dict)  # lr, beta1, beta2, eps, weight_decay
-    pid: int = 0
     progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
     weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
     grad_slots: int = 1      # 2: a second gradient slot (DPU whose backward never waits for the update)
@@ -179,6 +178,19 @@ class Hello(Message):
     exact_master: bool = False  # the fp32 master kept as the weights slot's bf16 + a 16-bit remainder
     frees_bytes: int = 0     # host bytes the worker lets go of once INIT is done (its fp32 copy of the model)
     undo_log_bytes: int = 0  # capacity of the shard's undo log for SPECULATE (0: no speculation)
+
+    def spec_fields(self) -> dict:
+        """The spec's own fields (a HELLO's, less version, token and pid), shallow."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ShardSpec)}
+
+
+@dataclass(kw_only=True)
+class Hello(Message, ShardSpec):
+    """A ShardSpec, and who sends it."""
+    TYPE: ClassVar[str] = "HELLO"
+    version: int
+    token: str
+    pid: int = 0
 
     def validate(self) -> None:
         _require(0 <= self.world_size - 1 < 1 << 20, f"world_size must be >= 1, got {self.world_size}")

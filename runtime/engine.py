@@ -49,7 +49,7 @@ from zero_offload.server import checkpoint as ckpt_format
 from zero_offload.server.client import ShardClient
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 from zero_offload.server.admission import read_mem_available
-from zero_offload.server.protocol import MAX_GROUPS, QBLOCK
+from zero_offload.server.protocol import MAX_GROUPS, QBLOCK, ShardSpec
 from zero_offload.server.state import bytes_per_param
 from zero_offload.server.tracing import Tracer
 
@@ -254,14 +254,14 @@ class OffloadEngine:
         frees = sum(s.param.numel() * s.param.element_size() for s in self.flat.spans if not s.param.is_cuda)
         if not self.is_cuda and not self._zero_copy:
             frees = max(0, frees - self.compute_dtype.itemsize * self.flat.padded_numel)
-        self.client = c = ShardClient(addr, token, rank=self.rank, world_size=self.world_size,
-                                      numel=self.flat.shard_numel, dtype=cfg.dtype, optimizer=cfg.optimizer,
-                                      hparams=hp, request_timeout_s=cfg.server.request_timeout_s, server_proc=proc,
-                                      progress_block=cfg.expert.progress_block_numel,
-                                      weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
-                                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
-                                      exact_master=cfg.exact_master, frees_bytes=frees,
-                                      undo_log_bytes=self._undo_log_bytes)
+        # the shard, described once (protocol.ShardSpec): HELLO carries it, the server's Shard keeps it
+        spec = ShardSpec(rank=self.rank, world_size=self.world_size, numel=self.flat.shard_numel, dtype=cfg.dtype,
+                         optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,
+                         weight_slots=2 if self._zero_copy else 1, grad_slots=self._grad_slots,
+                         staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
+                         exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=self._undo_log_bytes)
+        self.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
+                                      server_proc=proc)
         if self.is_cuda:
             self._pinned = host_memory.pin(c.segment.buffer, c.segment.size, self.device, cfg.expert.pin_host_memory)
         gather = None
