@@ -345,7 +345,7 @@ class OptimizerServer:
 
     # ------------------------------------------------------------------ speculation
     def _speculate(self, session: str, shard: Shard, msg: P.Speculate) -> None:
-        first = shard.spec is None
+        first = shard.speculative is None
         piece = shard.accept_speculation(msg)
         if isinstance(piece, str):
             shard.drop_speculation(piece)
@@ -354,7 +354,7 @@ class OptimizerServer:
         ex = self.executors[session]
         for a, b in piece or []:
             ex.submit(self._traced_speculate, shard, msg.step, a, b)
-        if first and shard.spec is not None:
+        if first and shard.speculative is not None:
             # the rest of the step comes through the ready word, not a message a bucket
             ex.submit(self._follow, shard, msg.step)
 

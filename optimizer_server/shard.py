@@ -85,7 +85,7 @@ class ShardState(enum.Enum):
     SPECULATING = "speculating"      # SPECULATE accepted: speculative pieces queued or in the undo log
 
 
-class Speculation:
+class SpeculativeUpdate:
     """What the shard speculated for one step: the assumed STEP's values, how far
     pieces were queued (socket thread) and done (update thread)."""
 
@@ -130,7 +130,7 @@ class Shard:
 
     def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int):
         self.session = session
-        self.spec = P.ShardSpec(**hello.spec_fields())  # what the worker asked for, as it asked
+        self.shard_spec = P.ShardSpec(**hello.spec_fields())  # what the worker asked for, as it asked
         self.rank = hello.rank
         self.world_size = hello.world_size
         self.numel = hello.numel
@@ -183,7 +183,7 @@ class Shard:
             self.arrays.make_twin()
             whole = UndoLog.nbytes(self.arrays.update_writes(0, n, self.weights16_slots, out))
         self.undo = UndoLog(min(hello.undo_log_bytes, whole)) if hello.undo_log_bytes else None
-        self.spec: Speculation | None = None
+        self.speculative: SpeculativeUpdate | None = None
         self.speculate_dropped = 0
         self.last_drop_reason = ""
         self.last_speculated = 0   # the last STEP's: elements kept from speculation
@@ -298,10 +298,10 @@ class Shard:
         refused = self._step_refusal(msg)
         if refused is not None:
             return refused
-        if self.spec is not None:
+        if self.speculative is not None:
             # speculative pieces still queued would only delay the STEP's own update, which
             # publishes its progress as it goes (the pieces do not): they are left to it
-            self.spec.closed = True
+            self.speculative.closed = True
         self.phase = ShardState.UPDATING
         return None
 
@@ -338,16 +338,16 @@ class Shard:
         if refused is not None:
             return refused[1]
         key = self._step_key(msg)
-        if self.spec is None:
-            self.spec = Speculation(msg, key)
+        if self.speculative is None:
+            self.speculative = SpeculativeUpdate(msg, key)
             self.phase = ShardState.SPECULATING
-        elif self.spec.key != key:
+        elif self.speculative.key != key:
             return "SPECULATE's assumption differs from the one this step already speculated on"
         b = self._block_floor(min(msg.upto, self.numel))
-        a = self.spec.queued
-        if b <= a or self.spec.full:
+        a = self.speculative.queued
+        if b <= a or self.speculative.full:
             return None
-        self.spec.queued = b
+        self.speculative.queued = b
         step = self._piece
         return [(x, min(b, x + step)) for x in range(a, b, step)]
 
@@ -367,10 +367,10 @@ class Shard:
         up to MAX_READY_POLL_S while nothing new comes (a long backward polls less).
         run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
         run = run or self.speculate
-        sp = self.spec
+        sp = self.speculative
         last = time.monotonic()
         delay = poll_s
-        while sp is self.spec and sp is not None and not (sp.closed or sp.full) and sp.done < self.numel:
+        while sp is self.speculative and sp is not None and not (sp.closed or sp.full) and sp.done < self.numel:
             said = self._block_floor(min(self.numel, cpu_adam.load_progress(self.ready, tag=step)))
             upto = max(said, sp.queued)  # a later SPECULATE still counts
             if upto > sp.done:
@@ -395,8 +395,8 @@ class Shard:
     def stop_following(self) -> None:
         """Socket thread: a request other than SPECULATE came (or the worker is gone), so
         ``follow`` returns after its piece and queued pieces do nothing."""
-        if self.spec is not None:
-            self.spec.closed = True
+        if self.speculative is not None:
+            self.speculative.closed = True
 
     def drop_speculation(self, why: str) -> None:
         self.speculate_dropped += 1
@@ -405,7 +405,7 @@ class Shard:
     def speculate(self, a: int, b: int) -> None:
         """Update thread: update [a, b) with the assumed values, its old bytes saved first;
         as much of it as the undo log holds (whole blocks with int8)."""
-        sp = self.spec
+        sp = self.speculative
         if sp is None or sp.full or sp.closed or a != sp.done:
             return  # settled meanwhile, the STEP is here, or an earlier piece did not fit
         per = UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)) / (b - a)
@@ -438,7 +438,7 @@ class Shard:
     def rollback(self) -> int:
         """Update thread: undo what was speculated (before a request that reads or replaces
         the state); returns the elements restored."""
-        sp, self.spec = self.spec, None
+        sp, self.speculative = self.speculative, None
         if self.phase is ShardState.SPECULATING:
             self.phase = ShardState.READY
         if sp is None:
@@ -449,7 +449,7 @@ class Shard:
     def _settle(self, msg: P.Step) -> int:
         """Update thread, at a STEP: elements [0, start) already hold its result (kept from
         speculation), or the speculation is rolled back and start is 0."""
-        sp, self.spec = self.spec, None
+        sp, self.speculative = self.speculative, None
         self.last_speculated = self.last_rolled_back = 0
         if sp is None or sp.done == 0:
             if sp is not None:
@@ -635,7 +635,7 @@ class Shard:
                          mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
                          bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
                          speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason,
-                         speculated=self.spec.done if self.spec is not None else 0)
+                         speculated=self.speculative.done if self.speculative is not None else 0)
 
     # -- checkpoints -----------------------------------------------------------
     def _paths(self, d: Path) -> tuple[Path, Path]:

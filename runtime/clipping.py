@@ -44,7 +44,7 @@ def install() -> None:
 
 def _engine_of(parameters) -> tuple[list, object]:
     """(the parameters as a list, the one engine that trains them or None)."""
-    from .engine import owner_of
+    from .owners import owner_of
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     owners = {}
     others = False

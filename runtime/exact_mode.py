@@ -25,7 +25,7 @@ k+1 used the same one; intervals that straddle a change, or follow a skipped ste
 update), are not counted.  `per_candidate` steps per candidate give per_candidate - 1
 intervals; the median of them is the candidate's time.
 
-Phases (Phase) and what moves between them (step_ends(), which every rank calls at
+Phases (PickPhase) and what moves between them (step_ends(), which every rank calls at
 the same iterations, so ranks agree; their medians are combined by `agree`, the
 largest of each: a step is as slow as its slowest rank):
 
@@ -95,7 +95,7 @@ def decide(medians: dict[str, float], order: list[str], tie: float = TIE) -> tup
     return pick, why
 
 
-class Phase(enum.Enum):
+class PickPhase(enum.Enum):
     WARMUP = "warmup"  # the first steps (first touch of the state, the allocator) are not measured
     TRIAL = "trial"    # each candidate in turn
     PICKED = "picked"  # the fastest, checked every check_every steps
@@ -129,12 +129,12 @@ class ExactModePicker:
         self._trial_at = 0       # the iteration the current trial started after
         self._picked_at = 0
         if len(self.order) == 1:
-            self.phase, self.current = Phase.FIXED, self.order[0]
+            self.phase, self.current = PickPhase.FIXED, self.order[0]
             self.why = (f"forced (expert.exact_strategy={forced!r})" if forced is not None
                         else "the only candidate (one rank needs a model forward for overlap_update; speculation "
                              "needs its host RAM)" if self.order[0] == SYNC else "the only candidate")
         else:
-            self.phase, self.current = Phase.WARMUP, self.order[0]
+            self.phase, self.current = PickPhase.WARMUP, self.order[0]
             self.why = f"measuring: {', '.join(self.order)} for {per_candidate} steps each after {warmup} steps"
 
     # ------------------------------------------------------------------ the engine's calls
@@ -143,9 +143,9 @@ class ExactModePicker:
         current strategy if the last step used it too and was not skipped."""
         if self._t is not None and self._last == self.current and not self._skipped:
             dt = t - self._t
-            if self.phase is Phase.TRIAL:
+            if self.phase is PickPhase.TRIAL:
                 self.samples[self.current].append(dt)
-            elif self.phase is Phase.PICKED:
+            elif self.phase is PickPhase.PICKED:
                 self.recent.append(dt)
         self._t, self._last = t, self.current
 
@@ -153,10 +153,10 @@ class ExactModePicker:
         """step() of `iteration` (1-based, skipped ones included) ends: the phase may move,
         and `current` becomes the next step's strategy."""
         self._skipped = skipped
-        if self.phase is Phase.WARMUP:
+        if self.phase is PickPhase.WARMUP:
             if iteration >= self.warmup:
                 self._start_trial(iteration)
-        elif self.phase is Phase.TRIAL:
+        elif self.phase is PickPhase.TRIAL:
             done = iteration - self._trial_at
             if done % self.per_candidate == 0:
                 i = done // self.per_candidate
@@ -164,13 +164,13 @@ class ExactModePicker:
                     self.current = self.order[i]
                 else:
                     self._pick(iteration)
-        elif self.phase is Phase.PICKED:
+        elif self.phase is PickPhase.PICKED:
             if (iteration - self._picked_at) % self.check_every == 0:
                 self._check(iteration)
 
     # ------------------------------------------------------------------ transitions
     def _start_trial(self, iteration: int) -> None:
-        self.phase = Phase.TRIAL
+        self.phase = PickPhase.TRIAL
         self._trial_at = iteration
         self.samples = {s: [] for s in self.order}
         self.current = self.order[0]
@@ -186,7 +186,7 @@ class ExactModePicker:
         self.current, why = decide(self.medians, self.order)
         self.why = f"trial {self.trials} (steps {self._trial_at + 1}-{iteration}): {why}"
         log.info("mode='exact' keeps %s: %s", self.current, self.why)
-        self.phase = Phase.PICKED
+        self.phase = PickPhase.PICKED
         self._picked_at = iteration
         self.recent.clear()
 

@@ -182,3 +182,18 @@ class FlatParams:
             for s in self.spans:
                 view = flat16[s.offset:s.offset + s.numel].view(s.param.shape)
                 s.param.data = view
+
+    def check_views(self, flat16: torch.Tensor, dtype: torch.dtype) -> None:
+        """The parameters must still view flat16: what the server writes reaches the model
+        only through it.  O(parameters) pointer compares per backward."""
+        base = flat16.data_ptr()
+        size = flat16.element_size()
+        for s in self.spans:
+            if s.param.data_ptr() != base + size * s.offset or s.param.dtype != dtype:
+                raise RuntimeError(
+                    "the model's parameters no longer view the engine's 16-bit weights: something replaced their "
+                    "storage (torch DistributedDataParallel, which accelerator.prepare(model) applies with several "
+                    "processes; model.to(...); load_state_dict(assign=True)), so updates would not reach the model. "
+                    "The engine reduces gradients across ranks itself (ZeRO-2): do not wrap the model in DDP (with "
+                    "Accelerate, prepare the optimizer, dataloader and scheduler but not the model), and move the "
+                    "model to its device before creating the engine")

@@ -1,4 +1,4 @@
-"""Speculation during backward (OffloadConfig.undo_log_bytes > 0).
+"""Speculation during backward (the exact strategies with "speculation"; expert.undo_log_bytes).
 
 As backward completes gradient buckets front to back, the prefix of the shard whose
 gradients are final in the host slot grows.  The first time it does, the engine sends
@@ -7,12 +7,12 @@ far the gradients are final; after that it only stores how far in the shared rea
 word (optimizer_server.shm), which the server follows: a message a bucket had cost
 the worker's core a wake of ZeroMQ's I/O thread each (BENCHMARKS.md) and
 the server's core a request.  The server updates that prefix at once, undo-logged
-(optimizer_server.shard: Speculation), so the update runs inside backward.  step()
+(optimizer_server.shard: SpeculativeUpdate), so the update runs inside backward.  step()
 sends the real STEP as always; the server keeps the speculated part when the values
 match and otherwise restores it and runs the whole update, so the result is bitwise
 the synchronous one in every case, and this object only decides when to try.
 
-Phases of one step (Phase):
+Phases of one step (SpeculatorPhase):
 
     from      event                                          to
     any       begin(): the step's last backward starts       ARMED     (or IDLE: backing off; from
@@ -38,7 +38,7 @@ from .stats import Counters
 MAX_BACKOFF = 32  # steps without speculation after a run of rollbacks
 
 
-class Phase(enum.Enum):
+class SpeculatorPhase(enum.Enum):
     IDLE = "idle"
     ARMED = "armed"  # this step speculates once gradients land
     SENT = "sent"    # SPECULATE went out for [0, sent)
@@ -51,7 +51,7 @@ class Speculator:
 
     def __init__(self, cycle, expected, *, tracer, counters: Counters):
         self.cycle, self.expected, self.tracer, self.counters = cycle, expected, tracer, counters
-        self.phase = Phase.IDLE
+        self.phase = SpeculatorPhase.IDLE
         self.k = 0              # the update this step's STEP will carry
         self.slot = 0
         self.sent = 0           # SPECULATE said [0, sent) is final
@@ -62,7 +62,7 @@ class Speculator:
 
     def begin(self, k: int, slot: int) -> None:
         """The last micro-batch's backward of update k starts; its gradients go to `slot`."""
-        self.phase = Phase.IDLE
+        self.phase = SpeculatorPhase.IDLE
         c = self.counters
         kept, rolled = c.spec_kept_steps - self._seen[0], c.spec_rollback_steps - self._seen[1]
         self._seen = (c.spec_kept_steps, c.spec_rollback_steps)
@@ -76,29 +76,29 @@ class Speculator:
             self._skip_left -= 1
             return
         if self.cycle.can_speculate:
-            self.phase = Phase.ARMED
+            self.phase = SpeculatorPhase.ARMED
 
     def ready(self, upto: int) -> None:
         """The gradients of shard elements [0, upto) are final in the slot."""
-        if self.phase is Phase.IDLE or upto <= self.sent:
+        if self.phase is SpeculatorPhase.IDLE or upto <= self.sent:
             return
         if self._args is None:
             self._args = self.expected(self.slot)
             if self._args is None:
-                self.phase = Phase.IDLE
+                self.phase = SpeculatorPhase.IDLE
                 return
             self.counters.spec_steps += 1
-        if self.phase is Phase.SENT:
+        if self.phase is SpeculatorPhase.SENT:
             self.cycle.announce(self.k, upto)
         else:
             with self.tracer.span("speculate_signal", step=self.k, upto=upto):
                 self.cycle.speculate(self.k, upto=upto, **self._args)
         self.sent = upto
-        self.phase = Phase.SENT
+        self.phase = SpeculatorPhase.SENT
 
     def end(self, skipped: bool = False) -> None:
         """step() sent STEP k (the server settles the speculation), or skipped it (an
         overflow: SKIP rolled it back)."""
-        if skipped and self.phase is Phase.SENT:
+        if skipped and self.phase is SpeculatorPhase.SENT:
             self.counters.spec_rollback_steps += 1
-        self.phase = Phase.IDLE
+        self.phase = SpeculatorPhase.IDLE

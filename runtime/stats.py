@@ -18,3 +18,12 @@ class Counters:
     spec_rollback_steps: int = 0    # ... that the server rolled back (DONE.rolled_back > 0, or a SKIP)
     spec_kept_numel: int = 0        # elements updated during backward and kept
     spec_rolled_back_numel: int = 0  # elements updated during backward, then restored and redone
+
+    def report(self) -> dict:
+        """The counters under stats()'s names (update_s is "server_update_s" there)."""
+        return {"bytes_to_host": self.bytes_to_host, "bytes_to_device": self.bytes_to_device,
+                "bytes_to_device_early": self.bytes_to_device_early, "wait_s": self.wait_s,
+                "grad_slot_wait_s": self.grad_slot_wait_s, "server_update_s": self.update_s,
+                "overlap_wait_s": self.overlap_wait_s, "spec_steps": self.spec_steps,
+                "spec_kept_steps": self.spec_kept_steps, "spec_rollback_steps": self.spec_rollback_steps,
+                "spec_kept_numel": self.spec_kept_numel, "spec_rolled_back_numel": self.spec_rolled_back_numel}

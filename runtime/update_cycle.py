@@ -1,6 +1,6 @@
 """The update cycle: one update's way from STEP to the weights the device computes with.
 
-Phases (Phase) and the events that move between them:
+Phases (CyclePhase) and the events that move between them:
 
     from                event                              to
     IDLE, ON_DEVICE     send(k): STEP k goes out           IN_FLIGHT
@@ -44,7 +44,7 @@ from .weights_up import WeightReturn
 PROGRESS_POLL_S = 0.001
 
 
-class Phase(enum.Enum):
+class CyclePhase(enum.Enum):
     IDLE = "idle"            # nothing sent since set-up or a load; the device has the newest weights
     IN_FLIGHT = "in_flight"  # STEP k sent, DONE not read yet; published weights may be going up
     LANDED = "landed"        # DONE k read: the weights slot holds k's weights, the device not (all) yet
@@ -72,7 +72,7 @@ class UpdateCycle:
         self._cuda = device.type == "cuda"
         self._host = [torch.from_numpy(w.view(np.int16)).view(dtype) for w in client.weights16_slots]
         self._cur = 0  # zero-copy: the slot the model's parameters view
-        self.phase = Phase.IDLE
+        self.phase = CyclePhase.IDLE
         self._reads = None  # CUDA: an event after the forward pipeline's copies from the incoming slot
         self.step: int | None = None  # the update IN_FLIGHT or LANDED
         self.reverse = False          # that update runs back to front (published counts from the end)
@@ -90,18 +90,18 @@ class UpdateCycle:
     # ------------------------------------------------------------------ queries
     @property
     def in_flight(self) -> int | None:
-        return self.step if self.phase is Phase.IN_FLIGHT else None
+        return self.step if self.phase is CyclePhase.IN_FLIGHT else None
 
     @property
     def can_speculate(self) -> bool:
         """Nothing in flight, and the incoming slot holds nothing the device still needs
         (a checkpoint's restored update is LANDED there until the next step copies it)."""
-        return self.phase in (Phase.IDLE, Phase.ON_DEVICE)
+        return self.phase in (CyclePhase.IDLE, CyclePhase.ON_DEVICE)
 
     @property
     def landed(self) -> bool:
         """An update has landed whose weights are not (all) on the device yet."""
-        return self.phase is Phase.LANDED
+        return self.phase is CyclePhase.LANDED
 
     @property
     def model_slot(self) -> int:
@@ -136,21 +136,21 @@ class UpdateCycle:
     def request_timeout_s(self) -> float:
         return self.client.request_timeout_s
 
-    def _expect(self, event: str, *phases: Phase) -> None:
+    def _expect(self, event: str, *phases: CyclePhase) -> None:
         assert self.phase in phases, f"{event} in phase {self.phase.value}"
 
     # ------------------------------------------------------------------ events
     def send(self, k: int, *, grad_slot: int, lr: float, grad_scale: float, hparams: dict, predict: float,
              groups: list | None = None, reverse: bool = False) -> None:
         """reverse: the server updates back to front (runtime.overlap's forward pipeline)."""
-        self._expect("send", Phase.IDLE, Phase.ON_DEVICE)
+        self._expect("send", CyclePhase.IDLE, CyclePhase.ON_DEVICE)
         self.reverse = reverse
         kw = {"groups": groups} if groups else {}
         if reverse:
             kw["reverse"] = True
         self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot,
                                **kw)
-        self.step, self.phase = k, Phase.IN_FLIGHT
+        self.step, self.phase = k, CyclePhase.IN_FLIGHT
         if self._up is not None:
             self._up.start()
 
@@ -158,7 +158,7 @@ class UpdateCycle:
                   predict: float, groups: list | None = None, reverse: bool = False) -> None:
         """SPECULATE for update k (runtime.speculation): what send() is expected to carry,
         and that the gradients of [0, upto) are final.  Nothing may be in flight."""
-        self._expect("speculate", Phase.IDLE, Phase.ON_DEVICE)
+        self._expect("speculate", CyclePhase.IDLE, CyclePhase.ON_DEVICE)
         if self._reads is not None:
             # the server is about to rewrite the incoming slot; copies the forward pipeline
             # queued from it must have run (long done by the time backward's first bucket is)
@@ -171,7 +171,7 @@ class UpdateCycle:
     def announce(self, k: int, upto: int) -> None:
         """After update k's SPECULATE: the gradients of [0, upto) are final (the ready
         word; no message)."""
-        self._expect("announce", Phase.IDLE, Phase.ON_DEVICE)
+        self._expect("announce", CyclePhase.IDLE, CyclePhase.ON_DEVICE)
         self.client.announce(k, upto)
 
     def pump(self, free: int, early: bool = True) -> int:
@@ -179,21 +179,21 @@ class UpdateCycle:
         how far the device is.  early: overlapping backward or the update."""
         if self.reverse:  # the forward pipeline copies a reversed update's weights itself
             return self._up.copied if self._up is not None else 0
-        if self._up is None or self.phase not in (Phase.IN_FLIGHT, Phase.LANDED) or (early and not self.overlap):
+        if self._up is None or self.phase not in (CyclePhase.IN_FLIGHT, CyclePhase.LANDED) or (early and not self.overlap):
             return self._up.copied if self._up is not None else 0
         S = self._up.numel
-        done = S if self.phase is Phase.LANDED else self.client.published(self.step)
+        done = S if self.phase is CyclePhase.LANDED else self.client.published(self.step)
         return self._up.copy_upto(min(done, free, S), early)
 
     def land(self, copy: bool) -> None:
         """Wait for the update in flight; with copy, its weights reach the device (as they
         are published, while it runs) and every rank gets the whole model."""
-        if self.phase is Phase.IN_FLIGHT:
+        if self.phase is CyclePhase.IN_FLIGHT:
             t0 = time.perf_counter()
             with self.tracer.span("wait_server"), marker("zo.wait_server", self._cuda):
                 copying = copy and self._up is not None and not self.reverse
                 done = self._wait_copying() if copying else self.client.wait_done()
-            self.phase = Phase.LANDED
+            self.phase = CyclePhase.LANDED
             self.counters.wait_s += time.perf_counter() - t0
             self.counters.update_s += done.update_s
             if done.speculated or done.rolled_back:  # runtime.speculation
@@ -201,7 +201,7 @@ class UpdateCycle:
                 self.counters.spec_rollback_steps += done.rolled_back > 0
                 self.counters.spec_kept_numel += done.speculated
                 self.counters.spec_rolled_back_numel += done.rolled_back
-        if copy and self.phase is Phase.LANDED:
+        if copy and self.phase is CyclePhase.LANDED:
             if self.zero_copy:
                 with self.tracer.span("weights_swap"):
                     self._swap()
@@ -210,19 +210,19 @@ class UpdateCycle:
                     self._up.finish()
                     if self.gather is not None:
                         self.gather(self.flat16)
-            self.step, self.phase = None, Phase.ON_DEVICE
+            self.step, self.phase = None, CyclePhase.ON_DEVICE
 
     def mark_on_device(self) -> None:
         """LANDED -> ON_DEVICE where the caller put the weights on the device itself (the
         forward pipeline copied every range of a reversed update, asynchronously on CUDA:
         an event marks the end of those copies for speculate())."""
-        self._expect("mark_on_device", Phase.LANDED)
+        self._expect("mark_on_device", CyclePhase.LANDED)
         if self._cuda:
             self._reads = torch.cuda.Event()
             self._reads.record(torch.cuda.current_stream(self.flat16.device))
         if self.gather is not None:
             self.gather(self.flat16)
-        self.step, self.phase = None, Phase.ON_DEVICE
+        self.step, self.phase = None, CyclePhase.ON_DEVICE
 
     def _wait_copying(self):
         """Wait for DONE, copying the weights up as they are published."""
@@ -242,14 +242,14 @@ class UpdateCycle:
 
     def reset(self) -> None:
         """The device weights were replaced (a checkpoint was loaded into flat16)."""
-        self._expect("reset", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
-        self.step, self.phase, self.reverse = None, Phase.IDLE, False
+        self._expect("reset", CyclePhase.IDLE, CyclePhase.ON_DEVICE, CyclePhase.LANDED)
+        self.step, self.phase, self.reverse = None, CyclePhase.IDLE, False
 
     def restore(self, k: int) -> None:
         """The incoming slot holds update k's weights (read from a checkpoint); they
         go to the device at the next land(copy=True), as if k had just landed."""
-        self._expect("restore", Phase.IDLE, Phase.ON_DEVICE, Phase.LANDED)
-        self.step, self.phase, self.reverse = k, Phase.LANDED, False
+        self._expect("restore", CyclePhase.IDLE, CyclePhase.ON_DEVICE, CyclePhase.LANDED)
+        self.step, self.phase, self.reverse = k, CyclePhase.LANDED, False
         if self._up is not None:
             self._up.start()
 

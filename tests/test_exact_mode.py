@@ -47,10 +47,10 @@ def test_trial_runs_each_candidate_in_turn_then_keeps_the_fastest():
     samples are only intervals between two of its own steps.  (Mutation: attributing the
     interval that straddles a switch gives overlap 4 samples and makes the counts fail.)"""
     p = X.ExactModePicker(ONE_RANK, warmup=2, per_candidate=4)
-    assert p.phase is X.Phase.WARMUP
+    assert p.phase is X.PickPhase.WARMUP
     used = drive(p, {X.SYNC: 0.30, X.OVERLAP: 0.20, X.OVERLAP_SPECULATION: 0.25}, 14)
     assert used == [X.SYNC] * 6 + [X.OVERLAP] * 4 + [X.OVERLAP_SPECULATION] * 4
-    assert p.phase is X.Phase.PICKED and p.current == X.OVERLAP
+    assert p.phase is X.PickPhase.PICKED and p.current == X.OVERLAP
     assert [len(p.samples[s]) for s in ONE_RANK] == [4, 3, 3]
     assert p.medians == pytest.approx({X.SYNC: 0.30, X.OVERLAP: 0.20, X.OVERLAP_SPECULATION: 0.25})
     assert "overlap_update is the fastest" in p.why and "steps 3-14" in p.why
@@ -80,9 +80,9 @@ def test_drift_measures_again():
     """PICKED -> TRIAL when the recent median moves more than DRIFT from the pick's."""
     p = X.ExactModePicker([X.SYNC, X.OVERLAP], warmup=1, per_candidate=3, check_every=5)
     drive(p, {X.SYNC: 0.3, X.OVERLAP: 0.2}, 7)
-    assert p.phase is X.Phase.PICKED and p.current == X.OVERLAP and p.trials == 1
+    assert p.phase is X.PickPhase.PICKED and p.current == X.OVERLAP and p.trials == 1
     drive(p, {X.SYNC: 0.3, X.OVERLAP: 0.21}, 5)  # within DRIFT: stays
-    assert p.phase is X.Phase.PICKED
+    assert p.phase is X.PickPhase.PICKED
     p2 = X.ExactModePicker([X.SYNC, X.OVERLAP], warmup=1, per_candidate=3, check_every=5)
     t = drive(p2, {X.SYNC: 0.3, X.OVERLAP: 0.2}, 7)
     times = {X.SYNC: 0.5, X.OVERLAP: 0.6}  # the model or the batch changed
@@ -92,22 +92,22 @@ def test_drift_measures_again():
         p2.step_begins(100.0 + tt)
         tt += times[p2.current]
         p2.step_ends(it)
-    assert p2.phase is X.Phase.TRIAL and p2.current == X.SYNC
+    assert p2.phase is X.PickPhase.TRIAL and p2.current == X.SYNC
     for _ in range(6):
         it += 1
         p2.step_begins(100.0 + tt)
         tt += times[p2.current]
         p2.step_ends(it)
-    assert p2.phase is X.Phase.PICKED and p2.current == X.SYNC and p2.trials == 2
+    assert p2.phase is X.PickPhase.PICKED and p2.current == X.SYNC and p2.trials == 2
     del t
 
 
 def test_forced_and_single_candidate_are_fixed():
     p = X.ExactModePicker(ONE_RANK, forced=X.OVERLAP)
-    assert p.phase is X.Phase.FIXED and drive(p, {X.OVERLAP: 0.1}, 20) == [X.OVERLAP] * 20
+    assert p.phase is X.PickPhase.FIXED and drive(p, {X.OVERLAP: 0.1}, 20) == [X.OVERLAP] * 20
     assert "forced" in p.why
     q = X.ExactModePicker([X.SYNC])
-    assert q.phase is X.Phase.FIXED and q.current == X.SYNC
+    assert q.phase is X.PickPhase.FIXED and q.current == X.SYNC
     with pytest.raises(ValueError, match="unknown strategy"):
         X.ExactModePicker(ONE_RANK, forced="fastest")
 
@@ -159,8 +159,8 @@ def test_auto_without_ram_for_the_twin_never_speculates(monkeypatch):
     """Where a whole update's undo log (the twin) does not fit in half the available host
     RAM, speculation is no candidate: no undo log is asked for and no step speculates.
     The host's answer is faked; undo_log_bytes=0 says the same outright."""
-    import zero_offload.engine as E
-    monkeypatch.setattr(E, "read_mem_available", lambda: 1 << 20)
+    import zero_offload.wiring as W
+    monkeypatch.setattr(W, "read_mem_available", lambda: 1 << 20)
     st = _train(_cfg(), steps=12)[3]
     assert set(st["exact_medians_ms"]) == {X.SYNC, X.OVERLAP} and st["spec_steps"] == 0, st
     monkeypatch.undo()
@@ -183,3 +183,43 @@ def test_dpu_mode_has_no_picker():
     with OffloadEngine(model, OffloadConfig(dtype="bf16", mode="dpu", server={"threads": 1})) as eng:
         st = eng.stats()
         assert eng.picker is None and st["mode"] == "dpu" and "exact_strategy" not in st
+
+
+# ----------------------------------------------------------------------------- the step's phases (runtime/step_state.py)
+def test_step_phases_follow_the_table():
+    """The engine's step lifecycle on its own: each documented transition, and anything
+    else refused naming the phase.  (Mutation: letting "step" leave from IDLE, which is
+    step() before backward(), fails the refusal below.)"""
+    from zero_offload.step_state import StepPhase as S, next_phase
+    assert next_phase(S.IDLE, "backward", final=False) is S.ACCUMULATING
+    assert next_phase(S.ACCUMULATING, "backward", final=True) is S.GRADS_READY
+    assert next_phase(S.IDLE, "pass_begins") is S.IN_BACKWARD
+    assert next_phase(S.IN_BACKWARD, "pass_ends", final=False) is S.ACCUMULATING
+    assert next_phase(S.IN_BACKWARD, "pass_ends", final=True) is S.GRADS_READY
+    assert next_phase(S.GRADS_READY, "step") is S.IDLE
+    assert next_phase(S.ACCUMULATING, "restore", final=True) is S.IDLE
+    assert all(next_phase(p, "close") is S.CLOSED for p in S)
+    for phase, event in [(S.IDLE, "step"), (S.GRADS_READY, "backward"), (S.GRADS_READY, "pass_begins"),
+                         (S.IN_BACKWARD, "step"), (S.CLOSED, "backward"), (S.IDLE, "pass_ends")]:
+        with pytest.raises(AssertionError, match=f"{event!r} in phase {phase.value!r}"):
+            next_phase(phase, event)
+
+
+def test_engine_walks_the_step_phases():
+    """The engine's phase through accumulation, step() and close(), and the user-facing
+    refusals that keep it on the table."""
+    from zero_offload.step_state import StepPhase as S
+    model = gpt()
+    with OffloadEngine(model, OffloadConfig(dtype="bf16", grad_accumulation_steps=2, server={"threads": 1})) as eng:
+        assert eng.phase is S.IDLE
+        with pytest.raises(RuntimeError, match="step\\(\\) before backward"):
+            eng.step()
+        eng.backward(gpt_batch(1, "bf16")(model))
+        assert eng.phase is S.ACCUMULATING
+        eng.backward(gpt_batch(1, "bf16", 1)(model))
+        assert eng.phase is S.GRADS_READY
+        with pytest.raises(RuntimeError, match="backward\\(\\) called twice"):
+            eng.backward(gpt_batch(1, "bf16")(model))
+        eng.step()
+        assert eng.phase is S.IDLE
+    assert eng.phase is S.CLOSED and eng.closed

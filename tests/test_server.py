@@ -518,7 +518,7 @@ def test_shard_speculation_states():
         sh.step(P.Step(session="s", step=1, slot=0, lr=1e-3))
         assert (sh.last_speculated, sh.last_rolled_back) == (100, 0) and sh.undo.empty
         sh.finish_update()
-        assert sh.phase is ShardState.READY and sh.spec is None
+        assert sh.phase is ShardState.READY and sh.speculative is None
         # an undo log too small for the piece: as much as fits, then no more this step
         small = _shard(undo_log_bytes=14 * 30)  # fp32 master, m, v and the fp16 weights: 14 B/element
         try:
@@ -527,7 +527,7 @@ def test_shard_speculation_states():
                 small.init_chunk(lo, min(40, 100 - lo))
             assert small.accept_speculation(spec(1, 100)) == [(0, 100)]
             small.speculate(0, 100)
-            assert small.spec.done == 30 and small.spec.full
+            assert small.speculative.done == 30 and small.speculative.full
             assert small.accept_speculation(spec(1, 100)) is None
         finally:
             small.close()
@@ -648,22 +648,22 @@ def test_shard_follows_the_ready_word_of_its_step_only():
         for a, b in sp.accept_speculation(spec):
             sp.speculate(a, b)
         follow()  # nothing new for step 1: returns after idle_s
-        assert sp.spec.done == 100 and ran == []
+        assert sp.speculative.done == 100 and ran == []
         cpu_adam.store_progress(sp.ready, tag=1, done=300)
         follow()  # a piece at most a progress block long
-        assert sp.spec.done == 300 and ran == [(100, 228), (228, 300)]
+        assert sp.speculative.done == 300 and ran == [(100, 228), (228, 300)]
         cpu_adam.store_progress(sp.ready, tag=1, done=n)
         sp.stop_following()  # a request came: what the word says more is left to the STEP
         follow()
-        assert sp.spec.done == 300 and len(ran) == 2
+        assert sp.speculative.done == 300 and len(ran) == 2
         _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
         assert sp.last_speculated == 300
         # step 2: the word grows to the end, and following stops there
         spec2 = P.Speculate(session="s", step=2, slot=0, lr=1e-3, upto=0)
-        assert sp.accept_speculation(spec2) is None and sp.spec is not None  # nothing final yet
+        assert sp.accept_speculation(spec2) is None and sp.speculative is not None  # nothing final yet
         cpu_adam.store_progress(sp.ready, tag=2, done=n)
         follow(2)
-        assert sp.spec.done == n
+        assert sp.speculative.done == n
         _step_both(shards, P.Step(session="s", step=2, slot=0, lr=1e-3))
         assert sp.last_speculated == n
     finally:

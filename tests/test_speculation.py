@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from zero_offload import OffloadConfig
-from zero_offload.speculation import MAX_BACKOFF, Phase, Speculator
+from zero_offload.speculation import MAX_BACKOFF, SpeculatorPhase, Speculator
 from zero_offload.stats import Counters
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
 from tests.helpers.overlap_runs import STEPS, assert_bitwise, run, two_groups
@@ -121,20 +121,20 @@ def test_speculator_phases_and_backoff():
     c = Counters()
     cyc = _Cycle()
     sp = Speculator(cyc, lambda slot: {"grad_slot": slot}, tracer=_Tracer(), counters=c)
-    assert sp.phase is Phase.IDLE
+    assert sp.phase is SpeculatorPhase.IDLE
     sp.ready(10)  # outside a step: nothing
     assert cyc.sent == []
     sp.begin(1, 0)
-    assert sp.phase is Phase.ARMED
+    assert sp.phase is SpeculatorPhase.ARMED
     sp.ready(10)
     sp.ready(10)  # no growth: nothing new
     sp.ready(30)
     sp.ready(40)
     # one message a step; the prefix's growth after it goes through the ready word
-    assert sp.phase is Phase.SENT and cyc.sent == [(1, 10)] and cyc.announced == [(1, 30), (1, 40)]
+    assert sp.phase is SpeculatorPhase.SENT and cyc.sent == [(1, 10)] and cyc.announced == [(1, 30), (1, 40)]
     assert c.spec_steps == 1
     sp.end()
-    assert sp.phase is Phase.IDLE
+    assert sp.phase is SpeculatorPhase.IDLE
     # rollbacks in a row: 1, 2, 4, ... steps without speculation, up to MAX_BACKOFF
     speculated = []
     for k in range(2, 200):
@@ -142,7 +142,7 @@ def test_speculator_phases_and_backoff():
             c.spec_rollback_steps += 1  # the last step's DONE said: rolled back
         sp.begin(k, 0)
         sp.ready(5)
-        if sp.phase is Phase.SENT:
+        if sp.phase is SpeculatorPhase.SENT:
             speculated.append(k)
         sp.end()
     gaps = [b - a - 1 for a, b in zip(speculated, speculated[1:])]
@@ -150,19 +150,19 @@ def test_speculator_phases_and_backoff():
     # a kept speculation resets the back-off
     c.spec_kept_steps += 1
     sp.begin(300, 0)
-    assert sp.backoff == 0 and sp.phase is Phase.ARMED
+    assert sp.backoff == 0 and sp.phase is SpeculatorPhase.ARMED
     # a skipped step (overflow: SKIP rolled it back) counts as a rollback
     sp.ready(5)
     before = c.spec_rollback_steps
     sp.end(skipped=True)
     assert c.spec_rollback_steps == before + 1
     sp.begin(301, 0)
-    assert sp.phase is Phase.IDLE and sp.backoff == 1
+    assert sp.phase is SpeculatorPhase.IDLE and sp.backoff == 1
     # a cycle that holds a restored checkpoint's update does not speculate
     cyc.can_speculate = False
     for k in range(302, 302 + MAX_BACKOFF + 2):
         sp.begin(k, 0)
-        assert sp.phase is Phase.IDLE
+        assert sp.phase is SpeculatorPhase.IDLE
 
 
 def test_step_count_is_unchanged_by_speculation(tmp_path):

@@ -316,27 +316,27 @@ def test_cuda_device_without_cuda_is_the_intended_error(monkeypatch):
     whatever torch.cuda.current_device() raises first."""
     import torch
 
-    from zero_offload.engine import _resolve_device
+    from zero_offload.devices import resolve_device
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match="torch.cuda.is_available\\(\\) is False"):
-        _resolve_device("cuda", torch.device("cpu"))
-    assert _resolve_device("", torch.device("cpu")) == torch.device("cpu")
+        resolve_device("cuda", torch.device("cpu"))
+    assert resolve_device("", torch.device("cpu")) == torch.device("cpu")
 
 
 def test_a_launched_rank_takes_its_local_gpu(monkeypatch):
     """With LOCAL_RANK set, device="cuda" means that rank's GPU (torchrun numbers them), not GPU 0."""
     import torch
 
-    from zero_offload import engine
+    from zero_offload.devices import resolve_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert engine._resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 3)
-    assert engine._resolve_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)
+    assert resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1", torch.device("cpu")) == torch.device("cuda", 1)
     monkeypatch.delenv("LOCAL_RANK")
-    assert engine._resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 0)
+    assert resolve_device("cuda", torch.device("cpu")) == torch.device("cuda", 0)
 
 
 def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):

@@ -11,7 +11,7 @@ from zero_offload.server.protocol import Done
 from zero_offload.server.tracing import Tracer
 from zero_offload.flat import FlatParams
 from zero_offload.stats import Counters
-from zero_offload.update_cycle import Phase, UpdateCycle
+from zero_offload.update_cycle import CyclePhase, UpdateCycle
 
 pytestmark = pytest.mark.timeout(60)
 N = 64
@@ -70,9 +70,9 @@ def send(c, k):
 @pytest.mark.parametrize("zero_copy", [False, True], ids=["copy", "zero-copy"])
 def test_phase_table(zero_copy):
     c, client, params = make(zero_copy)
-    assert c.phase is Phase.IDLE and c.in_flight is None
+    assert c.phase is CyclePhase.IDLE and c.in_flight is None
     send(c, 1)
-    assert c.phase is Phase.IN_FLIGHT and c.in_flight == 1 and not c.landed
+    assert c.phase is CyclePhase.IN_FLIGHT and c.in_flight == 1 and not c.landed
     assert client.sent == [(1, 1 if zero_copy else 0)]  # zero-copy: the slot the model is not on
     with pytest.raises(AssertionError, match="send in phase in_flight"):
         send(c, 2)  # one update in flight at a time
@@ -80,10 +80,10 @@ def test_phase_table(zero_copy):
         c.reset()
     client.finish(1.5, client.sent[-1][1])
     c.land(copy=False)  # a checkpoint: DONE read, the device keeps its weights
-    assert c.phase is Phase.LANDED and c.landed and c.in_flight is None
+    assert c.phase is CyclePhase.LANDED and c.landed and c.in_flight is None
     assert all(float(p.detach().float().sum()) == 0.0 for p in params)
     c.land(copy=True)
-    assert c.phase is Phase.ON_DEVICE
+    assert c.phase is CyclePhase.ON_DEVICE
     assert all(torch.equal(p.detach().float(), torch.full((N // 2,), 1.5)) for p in params)
     assert c.counters.wait_s > 0 and c.counters.update_s == 0.5
     assert c.counters.bytes_to_device == (0 if zero_copy else 2 * N)
@@ -91,9 +91,9 @@ def test_phase_table(zero_copy):
     client.finish(2.5, client.sent[-1][1])
     c.land(copy=False)
     c.restore(2)  # as load_checkpoint does with a saved pending update
-    assert c.phase is Phase.LANDED
+    assert c.phase is CyclePhase.LANDED
     c.reset()
-    assert c.phase is Phase.IDLE
+    assert c.phase is CyclePhase.IDLE
     c.release()
 
 
@@ -144,8 +144,8 @@ def test_a_timed_out_wait_leaves_the_update_in_flight_for_a_retry():
     client.timeouts = 1
     with pytest.raises(OptimizerServerTimeoutError):
         c.land(copy=True)
-    assert c.phase is Phase.IN_FLIGHT and c.in_flight == 1  # nothing lost
+    assert c.phase is CyclePhase.IN_FLIGHT and c.in_flight == 1  # nothing lost
     client.finish(7.0, client.sent[-1][1])
     c.land(copy=True)
-    assert c.phase is Phase.ON_DEVICE and float(c.flat16.float()[0]) == 7.0
+    assert c.phase is CyclePhase.ON_DEVICE and float(c.flat16.float()[0]) == 7.0
     c.release()

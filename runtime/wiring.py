@@ -1,0 +1,205 @@
+"""The engine's set-up: which exact strategies it may use, the server and the parts
+around the shard (client, update cycle, gradients down, speculation), and the first
+weights.  Functions of the engine, called once from OffloadEngine.__init__."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from zero_offload.server.admission import read_mem_available
+from zero_offload.server.client import ShardClient
+from zero_offload.server.protocol import QBLOCK, ShardSpec
+from zero_offload.server.state import bytes_per_param
+from zero_offload.server.tracing import Tracer
+
+from . import compute_dtype, distributed, exact_mode, host_memory, owners
+from .config import OffloadConfig
+from .devices import process_group, resolve_device
+from .dtypes import TORCH_DTYPES
+from .flat import FlatParams
+from .grads_down import GradientsDown, SlotGate
+from .optimizer_proxy import ServerOptimizer
+from .param_groups import index_groups, state_dict_names
+from .speculation import Speculator
+from .stats import Counters
+from .update_cycle import UpdateCycle
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+PARAM_ALIGN_CUDA = 128  # elements: 256 bytes of 16-bit weights
+
+def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig, param_groups: list | None,
+            backward_mode: str, overlap_ok: bool, auto_overlap: bool) -> list:
+    """Everything the engine decides before a process starts: the checks of what it was
+    given, the device and the ranks, the compute dtype, zero-copy, the flat layout, the
+    param groups and the candidate strategies.  Returns the trainable parameters."""
+    engine.dtype = TORCH_DTYPES[cfg.dtype]
+    if backward_mode not in ("engine", "hooks"):
+        raise ValueError(f"backward_mode must be 'engine' or 'hooks', got {backward_mode!r}")
+    if backward_mode == "hooks" and cfg.dtype == "fp16":
+        raise ValueError("dtype='fp16' needs loss scaling, which a plain loss.backward() does not apply: use "
+                         "dtype='bf16', or OffloadEngine(model, cfg) with engine.backward(loss), which scales "
+                         "the loss and skips overflowing steps")
+    engine.backward_mode = backward_mode
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters (requires_grad=True)")
+    owners.check_free(params)
+    src = params[0].device
+    if any(p.device != src for p in params):
+        raise ValueError("all trainable parameters must be on one device; move the model with .to(device) first")
+    engine.device = resolve_device(cfg.device, src)
+    engine.is_cuda = engine.device.type == "cuda"
+    # fp32 forward and backward on a CPU that only emulates 16-bit matmul
+    engine.compute_dtype, engine._compute_why = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype,
+                                                                  engine.device)
+    engine.distributed = process_group()
+    engine.rank = dist.get_rank() if engine.distributed else 0
+    engine.world_size = dist.get_world_size() if engine.distributed else 1
+    # one CPU rank: its 16-bit weights can live in the shared segment itself (two
+    # slots: the server writes the next weights into the one the model is not
+    # using, and landing an update swaps the model onto it; no copy up at all)
+    # (fp32 compute: the parameters are fp32, so they cannot view the 16-bit slots)
+    engine._zero_copy = (engine.world_size == 1 and not engine.is_cuda and cfg.expert.cpu_zero_copy
+                       and engine.compute_dtype == engine.dtype)
+    # DPU writes step t+1's gradients while the server still reads step t's: with
+    # one slot each range waits until the update has passed it (SlotGate), with
+    # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
+    # DONE before the next backward anyway.
+    engine._grad_slots = cfg.expert.dpu_grad_slots if cfg.mode == "dpu" else 1
+    engine.tracer = Tracer(cfg.resolved_trace_dir(), "worker", engine.rank)
+    group_of, group_opts = index_groups(param_groups, params, model) if param_groups is not None else (None, None)
+    engine.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
+    # each parameter 256-byte aligned on a GPU (cuBLAS picks slower kernels for operands
+    # that are not); packed on the CPU (runtime.flat)
+    engine.param_align = cfg.expert.param_align_numel or (PARAM_ALIGN_CUDA if engine.is_cuda else 1)
+    engine.flat = FlatParams(params, bucket_numel=cfg.expert.bucket_numel, world_size=engine.world_size,
+                           groups=group_of,
+                           shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1, align=engine.param_align)
+    S = engine.flat.shard_numel
+    engine.shard_lo, engine.shard_hi = engine.flat.shard_range(engine.rank)
+    engine._names = state_dict_names(model)  # for master_state_dict()
+    engine.counters = Counters()
+    engine.coll = distributed.Collectives(engine.device, engine.rank, engine.world_size, S) if engine.distributed else None
+    # mode="exact": the strategies this engine may use (runtime.exact_mode); the undo
+    # log speculation needs is asked for at HELLO, so it is settled here
+    engine.picker: exact_mode.ExactModePicker | None = None
+    engine._undo_log_bytes = 0
+    if cfg.mode == "exact":
+        engine.picker, engine._undo_log_bytes = exact_strategies(engine, cfg, overlap_ok, auto_overlap)
+    return params
+
+
+def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bool,
+                     auto_overlap: bool) -> tuple[exact_mode.ExactModePicker, int]:
+    """mode="exact": the picker over the strategies this engine may use, and the undo
+    log to ask the server for (0: no speculation)."""
+    x = cfg.expert
+    forced = None if x.exact_strategy == "auto" else x.exact_strategy
+    if forced is not None and exact_mode.overlaps(forced) and not overlap_ok:
+        raise ValueError(f"expert.exact_strategy={forced!r} waits in the model's forward pre-hooks, so it needs "
+                         f"the model: pass model=model (OffloadAdamW(..., model=model))")
+    # what a whole update overwrites (state and the weights slot): with that much the
+    # server updates into a twin of the state instead of logging it (optimizer_server.shard)
+    whole = math.ceil((bytes_per_param(cfg.optimizer, cfg.state_dtype, cfg.exact_master) + 2)
+                      * engine.flat.shard_numel) + (1 << 20)
+    if forced is not None:
+        undo = (x.undo_log_bytes or whole) if exact_mode.speculates(forced) else 0
+        return exact_mode.ExactModePicker([forced], forced=forced), undo
+    if x.undo_log_bytes is None:
+        # spare RAM only: at most half of what the host has available now
+        undo = whole if whole <= read_mem_available() // 2 else 0
+    else:
+        undo = x.undo_log_bytes
+    order = exact_mode.candidates(world_size=engine.world_size, overlap_ok=overlap_ok and auto_overlap,
+                                  speculation_ok=undo > 0)
+    agree = None
+    if engine.world_size > 1:
+        agree = lambda values: engine.coll.all_reduce_max(values)  # noqa: E731
+    return exact_mode.ExactModePicker(order, agree=agree), undo
+
+
+def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
+    """The server (a private one unless the config or the launcher names one), the shard
+    (ShardSpec), and the parts that work on it."""
+    addr, token = cfg.resolved_server()
+    proc = None
+    if not addr:
+        from zero_offload.server.spawn import spawn
+        # exit_when_idle: if this worker is killed, the server drops it after the
+        # heartbeat timeout and exits, so no orphan stays behind
+        engine._server = spawn(threads=cfg.server.threads, exit_when_idle=True,
+                             trace_dir=cfg.resolved_trace_dir())
+        addr, token, proc = engine._server.address, engine._server.token, engine._server.proc
+    hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
+          "weight_decay": cfg.weight_decay}
+    # host memory this worker lets go of after INIT: the fp32 trained parameters held on
+    # the CPU (each becomes a view of flat16), less flat16 itself where it is the worker's own
+    frees = sum(s.param.numel() * s.param.element_size() for s in engine.flat.spans if not s.param.is_cuda)
+    if not engine.is_cuda and not engine._zero_copy:
+        frees = max(0, frees - engine.compute_dtype.itemsize * engine.flat.padded_numel)
+    # the shard, described once (protocol.ShardSpec): HELLO carries it, the server's Shard keeps it
+    spec = ShardSpec(rank=engine.rank, world_size=engine.world_size, numel=engine.flat.shard_numel, dtype=cfg.dtype,
+                     optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,
+                     weight_slots=2 if engine._zero_copy else 1, grad_slots=engine._grad_slots,
+                     staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
+                     exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes)
+    engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
+                                  server_proc=proc)
+    if engine.is_cuda:
+        engine._pinned = host_memory.pin(c.segment.buffer, c.segment.size, engine.device, cfg.expert.pin_host_memory)
+    gather = None
+    if engine.world_size > 1:
+        gather = lambda flat16: engine.coll.all_gather_weights(flat16, engine.tracer)  # noqa: E731
+    engine.cycle = UpdateCycle(c, engine.flat, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
+                             device=engine.device, shard_lo=engine.shard_lo,
+                             zero_copy=engine._zero_copy, overlap_weights_up=cfg.expert.overlap_weights_up,
+                             tracer=engine.tracer, counters=engine.counters, gather=gather)
+    gate = SlotGate(engine.cycle, enabled=engine._grad_slots == 1, tracer=engine.tracer, counters=engine.counters)
+    if engine._undo_log_bytes:
+        engine.speculator = Speculator(engine.cycle, engine._expected_step, tracer=engine.tracer, counters=engine.counters)
+    engine.grads = GradientsDown(engine.flat, c.grads, dtype=engine.dtype, dtype_name=cfg.dtype, device=engine.device,
+                               rank=engine.rank, world_size=engine.world_size, gate=gate, on_free=engine.cycle.pump,
+                               tracer=engine.tracer, counters=engine.counters, collectives=engine.coll,
+                               on_ready=engine.speculator.ready if engine.speculator is not None else None,
+                               ready_every=cfg.expert.progress_block_numel)
+
+
+def init_weights(engine: "OffloadEngine") -> None:
+    with engine.tracer.span("init_weights"):
+        # Host memory peaks here: the user's fp32 model is still alive.  So only
+        # this rank's shard goes to the server, straight from the parameters
+        # through the staging window, chunk by chunk (no flat fp32 copy of the
+        # model), and then each parameter is cast into flat16 and released in
+        # turn.  INIT comes first: if it fails the model is untouched.
+        c, lo0 = engine.client, engine.shard_lo
+        for lo, hi in c.init_chunks():
+            engine.flat.copy_fp32_range(torch.from_numpy(c.staging[:hi - lo]), lo0 + lo, lo0 + hi)
+            c.init_chunk(lo, hi)
+        if engine._zero_copy and engine.cfg.exact_master:
+            # the model's slot holds the server's weights, which are also the exact
+            # master's high halves: only the server writes them (optimizer_server.state)
+            engine.flat.bind(engine.cycle.flat16)
+        else:
+            # every rank casts the full model itself (identical on all ranks); the
+            # server's 16-bit copy of our shard rounds the same way (RNE; the exact
+            # master's ties-away rounding differs at exact ties, until the first update)
+            engine.flat.cast_and_bind(engine.cycle.flat16, via=engine.dtype)
+        engine._bound = True
+        # frozen parameters are never sent to the server, but the model computes with
+        # them beside the trained ones: the same 16 bits, on the same device
+        # (fp32 compute: their 16-bit values, held in fp32; buffers stay fp32)
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                if not p.requires_grad:
+                    if p.is_floating_point():
+                        p.data = p.data.to(engine.device, engine.dtype).to(engine.compute_dtype)
+                    else:
+                        p.data = p.data.to(engine.device)
+        for b in engine.model.buffers():
+            b.data = b.data.to(engine.device, engine.compute_dtype if b.is_floating_point() else b.dtype)
+    host_memory.return_freed_heap()
