@@ -43,6 +43,7 @@ import torch
 
 from .config import OffloadConfig
 from .engine import OffloadEngine
+from .optim_state import FILES_KEY, InMemoryState, load_files
 
 _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 STATE_KEY = "zero_offload"   # the key of OffloadAdamW's own entry in state_dict()
@@ -132,17 +133,22 @@ class OffloadAdamW(torch.optim.Optimizer):
         return torch.tensor(self.engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite))
 
     def state_dict(self) -> dict:
-        """torch.optim's layout with empty per-parameter state: the groups, and under
-        STATE_KEY where this step's master, m and v were saved (under state_dir).
+        """torch.optim's layout: the groups, and under STATE_KEY master, m and v.
 
-        Without state_dir nothing is saved and the dict restores only into this same
-        optimizer at this same step (what Accelerate's prepare() does with it);
-        loading it anywhere else raises, naming state_dir."""
-        path = self.save_checkpoint(self.state_dir) if self.state_dir is not None else None
+        With state_dir: a checkpoint written there now, and its path.  Without: the state
+        itself, as torch.optim keeps it, lazily (runtime.optim_state): nothing is copied
+        while the dict stays in this process (loading it straight back costs nothing),
+        and torch.save (or a deep copy) turns it into the checkpoint's files as uint8 CPU
+        tensors, which load_state_dict of a new optimizer on a new model resumes from,
+        bitwise.  That copy holds the server's whole state in worker memory (14 B/param
+        with fp32 state); state_dir avoids it.  One rank (several: state_dir)."""
         sd = super().state_dict()
         sd["state"] = {}
-        sd[STATE_KEY] = {"checkpoint": None if path is None else str(path), "instance": self._instance,
-                         "iteration": self.engine.iteration}
+        if self.state_dir is not None:
+            path = self.save_checkpoint(self.state_dir)
+            sd[STATE_KEY] = {"checkpoint": str(path), "instance": self._instance, "iteration": self.engine.iteration}
+        else:
+            sd[STATE_KEY] = InMemoryState(self, self.engine.iteration, self._instance)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -157,12 +163,19 @@ class OffloadAdamW(torch.optim.Optimizer):
                                                        for a, b in zip(saved, self.param_groups)):
             raise ValueError("the state dict's param groups differ from this optimizer's in number or size: "
                              "build the optimizer with the groups it was saved with")
-        if own["checkpoint"] is not None:
+        if isinstance(own, InMemoryState):
+            if own.opt is not self or own.iteration != self.engine.iteration:
+                own = own.materialize()  # another optimizer (or step): through the files
+        if isinstance(own, InMemoryState):
+            pass  # this optimizer at this step: nothing to restore but the groups' values
+        elif own.get(FILES_KEY):
+            load_files(self, own[FILES_KEY])
+        elif own.get("checkpoint") is not None:
             self.load_checkpoint(own["checkpoint"])
         elif own.get("instance") != self._instance or own.get("iteration") != self.engine.iteration:
-            raise ValueError("this state dict was taken without state_dir, so it holds no master, m and v and "
-                             "restores only into the optimizer it came from at the step it was taken: build "
-                             f"{type(self).__name__}(..., state_dir='...') to save them with state_dict()")
+            raise ValueError("this state dict holds no master, m and v (an earlier version's, taken without "
+                             "state_dir) and restores only into the optimizer it came from at the step it was "
+                             f"taken: build {type(self).__name__}(..., state_dir='...') or take it anew")
         for g, s in zip(self.param_groups, saved):
             for k, v in s.items():
                 if k != "params":

@@ -118,6 +118,57 @@ def test_state_dict_resume_is_bitwise(tmp_path, dpu):
         assert torch.equal(got[k], full_master[k]), k
 
 
+@pytest.mark.parametrize("state_dtype,dpu", [("fp32", False), ("bf16", True), ("int8", False)])
+def test_torch_save_of_state_dict_without_state_dir_resumes_bitwise(tmp_path, state_dtype, dpu):
+    """torch.optim's contract without state_dir: torch.save(opt.state_dict()), then a new
+    model and optimizer load it (torch.load's default weights_only) and go on bitwise like
+    the uninterrupted run, in each state dtype (DPU: the pending weights travel too).  The
+    dict is lazy: taken and loaded back in-process it copies nothing, and saving it after
+    a further step is refused.  (Mutation: leaving out the engine's own files, or the
+    server's m, breaks the equality.)"""
+    def make():
+        m = gpt()
+        o = OffloadAdamW(m.parameters(), lr=3e-3, model=m, state_dtype=state_dtype,
+                         mode="dpu" if dpu else "exact", server={"threads": 1}, expert={"dpu_warmup_steps": 2})
+        return m, o
+
+    def run(m, o, steps, first):
+        out = []
+        for t in range(first, first + steps):
+            loss = gpt_batch(t, "bf16")(m)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            out.append(float(loss.detach()))
+        return out
+
+    m, o = make()
+    with o:
+        full = run(m, o, 8, 1)
+        full_master = o.master_state_dict()
+    m, o = make()
+    with o:
+        run(m, o, 4, 1)
+        sd = o.state_dict()
+        o.load_state_dict(sd)  # in-process, same step: a no-op (what Accelerate's prepare() does)
+        torch.save({"model": m.state_dict(), "opt": sd}, tmp_path / "ck.pt")
+        late = o.state_dict()
+        run(m, o, 1, 5)
+        with pytest.raises(ValueError, match="state_dir"):
+            torch.save(late, tmp_path / "late.pt")
+    saved = torch.load(tmp_path / "ck.pt")
+    assert saved["opt"]["zero_offload"]["files"], "the state travels as files"
+    m, o = make()
+    with o:
+        m.load_state_dict(saved["model"])
+        o.load_state_dict(saved["opt"])
+        rest = run(m, o, 4, 5)
+        got = o.master_state_dict()
+    assert rest == full[4:]
+    for k in got:
+        assert torch.equal(got[k], full_master[k]), k
+
+
 def test_closure_accumulation_and_frozen_parameters():
     """step(closure) returns the closure's loss; grad_accumulation_steps=2 sums two
     backwards like torch (one step per two); a frozen embedding (model=) is cast, never moved."""

@@ -1,0 +1,95 @@
+"""torch.optim's state contract for OffloadAdamW/OffloadLion without state_dir.
+
+A torch optimizer's state_dict() holds its state as CPU tensors, so
+`torch.save(opt.state_dict())` and `load_state_dict(torch.load(...))` into a new
+optimizer on a new model resume it.  Here the state (master, moments, and the
+device weights a delayed update left) lives in the optimizer server, so
+state_dict() without state_dir puts an InMemoryState under its own key: nothing is
+copied while it stays in this process (Accelerate's prepare() takes a state dict
+and loads it straight back: that costs nothing), and when it is pickled
+(torch.save) or deep-copied it becomes the engine's checkpoint files as uint8 CPU
+tensors (a checkpoint written to a private temporary directory, read back and
+removed).  That copy is the whole server state in worker memory at once (about
+14 B/param with fp32 state, 6 with bf16 state): state_dir avoids it, and writes
+the same files to disk instead.
+
+The files are a checkpoint like any other (optimizer_server.checkpoint: CRCs,
+format version), so a load checks them as load_checkpoint does.  One rank only:
+with several, a checkpoint is a collective and torch.save runs on one rank, so
+pickling it raises naming state_dir.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FILES_KEY = "files"
+# the most bytes one file of a state dict may claim when written back (a checkpoint
+# file is at most a shard's largest array, 4 B x 2^40 elements)
+MAX_FILE_BYTES = 1 << 42
+
+
+class InMemoryState:
+    """The state of `opt` at `iteration`, taken lazily (module docstring)."""
+
+    def __init__(self, opt, iteration: int, instance: str):
+        self.opt, self.iteration, self.instance = opt, iteration, instance
+
+    def materialize(self) -> dict:
+        """{"checkpoint": None, "instance", "iteration", "files": {relative path: uint8 tensor}}."""
+        engine = self.opt.engine
+        if engine.world_size > 1:
+            raise ValueError("torch.save(opt.state_dict()) without state_dir works on one rank (a checkpoint is a "
+                             "collective, and torch.save runs on one): build the optimizer with "
+                             "state_dir='...' so that state_dict() writes master, m and v there on every rank")
+        if engine.iteration != self.iteration:
+            raise ValueError(f"this state dict was taken at step {self.iteration} and the optimizer is at step "
+                             f"{engine.iteration} now: torch.save(opt.state_dict()) right after taking it, or "
+                             f"pass state_dir='...' to save master, m and v when it is taken")
+        tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
+        try:
+            step_dir = Path(self.opt.save_checkpoint(tmp, keep=1))
+            files = {}
+            for p in sorted(step_dir.rglob("*")):
+                if p.is_file():  # one copy: the file's bytes into the tensor's own buffer
+                    files[str(p.relative_to(step_dir))] = torch.from_numpy(np.fromfile(p, dtype=np.uint8))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"checkpoint": None, "instance": self.instance, "iteration": self.iteration, FILES_KEY: files}
+
+    def __reduce__(self):
+        # an OrderedDict of tensors and plain values: what torch.load(weights_only=True) reads
+        return (collections.OrderedDict, (list(self.materialize().items()),))
+
+    def __deepcopy__(self, memo):
+        return collections.OrderedDict(self.materialize())
+
+
+def load_files(opt, files: dict) -> None:
+    """Write a state dict's checkpoint files to a private temporary directory and load
+    them (the checkpoint's checks run there: a damaged file is refused, naming it)."""
+    if not isinstance(files, dict) or not files:
+        raise ValueError("this state dict's files are missing: it was not made by OffloadAdamW.state_dict()")
+    tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
+    try:
+        root = Path(tmp) / "state"
+        for rel, t in files.items():
+            p = (root / rel).resolve()
+            if not isinstance(rel, str) or root.resolve() not in p.parents:
+                raise ValueError(f"state dict file name {rel!r} leaves its directory: not an OffloadAdamW state dict")
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+                    and t.numel() <= MAX_FILE_BYTES):
+                raise ValueError(f"state dict file {rel!r} is not a 1-D uint8 tensor: not an OffloadAdamW state dict")
+            p.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(t.contiguous().numpy().tobytes())
+        opt.load_checkpoint(str(root))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
