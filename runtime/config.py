@@ -113,8 +113,9 @@ class ExpertConfig:
     """Speculation's host RAM: the undo log's capacity; a log that holds a whole update is
     spent on a twin of the state instead (12 B/param with fp32 state, 6 with bf16 state
     and the exact master; int8 state has none: its log holds 4.03 + 2).  None: under
-    exact_strategy="auto", what a whole update needs if that fits in half the host's
-    available RAM at set-up (else speculation is not a candidate); 0: never speculate."""
+    exact_strategy="auto", what a whole update needs if that fits in half the host RAM
+    left at set-up once the shard holds its state and segment (else speculation is not
+    a candidate); 0: never speculate."""
     dpu_warmup_steps: int = 40
     """mode="dpu": synchronous steps before DPU starts (the ZeRO-Offload paper's N = 40)."""
     dpu_predict: float = 0.0

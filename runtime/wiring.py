@@ -105,14 +105,19 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
                          f"the model: pass model=model (OffloadAdamW(..., model=model))")
     # what a whole update overwrites (state and the weights slot): with that much the
     # server updates into a twin of the state instead of logging it (optimizer_server.shard)
-    whole = math.ceil((bytes_per_param(cfg.optimizer, cfg.state_dtype, cfg.exact_master) + 2)
-                      * engine.flat.shard_numel) + (1 << 20)
+    n = engine.flat.shard_numel
+    state = bytes_per_param(cfg.optimizer, cfg.state_dtype, cfg.exact_master)
+    whole = math.ceil((state + 2) * n) + (1 << 20)
     if forced is not None:
         undo = (x.undo_log_bytes or whole) if exact_mode.speculates(forced) else 0
         return exact_mode.ExactModePicker([forced], forced=forced), undo
     if x.undo_log_bytes is None:
-        # spare RAM only: at most half of what the host has available now
-        undo = whole if whole <= read_mem_available() // 2 else 0
+        # spare RAM only: at most half of what the host will have left once the shard
+        # holds its state and segment (~6 B/param of slots) and this worker has let go of
+        # its fp32 copy of the model (4 B/param on the CPU)
+        fp32_model = sum(4 * s.param.numel() for s in engine.flat.spans if not s.param.is_cuda)
+        spare = read_mem_available() + fp32_model - math.ceil((state + 6) * n)
+        undo = whole if 2 * whole <= spare else 0
     else:
         undo = x.undo_log_bytes
     order = exact_mode.candidates(world_size=engine.world_size, overlap_ok=overlap_ok and auto_overlap,
