@@ -320,6 +320,13 @@ class ShardClient:
         self._check_usable()
         self._request(P.Skip(session=self.session, step=step), P.Ok)
 
+    def release_twin(self) -> int:
+        """RELEASE_TWIN: this shard will not be speculated on again; the server frees the
+        twin of the state and the undo log.  Returns the bytes it let go of."""
+        self._check_usable()
+        ok = self._request(P.ReleaseTwin(session=self.session), P.Ok)
+        return int(ok.info.get("released_bytes", 0))
+
     def get_master(self) -> np.ndarray:
         """A copy of the fp32 master weights of this shard (fetched window by window)."""
         self._check_usable()

@@ -74,6 +74,9 @@ throughout; HEARTBEAT_OK.work is a count that grows while the shard's long reque
 move data (a client waits for as long as it grows); SAVE.background answers once the
 save has started (its writer threads go on while later STEPs run, each overwriting
 only what is already written), and STATS_OK.save_* say how far it is.
+Version 13 added RELEASE_TWIN: the worker will not speculate again (mode "exact" kept a
+strategy without speculation), so the shard frees its twin of the state and its undo
+log, the host RAM HELLO.undo_log_bytes had granted (OK.info.released_bytes).
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
@@ -87,7 +90,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -355,6 +358,13 @@ class Skip(Message):
 
 
 @dataclass(kw_only=True)
+class ReleaseTwin(Message):
+    """The worker speculates no more: free the twin and the undo log (version 13)."""
+    TYPE: ClassVar[str] = "RELEASE_TWIN"
+    session: str
+
+
+@dataclass(kw_only=True)
 class GetMaster(Message):
     TYPE: ClassVar[str] = "GET_MASTER"
     session: str
@@ -475,8 +485,8 @@ class Error(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloOk, Init, Step, Speculate, Done, Skip, GetMaster, Save, Load,
-                              Stats, StatsOk, Heartbeat, HeartbeatOk, Bye, Ok, Error)
+    cls.TYPE: cls for cls in (Hello, HelloOk, Init, Step, Speculate, Done, Skip, ReleaseTwin, GetMaster, Save,
+                              Load, Stats, StatsOk, Heartbeat, HeartbeatOk, Bye, Ok, Error)
 }
 
 

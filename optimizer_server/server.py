@@ -256,6 +256,8 @@ class OptimizerServer:
             if why is not None:
                 return P.error(P.E_ORDER, why)
             return P.Ok(info={"steps": shard.steps}).encode()
+        if isinstance(msg, P.ReleaseTwin):
+            return P.Ok(info={"released_bytes": shard.release_twin()}).encode()
         if isinstance(msg, P.GetMaster):
             return self._on_thread(identity, session, shard, "GET_MASTER",
                                    lambda: shard.master_to_staging(msg.offset, msg.count))

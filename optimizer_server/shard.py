@@ -239,6 +239,19 @@ class Shard:
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
         self.phase = ShardState.READY
 
+    def release_twin(self) -> int:
+        """RELEASE_TWIN (nothing in flight, no speculation open: the server checked): drop
+        the twin and the undo log; later SPECULATEs are dropped (no undo log).  Returns
+        the bytes let go of (pages never touched count too: they were granted)."""
+        n = 0
+        if self.arrays.twin is not None:
+            n += sum(a.nbytes for a in self.arrays.twin.values())
+            self.arrays.twin = None
+        if self.undo is not None:
+            n += self.undo.capacity
+            self.undo = None
+        return n
+
     @property
     def busy(self) -> bool:
         return self.phase is ShardState.UPDATING or self.working is not None

@@ -186,6 +186,11 @@ class OffloadEngine(CheckpointAPI):
         down starts.  Returns whether this is that last one."""
         self.checkpoints.wait_snapshot()  # a background save has copied the weights (DPU lands here)
         self._finish_overlap()
+        if self.picker is not None and self.picker.speculation_unused and self.cycle.in_flight is None:
+            # the kept strategy does not speculate: the twin's host RAM goes back now, with
+            # nothing in flight (RELEASE_TWIN), and later trials leave speculation out
+            self.client.release_twin()
+            self.picker.drop_speculation()
         self._check_views()
         clipping.install()  # again: an Accelerator made after this engine (runtime.clipping)
         self._micro += 1

@@ -35,6 +35,8 @@ largest of each: a step is as slow as its slowest rank):
     TRIAL    the last candidate's steps end                             PICKED (decide(): the fastest)
     PICKED   a check (every check_every steps) finds the recent median  TRIAL (the first candidate)
                more than DRIFT away from the pick's trial median
+    PICKED   (not speculation while it is a candidate: the engine gives   PICKED (speculation no
+               the twin's RAM back, drop_speculation)                       candidate any more)
     FIXED    (one candidate: forced, or nothing to choose from)         FIXED
 """
 from __future__ import annotations
@@ -123,6 +125,7 @@ class ExactModePicker:
         self.medians: dict[str, float] = {}
         self.recent: deque[float] = deque(maxlen=check_every)
         self.trials = 0          # trials completed
+        self.released = False    # speculation dropped, its twin given back
         self._t: float | None = None
         self._last: str | None = None  # the strategy of the step that began at _t
         self._skipped = False
@@ -201,7 +204,21 @@ class ExactModePicker:
                      "again", ref * 1e3, now * 1e3, self.current)
             self._start_trial(iteration)
 
+    @property
+    def speculation_unused(self) -> bool:
+        """A strategy without speculation was kept while speculation is still a candidate:
+        the engine gives its twin back (RELEASE_TWIN) and drops it (drop_speculation)."""
+        return (self.phase is PickPhase.PICKED and not speculates(self.current)
+                and any(map(speculates, self.order)))
+
+    def drop_speculation(self) -> None:
+        """Speculation is no candidate any more (its RAM was given back): later trials
+        measure the others."""
+        self.order = [s for s in self.order if not speculates(s)]
+        self.released = True
+
     def report(self) -> dict:
         """What stats() says of it."""
         return {"exact_strategy": self.current, "exact_strategy_why": self.why, "exact_phase": self.phase.value,
-                "exact_medians_ms": {s: round(m * 1e3, 3) for s, m in self.medians.items()}}
+                "exact_medians_ms": {s: round(m * 1e3, 3) for s, m in self.medians.items()},
+                "exact_twin_released": self.released}

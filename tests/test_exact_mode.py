@@ -223,3 +223,38 @@ def test_engine_walks_the_step_phases():
         eng.step()
         assert eng.phase is S.IDLE
     assert eng.phase is S.CLOSED and eng.closed
+
+
+def test_a_pick_without_speculation_gives_the_twin_back(monkeypatch):
+    """When the trial keeps a strategy without speculation, the engine sends RELEASE_TWIN
+    before the next backward: the server frees the twin and the undo log, no later step
+    speculates, re-trials leave speculation out, and the bits stay sync's.  The pick is
+    forced to sync (decide patched), so the test does not depend on this machine's speed.
+    (Mutation: not dropping speculation from the candidates makes a re-trial speculate
+    on a shard with no undo log; not sending RELEASE_TWIN keeps exact_twin_released False.)"""
+    monkeypatch.setattr(X, "decide", lambda medians, order, tie=X.TIE: (X.SYNC, "patched"))
+    sync = _train(_cfg(exact_strategy="sync"))
+    auto = _train(_cfg())
+    st = auto[3]
+    assert st["exact_strategy"] == X.SYNC and st["exact_twin_released"], st
+    assert st["spec_steps"] <= 4  # the trial's four speculation steps, none after
+    assert auto[0] == sync[0] and torch.equal(auto[1], sync[1])
+
+
+def test_release_twin_frees_the_shard_s_twin_and_undo_log():
+    """RELEASE_TWIN on the server: the bytes of the twin (fp32 state: 12 B/param) and the
+    undo log come back, and a second one releases nothing."""
+    import numpy as np
+
+    from zero_offload.server.client import ShardClient
+    from zero_offload.server.spawn import spawn
+    n = 1 << 16
+    with spawn(threads=1) as srv:
+        c = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc, undo_log_bytes=16 * n)
+        try:
+            c.init_weights(np.zeros(n, np.float32))
+            freed = c.release_twin()
+            assert freed >= 12 * n, freed
+            assert c.release_twin() == 0
+        finally:
+            c.close()

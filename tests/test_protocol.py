@@ -23,6 +23,7 @@ SAMPLES = [
                 upto=4),
     P.Done(step=3, update_s=0.01, speculated=4, rolled_back=0),
     P.Skip(session="s", step=4),
+    P.ReleaseTwin(session="s"),
     P.GetMaster(session="s", offset=0, count=10),
     P.Save(session="s", dir="/tmp/x"),
     P.Load(session="s", dir="/tmp/x", out_slot=1),
