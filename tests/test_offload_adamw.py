@@ -74,6 +74,20 @@ def test_matches_torch_adamw_with_clipping_groups_and_onecycle(dpu):
                                                                                         masters[n].detach() - p0[n]))
 
 
+def steps_of(m, o, steps, first, sched=None) -> list[float]:
+    """A torch loop's steps first .. first+steps-1 (the test batches); their losses."""
+    out = []
+    for t in range(first, first + steps):
+        loss = gpt_batch(t, "bf16")(m)
+        loss.backward()
+        o.step()
+        if sched is not None:
+            sched.step()
+        o.zero_grad()
+        out.append(float(loss.detach()))
+    return out
+
+
 @pytest.mark.parametrize("dpu", [False, True], ids=["sync", "dpu"])
 def test_state_dict_resume_is_bitwise(tmp_path, dpu):
     """torch.save(model.state_dict(), opt.state_dict(), sched.state_dict()); a new process
@@ -86,15 +100,7 @@ def test_state_dict_resume_is_bitwise(tmp_path, dpu):
         return m, o, torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
 
     def run(m, o, s, steps, first):
-        out = []
-        for t in range(first, first + steps):
-            loss = gpt_batch(t, "bf16")(m)
-            loss.backward()
-            o.step()
-            s.step()
-            o.zero_grad()
-            out.append(float(loss.detach()))
-        return out
+        return steps_of(m, o, steps, first, s)
 
     m, o, s = make()
     with o:
@@ -133,14 +139,7 @@ def test_torch_save_of_state_dict_without_state_dir_resumes_bitwise(tmp_path, st
         return m, o
 
     def run(m, o, steps, first):
-        out = []
-        for t in range(first, first + steps):
-            loss = gpt_batch(t, "bf16")(m)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            out.append(float(loss.detach()))
-        return out
+        return steps_of(m, o, steps, first)
 
     m, o = make()
     with o:
