@@ -28,13 +28,11 @@ This module is the facade; the engine owns its parts and calls them, each with o
     runtime.stats          the counters stats() reports
     runtime.teardown       releasing it all
 
-DPU (One-Step Delayed Parameter Update): steps 1..N-1 are synchronous.  From
-step N on, step() hands the gradients to the server and returns; at the end of
-the next step it waits for that update, copies the weights up and hands over
-the new gradients.  So with M_k the master after k updates, the device computes
-step i on W_i = M_(i-2) for i > N.  Checkpoints wait for the update in flight
-but keep the device weights as they are (and save them), so training that
-resumes from a checkpoint is bitwise the training that went on.
+mode="dpu" (One-Step Delayed Parameter Update): steps 1..N-1 are synchronous; from
+step N on, step() hands the gradients over and returns, and the next step waits for
+that update, so the device computes step i on W_i = M_(i-2) (M_k: the master after k
+updates).  Checkpoints keep the device weights as they are, so a resumed run is
+bitwise the one that went on (docs/modes.md).
 """
 from __future__ import annotations
 
