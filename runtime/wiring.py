@@ -48,6 +48,13 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
+    if any(_is_dtensor(p) for p in params):
+        # FSDP2's sharded parameters meet a flat space of plain tensors: refused before any
+        # process starts, instead of a DTensor error from deep inside the first copy
+        raise ValueError("the model's parameters are DTensors (torch.distributed.fsdp.fully_shard, FSDP2, or "
+                         "tensor parallelism), which the engine does not shard yet: train without fully_shard "
+                         "and let the engine shard the optimizer itself (ZeRO-2: initialise torch.distributed "
+                         "and start the job with zero-offload-launch; each rank offloads its 1/N of the state)")
     owners.check_free(params)
     src = params[0].device
     if any(p.device != src for p in params):
@@ -92,6 +99,17 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     if cfg.mode == "exact":
         engine.picker, engine._undo_log_bytes = exact_strategies(engine, cfg, overlap_ok, auto_overlap)
     return params
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch before 2.4 kept it private
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return False
+    return isinstance(p, DTensor)
 
 
 def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bool,

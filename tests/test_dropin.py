@@ -178,3 +178,28 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
         assert rel_err(got[n] - p0[n], masters[n].detach() - p0[n]) < 1e-4, (n, rel_err(got[n] - p0[n],
                                                                                         masters[n].detach() - p0[n]))
         assert steps[n] == opt.state[masters[n]]["step"].item(), n
+
+
+def test_an_fsdp2_model_is_refused_naming_the_fix(tmp_path):
+    """A model under torch's fully_shard (FSDP2: DTensor parameters) is refused before any
+    process starts, naming what to do instead, and left as it was (the engine does not
+    shard with FSDP2 yet).  One rank over gloo, the process group taken down after.
+    (Mutation: dropping the check gives torch's "mixed torch.Tensor and DTensor" error
+    from inside the first copy, after the server started.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zero_offload import OffloadAdamW
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+        for layer in model:
+            fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        with pytest.raises(ValueError, match="DTensors.*fully_shard.*zero-offload-launch"):
+            OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
+        assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+    finally:
+        dist.destroy_process_group()
