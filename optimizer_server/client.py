@@ -64,7 +64,6 @@ class ShardClient:
             spec = P.ShardSpec(**spec_fields)
         elif spec_fields:
             raise TypeError("pass either spec=ShardSpec(...) or its fields as keywords, not both")
-        self.spec = spec
         self.address = address
         self.token = token
         self.request_timeout_s = request_timeout_s

@@ -166,7 +166,7 @@ def _require(cond: bool, msg: str) -> None:
 class ShardSpec:
     """What a worker asks its shard to be: the one typed description that goes from the
     engine (which builds it from OffloadConfig) through ShardClient into HELLO, whose
-    fields it is, to the server's Shard, which keeps it (Shard.shard_spec)."""
+    fields it is, to admission and the server's Shard, which read them there."""
     rank: int = 0
     world_size: int = 1
     numel: int

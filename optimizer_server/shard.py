@@ -130,7 +130,6 @@ class Shard:
 
     def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int):
         self.session = session
-        self.shard_spec = P.ShardSpec(**hello.spec_fields())  # what the worker asked for, as it asked
         self.rank = hello.rank
         self.world_size = hello.world_size
         self.numel = hello.numel

@@ -16,6 +16,7 @@ together with its new place is refused.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import warnings
@@ -25,12 +26,14 @@ from typing import Any, Callable, Union
 from zero_offload.server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
 from zero_offload.server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
 
+from .exact_mode import STRATEGIES, strategy_of
+
 REQUEST_TIMEOUT_ENV = "ZERO_OFFLOAD_REQUEST_TIMEOUT_S"
 
 LrType = Union[float, Callable[[int], float]]
 MODES = ("exact", "dpu")
 # how mode="exact" hides the CPU update (runtime.exact_mode: every one gives the bits of sync)
-EXACT_STRATEGIES = ("auto", "sync", "overlap_update", "speculation", "overlap_update+speculation")
+EXACT_STRATEGIES = ("auto", *STRATEGIES)
 
 
 @dataclass(kw_only=True)
@@ -352,11 +355,6 @@ class OffloadConfig:
         return float(lr)
 
 
-def _strategy_of(overlap: bool, speculate: bool) -> str:
-    return {(False, False): "sync", (True, False): "overlap_update", (False, True): "speculation",
-            (True, True): "overlap_update+speculation"}[(overlap, speculate)]
-
-
 def map_deprecated(kw: dict) -> dict:
     """OffloadConfig's keywords with the flat names of earlier versions moved to their
     groups (DEPRECATED), each with a DeprecationWarning; an old name given together with
@@ -397,7 +395,7 @@ def map_deprecated(kw: dict) -> dict:
     elif "overlap_update" in old or "undo_log_bytes" in old:
         # the old switches named the strategy outright
         speculate = isinstance(undo, int) and undo > 0
-        moved.setdefault("expert", {})["exact_strategy"] = _strategy_of(overlap, speculate)
+        moved.setdefault("expert", {})["exact_strategy"] = strategy_of(overlap, speculate)
     kw.update(moved)
     return kw
 
@@ -410,5 +408,5 @@ def _init(self, **kw) -> None:
 
 
 _init.__doc__ = _dataclass_init.__doc__
-_init.__signature__ = __import__("inspect").signature(_dataclass_init)
+_init.__signature__ = inspect.signature(_dataclass_init)
 OffloadConfig.__init__ = _init

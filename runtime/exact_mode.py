@@ -64,6 +64,12 @@ TIE = 0.03
 DRIFT = 0.3
 
 
+def strategy_of(overlap: bool, speculate: bool) -> str:
+    """The strategy that overlaps and/or speculates as asked (neither: sync)."""
+    return {(False, False): SYNC, (True, False): OVERLAP, (False, True): SPECULATION,
+            (True, True): OVERLAP_SPECULATION}[(bool(overlap), bool(speculate))]
+
+
 def overlaps(strategy: str) -> bool:
     return strategy.startswith(OVERLAP)
 

@@ -148,7 +148,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             path = self.save_checkpoint(self.state_dir)
             sd[STATE_KEY] = {"checkpoint": str(path), "instance": self._instance, "iteration": self.engine.iteration}
         else:
-            sd[STATE_KEY] = InMemoryState(self, self.engine.iteration, self._instance)
+            sd[STATE_KEY] = InMemoryState(self, self.engine.iteration)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -165,9 +165,8 @@ class OffloadAdamW(torch.optim.Optimizer):
                              "build the optimizer with the groups it was saved with")
         if isinstance(own, InMemoryState):
             if own.opt is not self or own.iteration != self.engine.iteration:
-                own = own.materialize()  # another optimizer (or step): through the files
-        if isinstance(own, InMemoryState):
-            pass  # this optimizer at this step: nothing to restore but the groups' values
+                load_files(self, own.materialize()[FILES_KEY])  # another optimizer (or step): its files
+            # else this optimizer at this step: nothing to restore but the groups' values
         elif own.get(FILES_KEY):
             load_files(self, own[FILES_KEY])
         elif own.get("checkpoint") is not None:

@@ -38,11 +38,11 @@ MAX_FILE_BYTES = 1 << 42
 class InMemoryState:
     """The state of `opt` at `iteration`, taken lazily (module docstring)."""
 
-    def __init__(self, opt, iteration: int, instance: str):
-        self.opt, self.iteration, self.instance = opt, iteration, instance
+    def __init__(self, opt, iteration: int):
+        self.opt, self.iteration = opt, iteration
 
     def materialize(self) -> dict:
-        """{"checkpoint": None, "instance", "iteration", "files": {relative path: uint8 tensor}}."""
+        """{"iteration": the step it was taken at, "files": {relative path: uint8 tensor}}."""
         engine = self.opt.engine
         if engine.world_size > 1:
             raise ValueError("torch.save(opt.state_dict()) without state_dir works on one rank (a checkpoint is a "
@@ -61,7 +61,7 @@ class InMemoryState:
                     files[str(p.relative_to(step_dir))] = torch.from_numpy(np.fromfile(p, dtype=np.uint8))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        return {"checkpoint": None, "instance": self.instance, "iteration": self.iteration, FILES_KEY: files}
+        return {"iteration": self.iteration, FILES_KEY: files}
 
     def __reduce__(self):
         # an OrderedDict of tensors and plain values: what torch.load(weights_only=True) reads

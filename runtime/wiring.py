@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 PARAM_ALIGN_CUDA = 128  # elements: 256 bytes of 16-bit weights
 
+
 def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig, param_groups: list | None,
             backward_mode: str, overlap_ok: bool, auto_overlap: bool) -> list:
     """Everything the engine decides before a process starts: the checks of what it was
@@ -63,7 +64,7 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     engine.is_cuda = engine.device.type == "cuda"
     # fp32 forward and backward on a CPU that only emulates 16-bit matmul
     engine.compute_dtype, engine._compute_why = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype,
-                                                                  engine.device)
+                                                                      engine.device)
     engine.distributed = process_group()
     engine.rank = dist.get_rank() if engine.distributed else 0
     engine.world_size = dist.get_world_size() if engine.distributed else 1
@@ -72,7 +73,7 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     # using, and landing an update swaps the model onto it; no copy up at all)
     # (fp32 compute: the parameters are fp32, so they cannot view the 16-bit slots)
     engine._zero_copy = (engine.world_size == 1 and not engine.is_cuda and cfg.expert.cpu_zero_copy
-                       and engine.compute_dtype == engine.dtype)
+                         and engine.compute_dtype == engine.dtype)
     # DPU writes step t+1's gradients while the server still reads step t's: with
     # one slot each range waits until the update has passed it (SlotGate), with
     # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
@@ -85,16 +86,17 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     # that are not); packed on the CPU (runtime.flat)
     engine.param_align = cfg.expert.param_align_numel or (PARAM_ALIGN_CUDA if engine.is_cuda else 1)
     engine.flat = FlatParams(params, bucket_numel=cfg.expert.bucket_numel, world_size=engine.world_size,
-                           groups=group_of,
-                           shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1, align=engine.param_align)
+                             groups=group_of, shard_multiple=QBLOCK if cfg.state_dtype == "int8" else 1,
+                             align=engine.param_align)
     S = engine.flat.shard_numel
     engine.shard_lo, engine.shard_hi = engine.flat.shard_range(engine.rank)
     engine._names = state_dict_names(model)  # for master_state_dict()
     engine.counters = Counters()
-    engine.coll = distributed.Collectives(engine.device, engine.rank, engine.world_size, S) if engine.distributed else None
+    engine.coll = distributed.Collectives(engine.device, engine.rank, engine.world_size, S) \
+        if engine.distributed else None
     # mode="exact": the strategies this engine may use (runtime.exact_mode); the undo
     # log speculation needs is asked for at HELLO, so it is settled here
-    engine.picker: exact_mode.ExactModePicker | None = None
+    engine.picker = None
     engine._undo_log_bytes = 0
     if cfg.mode == "exact":
         engine.picker, engine._undo_log_bytes = exact_strategies(engine, cfg, overlap_ok, auto_overlap)
@@ -132,9 +134,8 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
     if x.undo_log_bytes is None:
         # spare RAM only: at most half of what the host will have left once the shard
         # holds its state and segment (~6 B/param of slots) and this worker has let go of
-        # its fp32 copy of the model (4 B/param on the CPU)
-        fp32_model = sum(4 * s.param.numel() for s in engine.flat.spans if not s.param.is_cuda)
-        spare = read_mem_available() + fp32_model - math.ceil((state + 6) * n)
+        # its copy of the model (worker_frees)
+        spare = read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n)
         undo = whole if 2 * whole <= spare else 0
     else:
         undo = x.undo_log_bytes
@@ -146,6 +147,16 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
     return exact_mode.ExactModePicker(order, agree=agree), undo
 
 
+def worker_frees(engine: "OffloadEngine") -> int:
+    """Host memory this worker lets go of after INIT (HELLO.frees_bytes): the trained
+    parameters held on the CPU (each becomes a view of flat16), less flat16 itself where
+    it is the worker's own."""
+    frees = sum(s.param.numel() * s.param.element_size() for s in engine.flat.spans if not s.param.is_cuda)
+    if not engine.is_cuda and not engine._zero_copy:
+        frees = max(0, frees - engine.compute_dtype.itemsize * engine.flat.padded_numel)
+    return frees
+
+
 def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
     """The server (a private one unless the config or the launcher names one), the shard
     (ShardSpec), and the parts that work on it."""
@@ -155,16 +166,11 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
         from zero_offload.server.spawn import spawn
         # exit_when_idle: if this worker is killed, the server drops it after the
         # heartbeat timeout and exits, so no orphan stays behind
-        engine._server = spawn(threads=cfg.server.threads, exit_when_idle=True,
-                             trace_dir=cfg.resolved_trace_dir())
+        engine._server = spawn(threads=cfg.server.threads, exit_when_idle=True, trace_dir=cfg.resolved_trace_dir())
         addr, token, proc = engine._server.address, engine._server.token, engine._server.proc
     hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
           "weight_decay": cfg.weight_decay}
-    # host memory this worker lets go of after INIT: the fp32 trained parameters held on
-    # the CPU (each becomes a view of flat16), less flat16 itself where it is the worker's own
-    frees = sum(s.param.numel() * s.param.element_size() for s in engine.flat.spans if not s.param.is_cuda)
-    if not engine.is_cuda and not engine._zero_copy:
-        frees = max(0, frees - engine.compute_dtype.itemsize * engine.flat.padded_numel)
+    frees = worker_frees(engine)
     # the shard, described once (protocol.ShardSpec): HELLO carries it, the server's Shard keeps it
     spec = ShardSpec(rank=engine.rank, world_size=engine.world_size, numel=engine.flat.shard_numel, dtype=cfg.dtype,
                      optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,
@@ -172,24 +178,27 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
                      exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes)
     engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
-                                  server_proc=proc)
+                                    server_proc=proc)
     if engine.is_cuda:
-        engine._pinned = host_memory.pin(c.segment.buffer, c.segment.size, engine.device, cfg.expert.pin_host_memory)
+        engine._pinned = host_memory.pin(c.segment.buffer, c.segment.size, engine.device,
+                                         cfg.expert.pin_host_memory)
     gather = None
     if engine.world_size > 1:
         gather = lambda flat16: engine.coll.all_gather_weights(flat16, engine.tracer)  # noqa: E731
     engine.cycle = UpdateCycle(c, engine.flat, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
-                             device=engine.device, shard_lo=engine.shard_lo,
-                             zero_copy=engine._zero_copy, overlap_weights_up=cfg.expert.overlap_weights_up,
-                             tracer=engine.tracer, counters=engine.counters, gather=gather)
+                               device=engine.device, shard_lo=engine.shard_lo,
+                               zero_copy=engine._zero_copy, overlap_weights_up=cfg.expert.overlap_weights_up,
+                               tracer=engine.tracer, counters=engine.counters, gather=gather)
     gate = SlotGate(engine.cycle, enabled=engine._grad_slots == 1, tracer=engine.tracer, counters=engine.counters)
     if engine._undo_log_bytes:
-        engine.speculator = Speculator(engine.cycle, engine._expected_step, tracer=engine.tracer, counters=engine.counters)
-    engine.grads = GradientsDown(engine.flat, c.grads, dtype=engine.dtype, dtype_name=cfg.dtype, device=engine.device,
-                               rank=engine.rank, world_size=engine.world_size, gate=gate, on_free=engine.cycle.pump,
-                               tracer=engine.tracer, counters=engine.counters, collectives=engine.coll,
-                               on_ready=engine.speculator.ready if engine.speculator is not None else None,
-                               ready_every=cfg.expert.progress_block_numel)
+        engine.speculator = Speculator(engine.cycle, engine._expected_step, tracer=engine.tracer,
+                                       counters=engine.counters)
+    engine.grads = GradientsDown(engine.flat, c.grads, dtype=engine.dtype, dtype_name=cfg.dtype,
+                                 device=engine.device, rank=engine.rank, world_size=engine.world_size, gate=gate,
+                                 on_free=engine.cycle.pump, tracer=engine.tracer, counters=engine.counters,
+                                 collectives=engine.coll,
+                                 on_ready=engine.speculator.ready if engine.speculator is not None else None,
+                                 ready_every=cfg.expert.progress_block_numel)
 
 
 def init_weights(engine: "OffloadEngine") -> None:

@@ -50,6 +50,7 @@ from zero_offload.demo.baseline import DeviceMixedPrecision  # noqa: E402
 from zero_offload.config import OffloadConfig  # noqa: E402
 from zero_offload.demo.data import Batches, Corpus  # noqa: E402
 from zero_offload.engine import OffloadEngine  # noqa: E402
+from zero_offload.exact_mode import strategy_of  # noqa: E402
 from zero_offload.demo.gpt import GPT, GPTConfig  # noqa: E402
 from zero_offload.trace_analysis import load  # noqa: E402
 
@@ -102,9 +103,7 @@ def run_variant(name, mc, batches, steps, warm, dtype, dpu_warmup, worker_cores,
                   overlap_weights_up=not name.endswith("-after"), cpu_zero_copy=not name.endswith(("-copy", "-after")),
                   dpu_grad_slots=2 if name == "dpu-2slots" else 1, trace_dir=trace_dir)
     if not dpu:  # mode="exact": the variant names its strategy ("exact" alone: the engine picks)
-        expert["exact_strategy"] = ("auto" if name.startswith("exact") else
-                                    "+".join(filter(None, ["overlap_update" if overlap else "",
-                                                           "speculation" if undo else ""])) or "sync")
+        expert["exact_strategy"] = "auto" if name.startswith("exact") else strategy_of(overlap, undo)
         if undo:
             expert["undo_log_bytes"] = undo
     cfg = OffloadConfig(lr=3e-4, weight_decay=0.1, dtype=dtype, mode="dpu" if dpu else "exact", state_dtype=state,

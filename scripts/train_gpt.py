@@ -19,7 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zero_offload.demo.gpt import PRESETS  # noqa: E402
+from zero_offload.config import EXACT_STRATEGIES  # noqa: E402
 from zero_offload.demo.trainer import TrainConfig, train  # noqa: E402
+from zero_offload.exact_mode import strategy_of  # noqa: E402
 
 
 def parse(argv=None) -> TrainConfig:
@@ -40,7 +42,7 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--dpu-predict", type=float, default=d.dpu_predict,
                     help="weight prediction under DPU (0: plain DPU as in the paper)")
     ap.add_argument("--exact-strategy", default=d.exact_strategy,
-                    choices=["auto", "sync", "overlap_update", "speculation", "overlap_update+speculation"],
+                    choices=EXACT_STRATEGIES,
                     help="with --no-dpu (mode exact, bitwise synchronous): how the CPU update is hidden; auto: "
                          "the engine measures the candidates and keeps the fastest")
     ap.add_argument("--overlap-update", action="store_true",
@@ -85,8 +87,7 @@ def parse(argv=None) -> TrainConfig:
     threads = a.threads or (cores if cores < 4 else max(1, cores - (a.server_threads if a.offload else 0)))
     strategy = a.exact_strategy
     if a.overlap_update or a.undo_log_bytes:
-        strategy = "overlap_update" if a.overlap_update else ""
-        strategy = "+".join(filter(None, [strategy, "speculation" if a.undo_log_bytes else ""]))
+        strategy = strategy_of(a.overlap_update, a.undo_log_bytes)
     try:
         return TrainConfig(model=a.model, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, steps=a.steps,
                            batch_size=a.batch_size, seq_len=a.seq_len, device=a.device, dtype=a.dtype,

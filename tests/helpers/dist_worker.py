@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
+from zero_offload.exact_mode import strategy_of  # noqa: E402
 
 
 SPEC_WAIT_S = 0.1  # spec modes: see main()
@@ -85,8 +86,7 @@ def config(mode: str) -> OffloadConfig:
                   staging_numel=500,  # the initial shard and master_state_dict in chunks
                   param_align_numel=64 if "align" in mode else 0)  # align: the GPU's layout, gaps
     if not dpu and (mode.startswith("overlap") or "spec" in mode):  # else mode="exact" picks (both ranks agree)
-        expert["exact_strategy"] = "+".join(filter(None, ["overlap_update" if mode.startswith("overlap") else "",
-                                                          "speculation" if "spec" in mode else ""]))
+        expert["exact_strategy"] = strategy_of(mode.startswith("overlap"), "spec" in mode)
         if "spec" in mode:
             expert["undo_log_bytes"] = 1 << 30
     return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
