@@ -7,20 +7,7 @@ touch state are called either from that thread (step, speculate, rollback) or
 from the socket thread while the shard is READY (init, get_master, save, load):
 the state is the lock.
 
-States (ShardState) and what moves between them:
-
-    from            event                                  to
-    UNINITIALIZED   INIT's last chunk, or a LOAD that reads  READY
-    READY           an INIT chunk that is not the last       UNINITIALIZED (a partial master)
-    READY           a LOAD that fails midway                 UNINITIALIZED (a mixed master)
-    READY           accept_speculation (a usable SPECULATE)  SPECULATING
-    SPECULATING     accept_speculation (more of the same)    SPECULATING
-    READY,          accept_step (STEP in order)              UPDATING   (the update thread first keeps
-      SPECULATING                                                         or rolls back what was speculated)
-    UPDATING        finish_update (the thread is done)       READY
-    SPECULATING     rollback (before SKIP, GET_MASTER, SAVE,  READY      (the undo log restored)
-                      LOAD, INIT: the server settles first)
-    READY           skip (SKIP in order)                     READY (skipped + 1)
+Its phases (ShardPhase) and what moves between them: optimizer_server.shard_phase.
 
 Only READY takes STEP, SKIP, GET_MASTER and SAVE (SPECULATING too, settled first);
 UPDATING takes nothing but HEARTBEAT and STATS (the server answers the rest with
@@ -28,74 +15,28 @@ E_ORDER, and drops a SPECULATE).  INIT, LOAD, GET_MASTER and SAVE also run on th
 update thread (``working`` names the one running; the shard is busy meanwhile), so
 the socket thread answers heartbeats and other workers however long they take.
 
-A save (``start_save``) is a ckpt_io.SaveJob: its writer threads write the state as
-it was when the save started, and every method below that overwrites state
-elements first calls ``_guard(lo, hi)`` (SaveJob.ensure), so a STEP may run while
-the save is still being written (a background save) and the file still holds the
-saved step's bytes.  INIT and LOAD replace the whole state: they wait for the save.
-
-Speculation (SPECULATE, protocol v10): the worker says the gradients of [0, upto)
-are final and sends the STEP it expects, assuming no clipping and no overflow.  The
-update thread saves what an update of the next piece writes in the undo log
-(optimizer_server.undo), then updates it with the assumed values; it stops where
-the log is full.  The STEP settles it (``_settle``): if its values over the
-speculated prefix equal the assumed ones (the same grad_scale, slots, prediction and
-per-range hyper-parameters and step counts), the prefix is kept and only the rest is
-updated; otherwise the log is restored and the whole STEP runs.  Either way the
-bytes are those of a STEP alone: the update is elementwise (int8: blockwise, and the
-speculated prefix ends on a block), so splitting it changes nothing.  After the
-step's first SPECULATE the update thread follows the worker's ready word (``follow``,
-protocol v11) and speculates each piece as its gradients land, until the STEP.
-
-The twin (Adam/AdamW with fp32 state or bf16 state and the exact master, and
-undo_log_bytes for the whole update): the
-pieces write the new state out of place into a twin of the state and the log saves
-only the out weights slot.  A kept STEP updates the rest into the twin as well and
-flips (the twin becomes the state); a rolled-back one restores the weights slot and
-updates in place, since the state itself was never written.  Saving the state into
-the log had cost more than the update of those elements (BENCHMARKS.md).
+Saving and loading: optimizer_server.shard_checkpoint; speculation and its twin:
+optimizer_server.shard_speculation (the Shard inherits both).
 """
 from __future__ import annotations
 
-import enum
-import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 
 from zero_offload.kernels import cpu_adam
 
-from . import checkpoint as C
 from . import protocol as P
-from .atomic import atomic_write_bytes, fsync_dir
 from .ckpt_io import SAVE_CHUNK, SaveJob
 from .shm import Segment, ShardLayout
+from .shard_checkpoint import ShardCheckpoint
+from .shard_phase import ShardPhase
+from .shard_speculation import ShardSpeculation, SpeculativeUpdate
 from .state import ShardStateArrays
 from .undo import UndoLog
 
 log = logging.getLogger("optimizer_server")
-
-
-class ShardState(enum.Enum):
-    UNINITIALIZED = "uninitialized"  # no complete master: STEP is refused
-    READY = "ready"                  # idle, state complete
-    UPDATING = "updating"            # a STEP runs on the shard's thread
-    SPECULATING = "speculating"      # SPECULATE accepted: speculative pieces queued or in the undo log
-
-
-class SpeculativeUpdate:
-    """What the shard speculated for one step: the assumed STEP's values, how far
-    pieces were queued (socket thread) and done (update thread)."""
-
-    def __init__(self, msg: P.Speculate, key: tuple):
-        self.msg = msg
-        self.key = key      # Shard._step_key of the assumption (its step number first)
-        self.queued = 0     # [0, queued) handed to the update thread
-        self.done = 0       # [0, done) updated, its old bytes in the undo log
-        self.full = False   # the undo log could not take the next piece: no more this step
-        self.closed = False  # the STEP came: pieces not yet started are left to it (set by the socket thread)
 
 
 DEFAULT_HPARAMS = {
@@ -104,16 +45,6 @@ DEFAULT_HPARAMS = {
     "adagrad": dict(lr=1e-2, beta1=0.0, beta2=0.0, eps=1e-10, weight_decay=0.0),
     "lion": dict(lr=1e-4, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0),
 }
-
-# A speculative piece is saved and updated in sub-pieces of this many elements (whole
-# int8 blocks): 3.5 MiB of fp32 state's writes, well inside a last-level cache.
-SPEC_SUBPIECE = 1 << 18
-assert SPEC_SUBPIECE % P.QBLOCK == 0
-
-# follow()'s longest sleep between looks at the ready word: a bucket of a large model's
-# CPU backward can take seconds, and a look every 0.1 ms through it would wake the
-# server's core ten thousand times a second for nothing
-MAX_READY_POLL_S = 0.001
 
 
 def _chunk_starts(lo: int, hi: int) -> list[int]:
@@ -125,7 +56,7 @@ def _chunk_end(a: int) -> int:
     return (a // SAVE_CHUNK + 1) * SAVE_CHUNK
 
 
-class Shard:
+class Shard(ShardSpeculation, ShardCheckpoint):
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
 
     def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int):
@@ -154,7 +85,7 @@ class Shard:
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
         self.steps = 0
         self.skipped = 0
-        self.phase = ShardState.UNINITIALIZED
+        self.phase = ShardPhase.UNINITIALIZED
         self.working: str | None = None  # INIT/LOAD/GET_MASTER/SAVE running on the update thread
         self.save_job: SaveJob | None = None  # the newest save (maybe still being written)
         self.save_seq = 0          # saves started (HEARTBEAT_OK.save_seq)
@@ -222,7 +153,7 @@ class Shard:
             raise ValueError(f"INIT chunks must come in order: expected offset {self._init_next} "
                              f"(or 0 to start over), got {offset}")
         # a partial master must never be stepped on: until the last chunk, STEP is refused
-        self.phase = ShardState.UNINITIALIZED
+        self.phase = ShardPhase.UNINITIALIZED
         self.arrays.set_master(offset, self.staging[:count], self.weights16_slots, self.threads)
         self._init_next = offset + count
         if self._init_next < self.numel:
@@ -236,7 +167,7 @@ class Shard:
         self.steps = 0
         self._write_weights16()
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
-        self.phase = ShardState.READY
+        self.phase = ShardPhase.READY
 
     def release_twin(self) -> int:
         """RELEASE_TWIN (nothing in flight, no speculation open: the server checked): drop
@@ -253,29 +184,7 @@ class Shard:
 
     @property
     def busy(self) -> bool:
-        return self.phase is ShardState.UPDATING or self.working is not None
-
-    # -- the save guard ----------------------------------------------------------
-    def _guard(self, lo: int, hi: int) -> None:
-        """Before elements [lo, hi) of the state are overwritten: a save in flight has
-        written them (SaveJob.ensure)."""
-        job = self.save_job
-        if job is not None and not job.done:
-            job.ensure(lo, hi)
-
-    @property
-    def saving(self) -> bool:
-        """A save of this shard is still being written."""
-        return self.save_job is not None and not self.save_job.done
-
-    def _await_save(self) -> None:
-        """Before the whole state is replaced (INIT, LOAD): the save in flight completes
-        (its own error stays with it, for STATS and the engine)."""
-        if self.saving:
-            try:
-                self.save_job.wait()
-            except Exception:  # noqa: BLE001
-                pass
+        return self.phase is ShardPhase.UPDATING or self.working is not None
 
     @property
     def work_done(self) -> int:
@@ -287,22 +196,22 @@ class Shard:
 
     @property
     def initialized(self) -> bool:
-        return self.phase is not ShardState.UNINITIALIZED
+        return self.phase is not ShardPhase.UNINITIALIZED
 
     def refusal(self, what: str) -> str | None:
         """Why the request `what` cannot run now (None: it can), for an E_ORDER reply."""
-        if self.phase is ShardState.UPDATING:
+        if self.phase is ShardPhase.UPDATING:
             return f"{what} while step {self.steps + 1} is still updating; wait for its DONE first"
         if self.working is not None:
             return f"{what} while {self.working} is still running; wait for its reply first"
-        if self.phase is ShardState.UNINITIALIZED:
+        if self.phase is ShardPhase.UNINITIALIZED:
             return (f"{what} before INIT: write the initial weights to staging and send INIT (or LOAD a "
                     f"checkpoint) first")
         return None
 
     @property
     def speculating(self) -> bool:
-        return self.phase is ShardState.SPECULATING
+        return self.phase is ShardPhase.SPECULATING
 
     def accept_step(self, msg: P.Step) -> tuple[str, str] | None:
         """Check a STEP against this shard; (error code, message) to refuse it, else
@@ -314,7 +223,7 @@ class Shard:
             # speculative pieces still queued would only delay the STEP's own update, which
             # publishes its progress as it goes (the pieces do not): they are left to it
             self.speculative.closed = True
-        self.phase = ShardState.UPDATING
+        self.phase = ShardPhase.UPDATING
         return None
 
     def _step_refusal(self, msg: P.Step) -> tuple[str, str] | None:
@@ -337,159 +246,9 @@ class Shard:
                                  f"{self.numel} elements: the groups' ranges must cover it")
         return None
 
-    # -- speculation -------------------------------------------------------------
-    def accept_speculation(self, msg: P.Speculate) -> list[tuple[int, int]] | str | None:
-        """Socket thread: the pieces [a, b) of a usable SPECULATE to hand to the update
-        thread (``speculate``), at most a progress block each (so that a STEP waits for
-        one at most), None if it adds nothing, or why it is dropped."""
-        if self.undo is None:
-            return "this shard has no undo log (HELLO.undo_log_bytes = 0)"
-        if self.phase not in (ShardState.READY, ShardState.SPECULATING):
-            return f"SPECULATE while the shard is {self.phase.value}"
-        refused = self._step_refusal(msg)
-        if refused is not None:
-            return refused[1]
-        key = self._step_key(msg)
-        if self.speculative is None:
-            self.speculative = SpeculativeUpdate(msg, key)
-            self.phase = ShardState.SPECULATING
-        elif self.speculative.key != key:
-            return "SPECULATE's assumption differs from the one this step already speculated on"
-        b = self._block_floor(min(msg.upto, self.numel))
-        a = self.speculative.queued
-        if b <= a or self.speculative.full:
-            return None
-        self.speculative.queued = b
-        step = self._piece
-        return [(x, min(b, x + step)) for x in range(a, b, step)]
-
-    @property
-    def _piece(self) -> int:
-        """A speculative piece's length: a progress block (int8: whole blocks)."""
-        if self.arrays.state_dtype == "int8":
-            return max(P.QBLOCK, self._block_floor(self.progress_block))
-        return self.progress_block
-
-    def follow(self, step: int, *, poll_s: float, idle_s: float, run=None) -> None:
-        """Update thread, queued after the pieces of a step's first SPECULATE: speculate
-        on as the worker's ready word says more gradients are final (tag `step`), a piece
-        at a time, until the STEP or any other request closes the speculation, the undo
-        log is full, the shard is done, or idle_s pass with nothing new (the worker
-        stopped short: its STEP does the rest).  Sleeps poll_s between looks, doubling
-        up to MAX_READY_POLL_S while nothing new comes (a long backward polls less).
-        run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
-        run = run or self.speculate
-        sp = self.speculative
-        last = time.monotonic()
-        delay = poll_s
-        while sp is self.speculative and sp is not None and not (sp.closed or sp.full) and sp.done < self.numel:
-            said = self._block_floor(min(self.numel, cpu_adam.load_progress(self.ready, tag=step)))
-            upto = max(said, sp.queued)  # a later SPECULATE still counts
-            if upto > sp.done:
-                a = sp.done
-                run(a, min(upto, a + self._piece))
-                if sp.done == a:  # it did not fit the log (full) or was closed meanwhile
-                    return
-                last, delay = time.monotonic(), poll_s
-            elif time.monotonic() - last > idle_s:
-                return
-            else:
-                time.sleep(delay)
-                delay = min(2 * delay, max(poll_s, MAX_READY_POLL_S))
-
-    def _block_floor(self, b: int) -> int:
-        """int8: b rounded down to a whole block (a block's scale depends on all of it),
-        unless it is the shard's end; other state dtypes: b."""
-        if self.arrays.state_dtype == "int8" and b < self.numel:
-            return b - b % P.QBLOCK
-        return b
-
-    def stop_following(self) -> None:
-        """Socket thread: a request other than SPECULATE came (or the worker is gone), so
-        ``follow`` returns after its piece and queued pieces do nothing."""
-        if self.speculative is not None:
-            self.speculative.closed = True
-
-    def drop_speculation(self, why: str) -> None:
-        self.speculate_dropped += 1
-        self.last_drop_reason = why
-
-    def speculate(self, a: int, b: int) -> None:
-        """Update thread: update [a, b) with the assumed values, its old bytes saved first;
-        as much of it as the undo log holds (whole blocks with int8)."""
-        sp = self.speculative
-        if sp is None or sp.full or sp.closed or a != sp.done:
-            return  # settled meanwhile, the STEP is here, or an earlier piece did not fit
-        per = UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)) / (b - a)
-        room = int((self.undo.capacity - self.undo.used) / per) if per else b - a
-        if room < b - a:  # as much as the log holds, and no more pieces this step
-            sp.full = True
-            b = self._block_floor(a + room)
-            if b <= a:
-                return
-        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
-        if not self.undo.fits(writes):
-            sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
-            return
-        self.undo.prefault()
-        self.arrays.prefault_twin()
-        self._state_dirty = True
-        ranges = self._ranges(sp.msg, persist=False)
-        twin = self.arrays.twin is not None
-        # saved and updated a sub-piece at a time: the save reads what the update reads
-        # next, so a sub-piece that fits the last-level cache is read from memory once
-        # (with nothing to save, the twin with two weights slots, one kernel call)
-        sub = SPEC_SUBPIECE if writes else b - a
-        for x in range(a, b, sub):
-            y = min(b, x + sub)
-            saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.out_slot))
-            assert saved, "the piece's bytes fit, so each of its sub-pieces does"
-            self._run(sp.msg, ranges, x, y, progress=False, twin=twin)
-        sp.done = b
-
-    def rollback(self) -> int:
-        """Update thread: undo what was speculated (before a request that reads or replaces
-        the state); returns the elements restored."""
-        sp, self.speculative = self.speculative, None
-        if self.phase is ShardState.SPECULATING:
-            self.phase = ShardState.READY
-        if sp is None:
-            return 0
-        self.undo.restore()
-        return sp.done
-
-    def _settle(self, msg: P.Step) -> int:
-        """Update thread, at a STEP: elements [0, start) already hold its result (kept from
-        speculation), or the speculation is rolled back and start is 0."""
-        sp, self.speculative = self.speculative, None
-        self.last_speculated = self.last_rolled_back = 0
-        if sp is None or sp.done == 0:
-            if sp is not None:
-                self.undo.clear()
-            return 0
-        if self._clipped_key(sp.key, sp.done) == self._clipped_key(self._step_key(msg), sp.done):
-            self.undo.clear()
-            self.last_speculated = sp.done
-            return sp.done
-        t0 = time.perf_counter_ns()
-        self.undo.restore()
-        self.last_rollback_ns = (t0, time.perf_counter_ns())
-        self.last_rolled_back = sp.done
-        return 0
-
-    def _step_key(self, msg: P.Step) -> tuple:
-        """Everything of a STEP that decides the bytes an update writes, per range."""
-        return (msg.step, msg.slot, msg.out_slot, msg.grad_scale, msg.predict,
-                tuple((lo, hi, tuple(sorted(h.items())), updates) for lo, hi, h, updates in self._ranges(msg, persist=False)))
-
-    @staticmethod
-    def _clipped_key(key: tuple, n: int) -> tuple:
-        """The key over elements [0, n) only (what was speculated)."""
-        return key[:5] + (tuple((lo, min(hi, n), h, u) for lo, hi, h, u in key[5] if lo < n),)
-
     def finish_update(self) -> None:
-        assert self.phase is ShardState.UPDATING
-        self.phase = ShardState.READY
+        assert self.phase is ShardPhase.UPDATING
+        self.phase = ShardPhase.READY
 
     def skip(self, step: int) -> str | None:
         """SKIP: the step's gradients overflowed on some rank; the state stays as it
@@ -648,120 +407,3 @@ class Shard:
                          bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
                          speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason,
                          speculated=self.speculative.done if self.speculative is not None else 0)
-
-    # -- checkpoints -----------------------------------------------------------
-    def _paths(self, d: Path) -> tuple[Path, Path]:
-        return (C.rank_file(d, C.SHARD, self.rank, self.world_size, ".bin"),
-                C.rank_file(d, C.SHARD, self.rank, self.world_size, ".json"))
-
-    def manifest(self) -> dict:
-        return {"format": C.SHARD_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
-                "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
-                "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
-                "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
-                "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
-
-    def start_save(self, directory: str) -> SaveJob:
-        """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
-        the data file (random temp name, fsync'd once, renamed), then the manifest with
-        the file's checksum, then the directory's fsync.  Later updates may run while
-        it writes (``_guard``); SaveJob.wait() gives what ``save`` returns."""
-        if self.saving:
-            raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
-                             "before the next one")
-        d = Path(directory)
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        bin_path, man_path = self._paths(d)
-        man = self.manifest()
-        nbytes = self.arrays.saved_bytes()
-
-        def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
-            atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
-            fsync_dir(d)
-            return {"path": str(bin_path), "bytes": nbytes, "steps": man["steps"]}
-        if self.save_job is not None:
-            self._io_done += self.save_job.bytes_done
-        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
-        self.save_seq += 1
-        return self.save_job
-
-    def save(self, directory: str) -> dict:
-        """A blocking save: start_save, then wait for it (the same bytes as a background one)."""
-        return self.start_save(directory).wait()
-
-    def save_status(self) -> dict:
-        """The newest save's state ("idle" if none): STATS_OK's save_* fields."""
-        if self.save_job is None:
-            return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0}
-        return self.save_job.status()
-
-    def load(self, directory: str, out_slot: int = 0) -> dict:
-        """Read this shard's range of a checkpoint, saved with this world size or
-        another (optimizer_server.reshard): every rank's manifest must agree, and
-        every file read must match its checksum, before any state is touched."""
-        d = Path(directory)
-        src = C.pick_world_size(d, C.SHARD, self.world_size)
-        man_paths = [C.rank_file(d, C.SHARD, k, src, ".json") for k in range(src)]
-        mans = []
-        for path in man_paths:
-            if not path.exists():
-                raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
-                                 f"checkpoint (an earlier step-N beside it)")
-            try:
-                man = json.loads(path.read_text())
-            except ValueError as e:
-                raise C.CheckpointError(f"checkpoint manifest {path} is not JSON ({e}); load another checkpoint")
-            C.check_shard_manifest(path, man)
-            if man["world_size"] != src or man["rank"] != len(mans):
-                raise C.CheckpointError(f"checkpoint manifest {path} says rank {man['rank']} of "
-                                        f"{man['world_size']}, its name rank {len(mans)} of {src}")
-            mans.append(man)
-        mine = self.manifest()
-        keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
-        for k, man in enumerate(mans):
-            diff = {key: (man.get(key), mine[key]) for key in keys if man.get(key) != mine[key]}
-            if man.get("format") not in C.SHARD_FORMATS_READ:
-                diff["format"] = (man.get("format"), f"one of {list(C.SHARD_FORMATS_READ)}")
-            elif man.get("format") != mans[0].get("format"):
-                diff["format across ranks"] = (man.get("format"), mans[0].get("format"))
-            if man.get("numel") != mans[0].get("numel") or man.get("steps") != mans[0].get("steps"):
-                diff["numel/steps across ranks"] = ((man.get("numel"), man.get("steps")),
-                                                    (mans[0].get("numel"), mans[0].get("steps")))
-            if diff:
-                desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
-                raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
-        per_file = int(mans[0]["numel"])
-        saved_dtypes = C.saved_array_dtypes(mans[0])
-        expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
-        bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
-        lo = self.rank * self.numel
-        if not 0 <= out_slot < len(self.weights16_slots):
-            raise ValueError(f"LOAD's out_slot {out_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
-        for k, path in enumerate(bins):
-            size = path.stat().st_size if path.exists() else -1
-            if size != expect:
-                raise ValueError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
-            if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
-                C.verify(path, mans[k].get("checksum"))
-        man = mans[0]
-        # Straight into the state arrays: temporaries would double the server's
-        # memory (12 B/param) exactly when resuming, the moment a job that fits
-        # would OOM.  A read that fails midway leaves a mix, so the shard is marked
-        # uninitialized and refuses STEP until a LOAD or INIT succeeds.
-        self._await_save()
-        self.phase = ShardState.UNINITIALIZED
-        self._state_dirty = True
-        try:
-            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, out_slot, self.threads)
-            self._load_bytes += expect
-        except OSError as e:
-            raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
-                          f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
-        self.steps = int(man["steps"])
-        self.skipped = int(man.get("skipped", 0))
-        self.hparams.update(man.get("hparams", {}))
-        self._init_next = 0
-        self._write_weights16(out_slot)
-        self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
-        self.phase = ShardState.READY
-        return {"steps": self.steps}

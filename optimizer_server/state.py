@@ -47,6 +47,7 @@ from zero_offload.kernels import cpu_adam
 from .checkpoint import LEGACY_INT8
 from .protocol import COMPACT_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
+from .update_rules import rule_for
 
 assert QBLOCK == cpu_adam.QBLOCK, "protocol.QBLOCK and the int8 kernel's block disagree"
 ITEM_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, LEGACY_INT8: 1}
@@ -107,6 +108,7 @@ class ShardStateArrays:
         self.scales = ({name: np.zeros(nblocks(numel), np.float32) for name in self.moments}
                        if state_dtype == "int8" else {})
         self.hi_slot = 0
+        self.rule = rule_for(optimizer, state_dtype)  # the kernel calls (optimizer_server.update_rules)
         # speculation's twin (make_twin): a second master (or remainder) and moments that an
         # out-of-place update writes while the current ones stay as they were, so undoing it
         # is free
@@ -235,31 +237,14 @@ class ShardStateArrays:
         if twin:  # adam/adamw (can_twin): the old state is read, the new one goes to the twin
             dst = self.twin
             kw = dict(kw, read_from=tuple(a[sl] for a in cur.values()))  # (master or remainder, m, v)
-        st = {name: dst[name] for name in self.moments}
+        st = {name: dst[name][sl] for name in self.moments}
         p = dst["remainder" if self.exact_master else "master"][sl]
-        if self.state_dtype == "bf16":
-            # adam, adamw and lion (refused at HELLO otherwise)
-            extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
+        sr = {}
+        if self.state_dtype == "bf16":  # stochastic rounding, and the exact master's high halves
             sr = dict(sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
-            if self.optimizer == "lion":
-                cpu_adam.lion_step_bf16(p, st["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
-                                        weight_decay=h["weight_decay"], **sr, **extra, **kw)
-                return
-            cpu_adam.adam_step_bf16(p, st["exp_avg"][sl], st["exp_avg_sq"][sl], g, o,
-                                    step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                                    weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **sr,
-                                    **extra, **kw)
-            return
-        if self.optimizer in ("adamw", "adam"):
-            cpu_adam.adam_step(p, st["exp_avg"][sl], st["exp_avg_sq"][sl], g, o,
-                               step=updates, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
-                               weight_decay=h["weight_decay"], adamw=self.optimizer == "adamw", **kw)
-        elif self.optimizer == "adagrad":
-            cpu_adam.adagrad_step(p, st["state_sum"][sl], g, o, lr=h["lr"], eps=h["eps"],
-                                  weight_decay=h["weight_decay"], **kw)
-        else:
-            cpu_adam.lion_step(p, st["exp_avg"][sl], g, o, lr=h["lr"], beta1=h["beta1"],
-                               beta2=h["beta2"], weight_decay=h["weight_decay"], **kw)
+            if self.exact_master:
+                sr["master_hi"] = slots[self.hi_slot][sl]
+        self.rule.update(p, st, g, o, h, updates, sr=sr, kw=kw)
 
     def update_blocks(self, lo: int, hi: int, segments: list, *, step: int, gin, slots: list, out_slot: int,
                       index_base: int, kw: dict) -> None:
@@ -269,27 +254,17 @@ class ShardStateArrays:
         assert self.state_dtype == "int8" and lo % QBLOCK == 0 and (hi % QBLOCK == 0 or hi == self.numel)
         sl = slice(lo, hi)
         bl = slice(lo // QBLOCK, nblocks(hi))
-        lion = self.optimizer == "lion"
         segs = []
         for a, b, h in segments:
             a, b = max(a, lo) - lo, min(b, hi) - lo
             if b > a:
-                hp = None
-                if h is not None:  # Lion has no bias correction and no eps
-                    hp = dict(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"])
-                    if not lion:
-                        hp.update(step=h["updates"], eps=h["eps"])
-                segs.append((a, b, hp))
+                segs.append((a, b, None if h is None else self.rule.segment_hparams(h)))
         extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
         extra.update(segments=segs, sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
         p = self.remainder[sl] if self.exact_master else self.master[sl]
-        m, ms = self.moments["exp_avg"], self.scales["exp_avg"]
-        if lion:
-            cpu_adam.lion_step_int8(p, m[sl], ms[bl], gin[sl], slots[out_slot][sl], **extra, **kw)
-            return
-        v, vs = self.moments["exp_avg_sq"], self.scales["exp_avg_sq"]
-        cpu_adam.adam_step_int8(p, m[sl], v[sl], ms[bl], vs[bl], gin[sl], slots[out_slot][sl],
-                                adamw=self.optimizer == "adamw", **extra, **kw)
+        st = {name: m[sl] for name, m in self.moments.items()}
+        scales = {name: sc[bl] for name, sc in self.scales.items()}
+        self.rule.update_blocks(p, st, scales, gin[sl], slots[out_slot][sl], extra=extra, kw=kw)
 
     def update_writes(self, lo: int, hi: int, slots: list, out_slot: int) -> list[np.ndarray]:
         """The array slices an update of [lo, hi) overwrites that a rollback must put back

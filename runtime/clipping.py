@@ -20,6 +20,7 @@ backward on (before its clip_grad_norm_ can be called).
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -40,6 +41,32 @@ def install() -> None:
     if cls is not None and not getattr(cls.clip_grad_norm_, "_zero_offload", False):
         _TORCH["accelerate"] = cls.clip_grad_norm_
         cls.clip_grad_norm_ = _accelerator_clip_grad_norm_
+
+
+def check_request(max_norm, norm_type) -> float:
+    """A clip_grad_norm_ call's arguments: the L2 norm only, max_norm > 0 (inf: measure only)."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"norm_type {norm_type!r}: the offloaded gradients have an L2 norm only (norm_type=2)")
+    max_norm = float(max_norm)
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    return max_norm
+
+
+def unscaled_norm(sq: float, loss_scale: float) -> float:
+    """The global L2 norm from the scaled gradients' sum of squares (inf if it overflowed):
+    what clip_grad_norm_ returns and what the step clips with."""
+    return math.sqrt(sq) / loss_scale if math.isfinite(sq) else float("inf")
+
+
+def clip_coefficient(norm: float, configured: float | None, requested: float | None) -> float:
+    """The factor a step's gradients are multiplied by inside the CPU update: torch's
+    min(1, max_norm / (norm + 1e-6)) with the smaller of the config's clip_grad_norm and
+    this step's clip_grad_norm_ calls (1.0 if neither)."""
+    max_norm = configured
+    if requested is not None:
+        max_norm = requested if max_norm is None else min(max_norm, requested)
+    return 1.0 if max_norm is None else min(1.0, max_norm / (norm + 1e-6))
 
 
 def _engine_of(parameters) -> tuple[list, object]:

@@ -22,11 +22,13 @@ This module is the facade; the engine owns its parts and calls them, each with o
     runtime.exact_mode     mode="exact": which strategy hides the update (measured)
     runtime.overlap        overlap_update's forward pipeline
     runtime.speculation    speculation during backward
+    runtime.engine_backward  backward, the gradient hooks, clip_grad_norm_ (runtime.clipping: the rule)
     runtime.engine_checkpoint  save/load/master_state_dict (runtime.checkpoint: the engine's files)
     runtime.owners         which engine trains a parameter (torch's clip_grad_norm_ finds it)
     runtime.optimizer_proxy  engine.optimizer, so torch LR schedulers drive the lr
     runtime.stats          the counters stats() reports
     runtime.teardown       releasing it all
+    runtime.parts          what each part needs of another (typed protocols)
 
 mode="dpu" (One-Step Delayed Parameter Update): steps 1..N-1 are synchronous; from
 step N on, step() hands the gradients over and returns, and the next step waits for
@@ -49,6 +51,7 @@ from zero_offload.server.errors import OptimizerServerError
 from . import clipping, exact_mode, owners, step_message, wiring
 from .checkpoint import EngineCheckpoint
 from .config import OffloadConfig
+from .engine_backward import BackwardAPI
 from .engine_checkpoint import CheckpointAPI
 from .grads_down import GradientsDown, GradStep
 from .loss_scaler import LossScaler
@@ -62,7 +65,7 @@ from .update_cycle import UpdateCycle
 log = logging.getLogger("zero_offload")
 
 
-class OffloadEngine(CheckpointAPI):
+class OffloadEngine(BackwardAPI, CheckpointAPI):
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
                  param_groups: list | None = None, backward_mode: str = "engine", overlap_ok: bool = True,
                  auto_overlap: bool = True, **overrides):
@@ -141,112 +144,6 @@ class OffloadEngine(CheckpointAPI):
         holding 16-bit values under compute dtype fp32 (runtime.compute_dtype)."""
         return self.cycle.flat16
 
-    # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch; on the last one of a step the gradients
-        stream to the host as buckets complete."""
-        self._check_open()
-        if self.backward_mode == "hooks":
-            raise RuntimeError("this engine was built with backward_mode='hooks': call loss.backward() itself")
-        if self.phase is StepPhase.GRADS_READY:
-            raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
-                               "micro-batch's backward")
-        final = self._start_micro()
-        with self.tracer.span("backward"), marker("zo.backward", self.is_cuda):
-            (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
-        if final:
-            self._step_grads.finish()
-        self.phase = next_phase(self.phase, "backward", final)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if self.backward_mode == "hooks" and self.phase is not StepPhase.IN_BACKWARD:
-            self._begin_pass()
-        g = self._step_grads
-        if g is None or g.finished:
-            return  # accumulation pending: autograd keeps summing into p.grad
-        g.on_grad(p)
-
-    def _begin_pass(self) -> None:
-        """backward_mode "hooks": the first gradient hook of a loss.backward()."""
-        self._check_open()
-        if self.phase is StepPhase.GRADS_READY:
-            raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
-                               f"accumulate gradients over micro-batches, say how many with grad_accumulation_steps "
-                               f"(now {self.cfg.grad_accumulation_steps})")
-        self._start_micro()  # raises (the DDP check) before this pass is marked as begun
-        self.phase = next_phase(self.phase, "pass_begins")
-        # runs once this backward has finished (DDP ends its reduces the same way)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-
-    def _start_micro(self) -> bool:
-        """A micro-batch's backward begins (either mode): the pipelined update lands, the
-        parameters are checked, and on the step's last micro-batch its gradients' way
-        down starts.  Returns whether this is that last one."""
-        self.checkpoints.wait_snapshot()  # a background save has copied the weights (DPU lands here)
-        self._finish_overlap()
-        if self.picker is not None and self.picker.speculation_unused and self.cycle.in_flight is None:
-            # the kept strategy does not speculate: the twin's host RAM goes back now, with
-            # nothing in flight (RELEASE_TWIN), and later trials leave speculation out
-            self.client.release_twin()
-            self.picker.drop_speculation()
-        self._check_views()
-        clipping.install()  # again: an Accelerator made after this engine (runtime.clipping)
-        self._micro += 1
-        final = self._micro % self.cfg.grad_accumulation_steps == 0
-        if final:
-            slot = self.iteration % self._grad_slots
-            if self.speculator is not None and exact_mode.speculates(self.picker.current):
-                # before the first hook can announce a bucket
-                self.speculator.begin(self.updates + 1, slot)
-            self._step_grads = self.grads.begin(slot)
-        return final
-
-    def _end_pass(self) -> None:
-        if self.phase is not StepPhase.IN_BACKWARD:
-            return  # closed meanwhile
-        g = self._step_grads
-        final = g is not None and not g.finished  # this pass was the step's last micro-batch
-        if final:
-            g.finish()
-        self.phase = next_phase(self.phase, "pass_ends", final)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> float:
-        """Between the last backward of a step and step(): the global L2 norm of the step's
-        gradients (all ranks, unscaled), and clip them to max_norm in that step (as
-        torch.nn.utils.clip_grad_norm_ does: coefficient min(1, max_norm / (norm + 1e-6)),
-        applied inside the CPU update).  max_norm=inf only measures.  The parameters hold
-        no .grad (their gradients went to the host as backward produced them), so torch's
-        own clip_grad_norm_ on them is routed here (runtime.clipping)."""
-        self._check_open()
-        if self.phase is not StepPhase.GRADS_READY:
-            raise RuntimeError("clip_grad_norm_() needs this step's gradients: call it after the last micro-batch's "
-                               "backward and before step()")
-        if float(norm_type) != 2.0:
-            raise ValueError(f"norm_type {norm_type!r}: the offloaded gradients have an L2 norm only (norm_type=2)")
-        max_norm = float(max_norm)
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
-        norm = self._unscaled_norm(self._step_grads.totals()[0])
-        if error_if_nonfinite and not math.isfinite(norm):
-            raise RuntimeError(f"the total norm of the gradients is {norm}, so they cannot be clipped; pass "
-                               f"error_if_nonfinite=False to skip this step instead")
-        self._clip_now = max_norm if self._clip_now is None else min(self._clip_now, max_norm)
-        return norm
-
-    def _unscaled_norm(self, sq: float) -> float:
-        """The global L2 norm from the scaled gradients' sum of squares (inf if it overflowed):
-        what clip_grad_norm_ returns and what the step clips with."""
-        return math.sqrt(sq) / self.scaler.scale if math.isfinite(sq) else float("inf")
-
-    def _finish_overlap(self) -> None:
-        """overlap_update: the update the forward pipelined is landed whole (its last blocks)
-        before anything else reads or writes the slots or the weights."""
-        if self.pipeline is not None:
-            self.pipeline.finish()
-
-    def _check_views(self) -> None:
-        """The parameters must still view flat16 (FlatParams.check_views)."""
-        self.flat.check_views(self.cycle.flat16, self.compute_dtype)
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """Apply the gradients of the last backward (see the module docstring for DPU)."""
@@ -284,14 +181,8 @@ class OffloadEngine(CheckpointAPI):
             self.scaler.update(True)
             self.last_grad_norm = float("inf")
             return
-        norm = self._unscaled_norm(sq)
-        self.last_grad_norm = norm
-        clip = 1.0
-        max_norm = self.cfg.clip_grad_norm
-        if clip_now is not None:  # this step's clip_grad_norm_
-            max_norm = clip_now if max_norm is None else min(max_norm, clip_now)
-        if max_norm is not None:
-            clip = min(1.0, max_norm / (norm + 1e-6))
+        norm = self.last_grad_norm = clipping.unscaled_norm(sq, self.scaler.scale)
+        clip = clipping.clip_coefficient(norm, self.cfg.clip_grad_norm, clip_now)  # clip_now: clip_grad_norm_'s
         k = self.updates + 1
         args = self._step_args(used, clip, grads.slot, self.cfg.expert.dpu_predict if delayed else 0.0)
         with self.tracer.span("signal", step=k):
@@ -381,6 +272,7 @@ class OffloadEngine(CheckpointAPI):
 
     def _release_all(self) -> None:
         release_all(self)
+
     def __enter__(self) -> "OffloadEngine":
         return self
 

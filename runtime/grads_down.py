@@ -44,6 +44,7 @@ from zero_offload.kernels import cpu_adam
 from zero_offload.server.errors import OptimizerServerTimeoutError
 
 from .flat import Bucket, FlatParams, ParamSpan
+from .parts import GateCycle, Tracing
 from .stats import Counters
 
 # How long a gradient hook sleeps between looks at the progress word while the
@@ -60,7 +61,7 @@ class SlotGate:
     earlier, so this rarely waits.  Its blocks' reads end at the block's barrier,
     before the release store of the progress word."""
 
-    def __init__(self, cycle, *, enabled: bool, tracer, counters: Counters):
+    def __init__(self, cycle: GateCycle, *, enabled: bool, tracer: Tracing, counters: Counters):
         self.cycle, self.enabled, self.tracer, self.counters = cycle, enabled, tracer, counters
 
     def wait_free(self, hi: int) -> None:

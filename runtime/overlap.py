@@ -36,6 +36,7 @@ import torch
 from zero_offload.server.errors import OptimizerServerTimeoutError
 
 from .flat import FlatParams, ParamSpan
+from .parts import PipelineCycle, Tracing
 from .stats import Counters
 
 # How long a forward pre-hook sleeps between looks at the progress word.  A block
@@ -49,8 +50,8 @@ class ForwardPipeline:
     cycle: the update cycle (published, reply_ready, land, mark_on_device, up_stream,
     incoming_tensor, flat16, zero_copy, request_timeout_s)."""
 
-    def __init__(self, model: torch.nn.Module, flat: FlatParams, cycle, *, world_size: int, tracer,
-                 counters: Counters):
+    def __init__(self, model: torch.nn.Module, flat: FlatParams, cycle: PipelineCycle, *, world_size: int,
+                 tracer: Tracing, counters: Counters):
         self.flat, self.cycle, self.tracer, self.counters = flat, cycle, tracer, counters
         self.k: int | None = None     # the update the next forward waits for
         self.per_module = world_size == 1

@@ -32,7 +32,9 @@ clip_grad_norm firing on every step this speculates on one step in MAX_BACKOFF +
 from __future__ import annotations
 
 import enum
+from typing import Callable
 
+from .parts import SpeculationCycle, Tracing
 from .stats import Counters
 
 MAX_BACKOFF = 32  # steps without speculation after a run of rollbacks
@@ -49,7 +51,8 @@ class Speculator:
     step if no clip fires and nothing overflows (or None when that cannot be said);
     cycle: the update cycle (speculate)."""
 
-    def __init__(self, cycle, expected, *, tracer, counters: Counters):
+    def __init__(self, cycle: SpeculationCycle, expected: Callable[[int], dict | None], *, tracer: Tracing,
+                 counters: Counters):
         self.cycle, self.expected, self.tracer, self.counters = cycle, expected, tracer, counters
         self.phase = SpeculatorPhase.IDLE
         self.k = 0              # the update this step's STEP will carry

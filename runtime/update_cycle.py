@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .flat import FlatParams
+from .parts import ShardServer
 from .profiling import marker
 from .stats import Counters
 from .weights_up import WeightReturn
@@ -59,7 +60,7 @@ class UpdateCycle:
     rank's flat16 whole (an all-gather), or None on one rank.
     """
 
-    def __init__(self, client, flat: FlatParams, *, dtype: torch.dtype, device: torch.device, shard_lo: int,
+    def __init__(self, client: ShardServer, flat: FlatParams, *, dtype: torch.dtype, device: torch.device, shard_lo: int,
                  zero_copy: bool, compute_dtype: torch.dtype | None = None, overlap_weights_up: bool, tracer,
                  counters: Counters, gather=None):
         self.client = client

@@ -39,6 +39,11 @@ SCENARIOS = {
     "fp16_overflow_accum": dict(dtype="fp16", grad_accumulation_steps=2, dpu=True, dpu_warmup_steps=5),
     "lion": dict(dtype="bf16", optimizer="lion", lr=1e-4),
     "adagrad": dict(dtype="bf16", optimizer="adagrad", lr=1e-2),
+    "bf16_state_dpu": dict(dtype="bf16", state_dtype="bf16", dpu=True, dpu_warmup_steps=3),
+    "bf16_state_fp16": dict(dtype="fp16", state_dtype="bf16"),
+    "int8_state": dict(dtype="bf16", state_dtype="int8", clip_grad_norm=1.0),
+    "int8_state_lion": dict(dtype="bf16", state_dtype="int8", optimizer="lion", lr=1e-4),
+    "bf16_state_lion": dict(dtype="bf16", state_dtype="bf16", optimizer="lion", lr=1e-4),
 }
 STEPS = 10
 OVERFLOW_STEP = 4  # fp16_overflow_accum: an inf gradient at this step

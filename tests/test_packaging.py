@@ -39,3 +39,59 @@ def test_the_server_starts_without_torch():
              "import zero_offload\n"
              "print('ok')")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def _module_imports(path, package: str, folder_of: dict) -> set[str]:
+    """The package's modules that `path` imports at its top level (not inside a function
+    or under TYPE_CHECKING: those run later, or never, and make no cycle at import)."""
+    import ast
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else []:
+            if isinstance(n, ast.ImportFrom):
+                if n.level:  # relative: within the folder
+                    base = package if not n.module else f"{package}.{n.module}"
+                    names = [base] + [f"{base}.{a.name}" for a in n.names]
+                else:
+                    names = [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+            elif isinstance(n, ast.Import):
+                names = [a.name for a in n.names]
+            else:
+                continue
+            out.update(m for m in names if m in folder_of)
+    return out
+
+
+def test_no_import_cycle_in_the_package():
+    """Every module of runtime/ and optimizer_server/ (zero_offload, zero_offload.server)
+    imports the others at its top level without a cycle: the engine's parts depend on
+    each other one way.  (Mutation: a top-level `from .engine import OffloadEngine` in
+    runtime/clipping.py, the cycle the thin engine ended, makes it fail.)"""
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    folders = {"zero_offload": root / "runtime", "zero_offload.server": root / "optimizer_server"}
+    folder_of = {}
+    for pkg, d in folders.items():
+        for f in d.glob("*.py"):
+            folder_of[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = (pkg, f)
+    graph = {m: _module_imports(f, pkg, folder_of) - {m} for m, (pkg, f) in folder_of.items()}
+    # the package's __init__ is imported by each of its modules anyway; its own (lazy)
+    # imports are what the test of the server without torch checks
+    graph = {m: {d for d in deps if d not in folders} for m, deps in graph.items()}
+    state, cycle = {}, []
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycle, f"import cycles: {cycle}"

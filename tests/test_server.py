@@ -453,35 +453,35 @@ def _shard(numel=100, optimizer="adamw", dtype="fp16", **hello):
 
 def test_shard_state_table():
     from zero_offload.server import protocol as P
-    from zero_offload.server.shard import ShardState
+    from zero_offload.server.shard_phase import ShardPhase
     sh = _shard()
     try:
         step = lambda k, **kw: P.Step(session="s", step=k, slot=kw.get("slot", 0), lr=1e-3,  # noqa: E731
                                       out_slot=kw.get("out_slot", 0), predict=kw.get("predict", 0.0))
-        assert sh.phase is ShardState.UNINITIALIZED and "before INIT" in sh.refusal("STEP")
+        assert sh.phase is ShardPhase.UNINITIALIZED and "before INIT" in sh.refusal("STEP")
         sh.staging[:40] = 1.0
         sh.init_chunk(0, 40)
-        assert sh.phase is ShardState.UNINITIALIZED  # a partial master is never stepped on
+        assert sh.phase is ShardPhase.UNINITIALIZED  # a partial master is never stepped on
         with pytest.raises(ValueError, match="in order"):
             sh.init_chunk(80, 20)
         sh.init_chunk(40, 40)
         sh.init_chunk(80, 20)
-        assert sh.phase is ShardState.READY and sh.refusal("STEP") is None
+        assert sh.phase is ShardPhase.READY and sh.refusal("STEP") is None
         assert sh.accept_step(step(2))[0] == P.E_ORDER
         assert sh.accept_step(step(1, slot=1))[0] == P.E_INVALID   # one gradient slot registered
         assert sh.accept_step(step(1, out_slot=1))[0] == P.E_INVALID
-        assert sh.phase is ShardState.READY  # refusals change nothing
-        assert sh.accept_step(step(1)) is None and sh.phase is ShardState.UPDATING
+        assert sh.phase is ShardPhase.READY  # refusals change nothing
+        assert sh.accept_step(step(1)) is None and sh.phase is ShardPhase.UPDATING
         assert "still updating" in sh.refusal("GET_MASTER")
         sh.grads[0].view(np.float16)[:] = 0.5
         sh.step(step(1))
         sh.finish_update()
-        assert sh.phase is ShardState.READY and sh.steps == 1
+        assert sh.phase is ShardPhase.READY and sh.steps == 1
         assert "out of order" in sh.skip(3)
         assert sh.skip(2) is None and sh.skipped == 1 and sh.steps == 1  # SKIP moves only the count
         sh.staging[:40] = 2.0
         sh.init_chunk(0, 40)  # INIT again: partial again until its last chunk
-        assert sh.phase is ShardState.UNINITIALIZED
+        assert sh.phase is ShardPhase.UNINITIALIZED
     finally:
         sh.close()
 
@@ -489,7 +489,7 @@ def test_shard_state_table():
 def test_shard_speculation_states():
     """The SPECULATING rows of the shard's table, on the shard alone."""
     from zero_offload.server import protocol as P
-    from zero_offload.server.shard import ShardState
+    from zero_offload.server.shard_phase import ShardPhase
     sh = _shard(undo_log_bytes=1 << 16)
     try:
         spec = lambda k, upto, lr=1e-3: P.Speculate(session="s", step=k, slot=0, lr=lr, upto=upto)  # noqa: E731
@@ -498,8 +498,8 @@ def test_shard_speculation_states():
         for lo in (0, 40, 80):
             sh.init_chunk(lo, min(40, 100 - lo))
         assert "out of order" in sh.accept_speculation(spec(2, 50))
-        assert sh.phase is ShardState.READY
-        assert sh.accept_speculation(spec(1, 50)) == [(0, 50)] and sh.phase is ShardState.SPECULATING
+        assert sh.phase is ShardPhase.READY
+        assert sh.accept_speculation(spec(1, 50)) == [(0, 50)] and sh.phase is ShardPhase.SPECULATING
         assert sh.accept_speculation(spec(1, 30)) is None       # nothing new
         assert "differs" in sh.accept_speculation(spec(1, 90, lr=2e-3))
         assert sh.accept_speculation(spec(1, 100)) == [(50, 100)]
@@ -509,16 +509,16 @@ def test_shard_speculation_states():
         sh.speculate(0, 50)
         t = sh.arrays.twin["master"]
         assert not np.array_equal(t[:50], m0[:50]) and np.array_equal(sh.arrays.master, m0)
-        assert sh.rollback() == 50 and sh.phase is ShardState.READY   # SKIP, GET_MASTER, ...: settled
+        assert sh.rollback() == 50 and sh.phase is ShardPhase.READY   # SKIP, GET_MASTER, ...: settled
         np.testing.assert_array_equal(sh.arrays.master, m0)
         assert sh.accept_speculation(spec(1, 100)) == [(0, 100)]
         sh.speculate(0, 100)
         assert sh.accept_step(P.Step(session="s", step=1, slot=0, lr=1e-3)) is None
-        assert sh.phase is ShardState.UPDATING
+        assert sh.phase is ShardPhase.UPDATING
         sh.step(P.Step(session="s", step=1, slot=0, lr=1e-3))
         assert (sh.last_speculated, sh.last_rolled_back) == (100, 0) and sh.undo.empty
         sh.finish_update()
-        assert sh.phase is ShardState.READY and sh.speculative is None
+        assert sh.phase is ShardPhase.READY and sh.speculative is None
         # an undo log too small for the piece: as much as fits, then no more this step
         small = _shard(undo_log_bytes=14 * 30)  # fp32 master, m, v and the fp16 weights: 14 B/element
         try:
@@ -596,7 +596,7 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     with fp32 state writes the new state into the state's twin and logs only the
     weights slot (bf16 state with the exact master: its remainder and moments); Lion
     logs what it overwrites (master, m and the weights)."""
-    import zero_offload.server.shard as S
+    import zero_offload.server.shard_speculation as S
     from zero_offload.server import protocol as P
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000

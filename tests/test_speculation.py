@@ -1,5 +1,5 @@
 """Speculation during backward (OffloadConfig.undo_log_bytes; runtime/speculation.py,
-optimizer_server/shard.py): the server updates each bucket's range as soon as its
+optimizer_server/shard_speculation.py): the server updates each bucket's range as soon as its
 gradients land, and a STEP whose values differ (a clip that fires, an overflow, an lr
 changed after backward) rolls it back from the undo log.  The reference is the
 synchronous engine without speculation: losses, master, m, v (checkpoint bytes) and

@@ -1,0 +1,161 @@
+"""The shard's checkpoints (Shard inherits it): save in the background, the save
+guard, and load at any world size.
+
+A save (``start_save``) is a ckpt_io.SaveJob: its writer threads write the state as
+it was when the save started, and every method below that overwrites state
+elements first calls ``_guard(lo, hi)`` (SaveJob.ensure), so a STEP may run while
+the save is still being written (a background save) and the file still holds the
+saved step's bytes.  INIT and LOAD replace the whole state: they wait for the save.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import checkpoint as C
+from . import protocol as P
+from .shard_phase import ShardPhase
+from .atomic import atomic_write_bytes, fsync_dir
+from .ckpt_io import SaveJob
+from .state import ShardStateArrays
+
+
+class ShardCheckpoint:
+    """start_save / save / save_status / load and the save guard of Shard."""
+
+    def _guard(self, lo: int, hi: int) -> None:
+        """Before elements [lo, hi) of the state are overwritten: a save in flight has
+        written them (SaveJob.ensure)."""
+        job = self.save_job
+        if job is not None and not job.done:
+            job.ensure(lo, hi)
+
+    @property
+    def saving(self) -> bool:
+        """A save of this shard is still being written."""
+        return self.save_job is not None and not self.save_job.done
+
+    def _await_save(self) -> None:
+        """Before the whole state is replaced (INIT, LOAD): the save in flight completes
+        (its own error stays with it, for STATS and the engine)."""
+        if self.saving:
+            try:
+                self.save_job.wait()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _paths(self, d: Path) -> tuple[Path, Path]:
+        return (C.rank_file(d, C.SHARD, self.rank, self.world_size, ".bin"),
+                C.rank_file(d, C.SHARD, self.rank, self.world_size, ".json"))
+
+    def manifest(self) -> dict:
+        return {"format": C.SHARD_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
+                "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
+                "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
+                "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
+                "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
+
+    def start_save(self, directory: str) -> SaveJob:
+        """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
+        the data file (random temp name, fsync'd once, renamed), then the manifest with
+        the file's checksum, then the directory's fsync.  Later updates may run while
+        it writes (``_guard``); SaveJob.wait() gives what ``save`` returns."""
+        if self.saving:
+            raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
+                             "before the next one")
+        d = Path(directory)
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        bin_path, man_path = self._paths(d)
+        man = self.manifest()
+        nbytes = self.arrays.saved_bytes()
+
+        def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
+            atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
+            fsync_dir(d)
+            return {"path": str(bin_path), "bytes": nbytes, "steps": man["steps"]}
+        if self.save_job is not None:
+            self._io_done += self.save_job.bytes_done
+        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
+        self.save_seq += 1
+        return self.save_job
+
+    def save(self, directory: str) -> dict:
+        """A blocking save: start_save, then wait for it (the same bytes as a background one)."""
+        return self.start_save(directory).wait()
+
+    def save_status(self) -> dict:
+        """The newest save's state ("idle" if none): STATS_OK's save_* fields."""
+        if self.save_job is None:
+            return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0}
+        return self.save_job.status()
+
+    def load(self, directory: str, out_slot: int = 0) -> dict:
+        """Read this shard's range of a checkpoint, saved with this world size or
+        another (optimizer_server.reshard): every rank's manifest must agree, and
+        every file read must match its checksum, before any state is touched."""
+        d = Path(directory)
+        src = C.pick_world_size(d, C.SHARD, self.world_size)
+        man_paths = [C.rank_file(d, C.SHARD, k, src, ".json") for k in range(src)]
+        mans = []
+        for path in man_paths:
+            if not path.exists():
+                raise ValueError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
+                                 f"checkpoint (an earlier step-N beside it)")
+            try:
+                man = json.loads(path.read_text())
+            except ValueError as e:
+                raise C.CheckpointError(f"checkpoint manifest {path} is not JSON ({e}); load another checkpoint")
+            C.check_shard_manifest(path, man)
+            if man["world_size"] != src or man["rank"] != len(mans):
+                raise C.CheckpointError(f"checkpoint manifest {path} says rank {man['rank']} of "
+                                        f"{man['world_size']}, its name rank {len(mans)} of {src}")
+            mans.append(man)
+        mine = self.manifest()
+        keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
+        for k, man in enumerate(mans):
+            diff = {key: (man.get(key), mine[key]) for key in keys if man.get(key) != mine[key]}
+            if man.get("format") not in C.SHARD_FORMATS_READ:
+                diff["format"] = (man.get("format"), f"one of {list(C.SHARD_FORMATS_READ)}")
+            elif man.get("format") != mans[0].get("format"):
+                diff["format across ranks"] = (man.get("format"), mans[0].get("format"))
+            if man.get("numel") != mans[0].get("numel") or man.get("steps") != mans[0].get("steps"):
+                diff["numel/steps across ranks"] = ((man.get("numel"), man.get("steps")),
+                                                    (mans[0].get("numel"), mans[0].get("steps")))
+            if diff:
+                desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
+                raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
+        per_file = int(mans[0]["numel"])
+        saved_dtypes = C.saved_array_dtypes(mans[0])
+        expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
+        bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
+        lo = self.rank * self.numel
+        if not 0 <= out_slot < len(self.weights16_slots):
+            raise ValueError(f"LOAD's out_slot {out_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
+        for k, path in enumerate(bins):
+            size = path.stat().st_size if path.exists() else -1
+            if size != expect:
+                raise ValueError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
+            if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
+                C.verify(path, mans[k].get("checksum"))
+        man = mans[0]
+        # Straight into the state arrays: temporaries would double the server's
+        # memory (12 B/param) exactly when resuming, the moment a job that fits
+        # would OOM.  A read that fails midway leaves a mix, so the shard is marked
+        # uninitialized and refuses STEP until a LOAD or INIT succeeds.
+        self._await_save()
+        self.phase = ShardPhase.UNINITIALIZED
+        self._state_dirty = True
+        try:
+            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, out_slot, self.threads)
+            self._load_bytes += expect
+        except OSError as e:
+            raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
+                          f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
+        self.steps = int(man["steps"])
+        self.skipped = int(man.get("skipped", 0))
+        self.hparams.update(man.get("hparams", {}))
+        self._init_next = 0
+        self._write_weights16(out_slot)
+        self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
+        self.phase = ShardPhase.READY
+        return {"steps": self.steps}
