@@ -1020,8 +1020,9 @@ cdef _Buf _scales(obj, str name, bint writable, Py_ssize_t n):
     return b
 
 
-cdef class _Segs:
-    """The segments of an int8 call, as a C array the loop reads (freed with the object)."""
+cdef class _Groups:
+    """The groups of an int8 call (STEP.groups' ranges within it), as a C array the loop
+    reads (freed with the object)."""
     cdef zo_seg8 *a
     cdef int n
 
@@ -1035,26 +1036,26 @@ _SEG_KEYS = {"adam": ({"step", "lr"}, {"beta1", "beta2", "eps", "weight_decay"})
              "lion": ({"lr"}, {"beta1", "beta2", "weight_decay"})}
 
 
-cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predict):
+cdef _Groups _group_array(groups, Py_ssize_t n, int lion, adamw, grad_scale, predict):
     """[(lo, hi, hparams or None), ...] tiling [0, n), validated and folded (Adam's
     hyper-parameters, or Lion's with lion)."""
-    cdef _Segs sg = _Segs()
+    cdef _Groups sg = _Groups()
     cdef Py_ssize_t k
     cdef int64_t at = 0
     need, may = _SEG_KEYS["lion" if lion else "adam"]
-    segments = list(segments)
-    if not segments:
-        raise ValueError("segments must cover the arrays: give at least one (lo, hi, hparams)")
-    sg.a = <zo_seg8 *>malloc(len(segments) * sizeof(zo_seg8))
+    groups = list(groups)
+    if not groups:
+        raise ValueError("groups must cover the arrays: give at least one (lo, hi, hparams)")
+    sg.a = <zo_seg8 *>malloc(len(groups) * sizeof(zo_seg8))
     if sg.a == NULL:
         raise MemoryError()
-    sg.n = len(segments)
-    for k, seg in enumerate(segments):
+    sg.n = len(groups)
+    for k, seg in enumerate(groups):
         if not isinstance(seg, tuple) or len(seg) != 3:
-            raise TypeError(f"segments[{k}] must be a tuple (lo, hi, hparams or None), got {seg!r}")
+            raise TypeError(f"groups[{k}] must be a tuple (lo, hi, hparams or None), got {seg!r}")
         lo, hi, hp = seg
         if lo != at or not hi > lo:
-            raise ValueError(f"segments must tile [0, {n}) in order: segments[{k}] is [{lo}, {hi}), expected to "
+            raise ValueError(f"groups must tile [0, {n}) in order: groups[{k}] is [{lo}, {hi}), expected to "
                              f"start at {at} and be non-empty")
         at = hi
         sg.a[k].lo = lo
@@ -1064,7 +1065,7 @@ cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predic
             sg.a[k].h.predict = 0.0
             continue
         if set(hp) - need - may or need - set(hp):
-            raise ValueError(f"segments[{k}]'s hparams need {' and '.join(sorted(need))} (and may give "
+            raise ValueError(f"groups[{k}]'s hparams need {' and '.join(sorted(need))} (and may give "
                              f"{', '.join(sorted(may))}), got {sorted(hp)}")
         if lion:
             _lion_hparams(&sg.a[k].h, hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.99),
@@ -1073,13 +1074,13 @@ cdef _Segs _segments(segments, Py_ssize_t n, int lion, adamw, grad_scale, predic
             _adam_hparams(&sg.a[k].h, hp["step"], hp["lr"], hp.get("beta1", 0.9), hp.get("beta2", 0.999),
                           hp.get("eps", 1e-8), hp.get("weight_decay", 0.0), adamw, grad_scale, predict)
     if at != n:
-        raise ValueError(f"segments cover [0, {at}) but the arrays have {n} elements")
+        raise ValueError(f"groups cover [0, {at}) but the arrays have {n} elements")
     return sg
 
 
 def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, grad, param_out, *,
                    master_hi=None, step=None, lr=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                   segments=None, adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
+                   groups=None, adamw=True, grad_scale=1.0, num_threads=0, grad_dtype=None, out_dtype=None,
                    predict=0.0, rounding="stochastic", sr_key=0, index_base=0,
                    progress=None, progress_tag=0, progress_block=0, progress_base=0):
     """adam_step with block-wise 8-bit moments (state_dtype="int8", _kernels_int8.h
@@ -1090,7 +1091,7 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
     float32, one per block of QBLOCK elements counted from element 0 (so a slice
     must start on a block).  param, master_hi, rounding, sr_key, index_base: as in
     adam_step_bf16.  step, lr, beta1, beta2, eps, weight_decay: one set for every
-    element, or segments=[(lo, hi, dict(step=..., lr=..., ...) or None), ...]
+    element, or groups=[(lo, hi, dict(step=..., lr=..., ...) or None), ...]
     tiling [0, n): a set per run (param groups); None keeps the run (no gradient
     this step: master and moments stay, param_out gets the weights).  A block with
     kept and updated elements re-encodes the kept ones with its new scale.
@@ -1102,41 +1103,41 @@ def adam_step_int8(param, exp_avg, exp_avg_sq, exp_avg_scale, exp_avg_sq_scale, 
     cdef _Buf bv = _codes(exp_avg_sq, "exp_avg_sq", True, n)
     cdef _Buf bms = _scales(exp_avg_scale, "exp_avg_scale", True, n)
     cdef _Buf bvs = _scales(exp_avg_sq_scale, "exp_avg_sq_scale", True, n)
-    if segments is None:
+    if groups is None:
         if step is None or lr is None:
-            raise TypeError("adam_step_int8 needs step and lr (or segments)")
-        segments = [(0, n, dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            raise TypeError("adam_step_int8 needs step and lr (or groups)")
+        groups = [(0, n, dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                 weight_decay=weight_decay))] if n else []
     elif step is not None or lr is not None:
-        raise TypeError("give step and lr, or segments with their own, not both")
-    _step_int8(cp, bm, bv, bms, bvs, segments, 0, adamw, grad_scale, predict, rounding, sr_key, index_base,
+        raise TypeError("give step and lr, or groups with their own, not both")
+    _step_int8(cp, bm, bv, bms, bvs, groups, 0, adamw, grad_scale, predict, rounding, sr_key, index_base,
                num_threads, progress, progress_tag, progress_block, progress_base)
 
 
 def lion_step_int8(param, exp_avg, exp_avg_scale, grad, param_out, *, master_hi=None, lr=None, beta1=0.9,
-                   beta2=0.99, weight_decay=0.0, segments=None, grad_scale=1.0, num_threads=0, grad_dtype=None,
+                   beta2=0.99, weight_decay=0.0, groups=None, grad_scale=1.0, num_threads=0, grad_dtype=None,
                    out_dtype=None, rounding="stochastic", sr_key=0, index_base=0,
                    progress=None, progress_tag=0, progress_block=0, progress_base=0):
     """lion_step with a block-wise 8-bit moment (state_dtype="int8"): lion_step's fp32
     arithmetic, m decoded from its codes (adam_step_int8's m) and encoded back with
-    each block's new scale.  lr, beta1, beta2, weight_decay: one set, or segments
+    each block's new scale.  lr, beta1, beta2, weight_decay: one set, or groups
     whose hparams give lr (and may give beta1, beta2, weight_decay); the rest as in
     adam_step_int8."""
     cdef _Compact cp = _compact(param, grad, param_out, master_hi, grad_dtype, out_dtype, 0.0)
     cdef Py_ssize_t n = cp.n
     cdef _Buf bm = _codes(exp_avg, "exp_avg", True, n)
     cdef _Buf bms = _scales(exp_avg_scale, "exp_avg_scale", True, n)
-    if segments is None:
+    if groups is None:
         if lr is None:
-            raise TypeError("lion_step_int8 needs lr (or segments)")
-        segments = [(0, n, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay))] if n else []
+            raise TypeError("lion_step_int8 needs lr (or groups)")
+        groups = [(0, n, dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay))] if n else []
     elif lr is not None:
-        raise TypeError("give lr, or segments with their own, not both")
-    _step_int8(cp, bm, None, bms, None, segments, 1, True, grad_scale, 0.0, rounding, sr_key, index_base,
+        raise TypeError("give lr, or groups with their own, not both")
+    _step_int8(cp, bm, None, bms, None, groups, 1, True, grad_scale, 0.0, rounding, sr_key, index_base,
                num_threads, progress, progress_tag, progress_block, progress_base)
 
 
-cdef _step_int8(_Compact cp, _Buf bm, _Buf bv, _Buf bms, _Buf bvs, segments, int lion, adamw, grad_scale,
+cdef _step_int8(_Compact cp, _Buf bm, _Buf bv, _Buf bms, _Buf bvs, groups, int lion, adamw, grad_scale,
                 predict, rounding, sr_key, index_base, num_threads, progress, progress_tag, progress_block,
                 progress_base):
     """adam_step_int8's and lion_step_int8's common part, after their buffers are checked
@@ -1149,7 +1150,7 @@ cdef _step_int8(_Compact cp, _Buf bm, _Buf bv, _Buf bms, _Buf bvs, segments, int
         if pg.word != NULL:
             zo_progress_store(pg.word, pg.tagbits | pg.base)
         return
-    cdef _Segs sg = _segments(segments, n, lion, adamw, grad_scale, predict)
+    cdef _Groups sg = _group_array(groups, n, lion, adamw, grad_scale, predict)
     cdef zo_state8 s
     s.m = <unsigned char *>bm.view.buf
     s.v = NULL if lion else <unsigned char *>bv.view.buf

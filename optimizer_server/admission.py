@@ -103,7 +103,7 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float, reserved: int = 
         raise Refused(P.E_INVALID, f"frees_bytes={msg.frees_bytes} exceeds what a worker can free, the fp32 copy of "
                                    f"its model ({most} bytes for {msg.world_size} x {msg.numel} parameters); send "
                                    f"what the worker really lets go of after INIT")
-    layout = ShardLayout(numel=msg.numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots,
+    layout = ShardLayout(numel=msg.numel, weights_slots=msg.weights_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
     need = shard_need(msg, layout)  # the undo log may fill entirely
     # the worker's fp32 model is resident now and goes once INIT has cast it (frees_bytes):

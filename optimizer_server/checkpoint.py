@@ -150,13 +150,19 @@ def resolve(root: str | Path) -> Path:
     return target
 
 
+def manifest_updates(man: dict) -> int:
+    """The updates a shard manifest says its state has had ("updates"; manifests written
+    before protocol 14 call them "steps")."""
+    return int(man.get("updates", man.get("steps", 0)))
+
+
 def check_shard_manifest(path: Path, man: dict) -> None:
     """A shard manifest's values in range before anything is read on their word: known
     keys, a world size and rank in bounds, counts >= 0, hyper-parameters as HELLO would
     accept them.  CheckpointError naming the file and the key."""
     from .protocol import GROUP_FIELDS, MAX_NUMEL, ProtocolError, validate_hparams
-    known = {"format", "protocol_version", "rank", "world_size", "numel", "dtype", "optimizer", "hparams", "steps",
-             "skipped", "groups", "arrays", "array_dtypes", "checksum"}
+    known = {"format", "protocol_version", "rank", "world_size", "numel", "dtype", "optimizer", "hparams", "updates",
+             "steps", "skipped", "groups", "arrays", "array_dtypes", "checksum"}
     bad = sorted(set(man) - known) if isinstance(man, dict) else ["(not a map)"]
 
     def need(cond: bool, what: str) -> None:
@@ -171,7 +177,7 @@ def check_shard_manifest(path: Path, man: dict) -> None:
     need(is_int(w) and 1 <= w <= MAX_WORLD_SIZE, f"world_size {w!r} is not in [1, {MAX_WORLD_SIZE}]")
     need(is_int(man.get("rank")) and 0 <= man["rank"] < w, f"rank {man.get('rank')!r} is not in [0, {w})")
     need(is_int(man.get("numel")) and 0 <= man["numel"] <= MAX_NUMEL, f"numel {man.get('numel')!r} is out of range")
-    for k in ("steps", "skipped"):
+    for k in ("updates", "steps", "skipped"):
         need(is_int(man.get(k, 0)) and man.get(k, 0) >= 0, f"{k} {man.get(k)!r} is not a count")
     h = man.get("hparams", {})
     need(isinstance(h, dict), "hparams is not a map")

@@ -248,26 +248,26 @@ class ShardClient:
             np.copyto(self.staging[:hi - lo], src[lo:hi])
             self.init_chunk(lo, hi)
 
-    def _send_step(self, cls, what: str, step: int, slot: int, lr: float, grad_scale: float, hparams: dict | None,
-                   predict: float, out_slot: int, groups: list | None, reverse: bool, **extra) -> None:
+    def _send_step(self, cls, what: str, step: int, grad_slot: int, lr: float, grad_scale: float, hparams: dict | None,
+                   predict: float, weights_slot: int, groups: list | None, reverse: bool, **extra) -> None:
         """STEP or SPECULATE (the same fields): out, with nothing in flight."""
         self._check_usable()
         if self._inflight is not None:
             raise OptimizerServerError(f"{what} sent while step {self._inflight} is in flight", code=P.E_ORDER)
-        self._sock.send(cls(session=self.session, step=step, slot=slot, lr=float(lr), grad_scale=float(grad_scale),
-                            hparams=dict(hparams or {}), predict=float(predict), out_slot=out_slot,
+        self._sock.send(cls(session=self.session, step=step, grad_slot=grad_slot, lr=float(lr), grad_scale=float(grad_scale),
+                            hparams=dict(hparams or {}), predict=float(predict), weights_slot=weights_slot,
                             groups=list(groups or []), reverse=bool(reverse), **extra).encode())
 
-    def step_async(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
-                   predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False):
-        self._send_step(P.Step, f"step {step}", step, slot, lr, grad_scale, hparams, predict, out_slot, groups, reverse)
+    def step_async(self, step: int, grad_slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None,
+                   predict: float = 0.0, weights_slot: int = 0, groups: list | None = None, reverse: bool = False):
+        self._send_step(P.Step, f"step {step}", step, grad_slot, lr, grad_scale, hparams, predict, weights_slot, groups, reverse)
         self._inflight = step
 
-    def speculate(self, step: int, slot: int, lr: float, grad_scale: float, hparams: dict | None, *, upto: int,
-                  predict: float = 0.0, out_slot: int = 0, groups: list | None = None, reverse: bool = False) -> None:
+    def speculate(self, step: int, grad_slot: int, lr: float, grad_scale: float, hparams: dict | None, *, upto: int,
+                  predict: float = 0.0, weights_slot: int = 0, groups: list | None = None, reverse: bool = False) -> None:
         """SPECULATE (one-way, never answered): the gradients of [0, upto) are final in
-        `slot`, and these are the values step_async is expected to send."""
-        self._send_step(P.Speculate, "SPECULATE", step, slot, lr, grad_scale, hparams, predict, out_slot, groups,
+        `grad_slot`, and these are the values step_async is expected to send."""
+        self._send_step(P.Speculate, "SPECULATE", step, grad_slot, lr, grad_scale, hparams, predict, weights_slot, groups,
                         reverse, upto=int(upto))
 
     def announce(self, step: int, upto: int) -> None:
@@ -311,8 +311,8 @@ class ShardClient:
             self._raise_dead(why)
         return False
 
-    def step(self, step: int, slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None) -> P.Done:
-        self.step_async(step, slot, lr, grad_scale, hparams)
+    def step(self, step: int, grad_slot: int, lr: float, grad_scale: float = 1.0, hparams: dict | None = None) -> P.Done:
+        self.step_async(step, grad_slot, lr, grad_scale, hparams)
         return self.wait_done()
 
     def skip(self, step: int) -> None:
@@ -377,10 +377,10 @@ class ShardClient:
                     f"request_timeout_s if the disk is this slow")
             time.sleep(poll_s)
 
-    def load(self, directory: str, out_slot: int = 0) -> dict:
-        """LOAD a checkpoint; out_slot: the weights slot that gets its weights."""
+    def load(self, directory: str, weights_slot: int = 0) -> dict:
+        """LOAD a checkpoint; weights_slot: the weights slot that gets its weights."""
         self._check_usable()
-        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory), out_slot=out_slot),
+        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory), weights_slot=weights_slot),
                              P.Ok).info
 
     def stats(self) -> P.StatsOk:

@@ -16,7 +16,7 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
                                         <---  OK                            in order from 0;
                                   (after the chunk that reaches numel: weights16 written)
       (write fp16 grads to slot s)
-      STEP(session, step, slot, lr, grad_scale, hparams, predict)
+      STEP(session, step, grad_slot, lr, grad_scale, hparams, predict)
                                         --->    update on a worker thread
                                         (progress word: weights16 final up to here)
                                         <---  DONE(step, update_s)    (weights16 ready)
@@ -42,7 +42,7 @@ already holds this step's weights (release store after the block's writes; the
 worker reads it with an acquire load).  INIT and LOAD reset it to 0.
 
 Version 2 added the progress word (HELLO_OK.progress_offset) and the optional
-second weights16 slot (HELLO.weight_slots, HELLO_OK.weights_offsets, STEP.out_slot).
+second weights16 slot (HELLO.weights_slots, HELLO_OK.weights_offsets, STEP.weights_slot).
 Version 3 made staging a window (HELLO.staging_numel, HELLO_OK.staging_numel,
 INIT/GET_MASTER offset and count) and the second gradient slot optional
 (HELLO.grad_slots): a synchronous worker's shard costs 16 B/param of host RAM.
@@ -77,6 +77,10 @@ only what is already written), and STATS_OK.save_* say how far it is.
 Version 13 added RELEASE_TWIN: the worker will not speculate again (mode "exact" kept a
 strategy without speculation), so the shard frees its twin of the state and its undo
 log, the host RAM HELLO.undo_log_bytes had granted (OK.info.released_bytes).
+Version 14 gave each concept one name on the wire: STEP.grad_slot (was slot),
+STEP.weights_slot and LOAD.weights_slot (out_slot), HELLO.weights_slots
+(weight_slots), STATS_OK.updates and OK.info.updates (steps: the server counts
+updates, the worker's steps include skipped ones).
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
@@ -90,7 +94,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -174,7 +178,7 @@ class ShardSpec:
     optimizer: str = "adamw"
     hparams: dict = field(default_factory=dict)  # lr, beta1, beta2, eps, weight_decay
     progress_block: int = 0  # elements per progress publication during a STEP (0: DEFAULT_PROGRESS_BLOCK)
-    weight_slots: int = 1    # 2: two weights16 slots, STEP.out_slot picks one (a CPU worker's zero-copy model)
+    weights_slots: int = 1    # 2: two weights16 slots, STEP.weights_slot picks one (a CPU worker's zero-copy model)
     grad_slots: int = 1      # 2: a second gradient slot (DPU whose backward never waits for the update)
     staging_numel: int = 0   # fp32 elements of the staging window (0: DEFAULT_STAGING_NUMEL)
     state_dtype: str = "fp32"  # the moments' dtype on the server (STATE_DTYPES)
@@ -202,7 +206,7 @@ class Hello(Message, ShardSpec):
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         validate_hparams(self.hparams)
-        _require(self.weight_slots in (1, 2), f"weight_slots must be 1 or 2, got {self.weight_slots}")
+        _require(self.weights_slots in (1, 2), f"weights_slots must be 1 or 2, got {self.weights_slots}")
         _require(1 <= self.grad_slots <= MAX_GRAD_SLOTS, f"grad_slots must be 1 or 2, got {self.grad_slots}")
         _require(0 <= self.staging_numel <= MAX_NUMEL,
                  f"staging_numel must be in [0, {MAX_NUMEL}] (0: server default), got {self.staging_numel}")
@@ -287,12 +291,12 @@ class Step(Message):
     TYPE: ClassVar[str] = "STEP"
     session: str
     step: int
-    slot: int
+    grad_slot: int        # the gradient slot holding this step's gradients (HELLO.grad_slots)
     lr: float
     grad_scale: float = 1.0
     hparams: dict = field(default_factory=dict)  # per-step overrides (schedules)
     predict: float = 0.0  # weights16 gets p + predict*(p - p_prev): DPU weight prediction (Adam only)
-    out_slot: int = 0     # which weights16 slot receives the new weights (HELLO.weight_slots = 2)
+    weights_slot: int = 0     # which weights16 slot receives the new weights (HELLO.weights_slots = 2)
     # back to front, block by block; the progress word then counts elements done from the end:
     # weights16[numel - done:] is final (the next forward's first layers lie at the end)
     reverse: bool = False
@@ -305,10 +309,10 @@ class Step(Message):
 
     def validate(self) -> None:
         _require(self.step >= 1, f"step must be >= 1, got {self.step}")
-        _require(self.out_slot in (0, 1), f"out_slot must be 0 or 1, got {self.out_slot}")
+        _require(self.weights_slot in (0, 1), f"weights_slot must be 0 or 1, got {self.weights_slot}")
         _require(math.isfinite(self.predict) and 0.0 <= self.predict <= MAX_PREDICT,
                  f"predict must be in [0, {MAX_PREDICT:g}], got {self.predict}")
-        _require(0 <= self.slot < MAX_GRAD_SLOTS, f"slot must be 0 or 1, got {self.slot}")
+        _require(0 <= self.grad_slot < MAX_GRAD_SLOTS, f"grad_slot must be 0 or 1, got {self.grad_slot}")
         _require(math.isfinite(self.lr) and self.lr >= 0, f"lr must be finite and >= 0, got {self.lr}")
         _require(math.isfinite(self.grad_scale), f"grad_scale must be finite, got {self.grad_scale}")
         validate_hparams(self.hparams)
@@ -391,10 +395,10 @@ class Load(Message):
     TYPE: ClassVar[str] = "LOAD"
     session: str
     dir: str
-    out_slot: int = 0  # the weights slot that gets the loaded weights (the exact master's high halves)
+    weights_slot: int = 0  # the weights slot that gets the loaded weights (the exact master's high halves)
 
     def validate(self) -> None:
-        _require(0 <= self.out_slot < 2, f"out_slot must be 0 or 1, got {self.out_slot}")
+        _require(0 <= self.weights_slot < 2, f"weights_slot must be 0 or 1, got {self.weights_slot}")
         _check_abs_dir(self.dir)
 
 
@@ -407,7 +411,7 @@ class Stats(Message):
 @dataclass(kw_only=True)
 class StatsOk(Message):
     TYPE: ClassVar[str] = "STATS_OK"
-    steps: int
+    updates: int          # updates done (STEPs; SKIPs are `skipped`)
     skipped: int
     last_update_s: float
     mean_update_s: float

@@ -239,7 +239,7 @@ class OptimizerServer:
         if isinstance(msg, P.Load):
             def load():
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    return shard.load(msg.dir, msg.out_slot)
+                    return shard.load(msg.dir, msg.weights_slot)
             return self._on_thread(identity, session, shard, "LOAD", load)
         if not shard.initialized:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
@@ -255,7 +255,7 @@ class OptimizerServer:
             why = shard.skip(msg.step)
             if why is not None:
                 return P.error(P.E_ORDER, why)
-            return P.Ok(info={"steps": shard.steps}).encode()
+            return P.Ok(info={"updates": shard.updates}).encode()
         if isinstance(msg, P.ReleaseTwin):
             return P.Ok(info={"released_bytes": shard.release_twin()}).encode()
         if isinstance(msg, P.GetMaster):
@@ -270,7 +270,7 @@ class OptimizerServer:
                 try:
                     job = shard.start_save(msg.dir)
                     if msg.background:
-                        return {"background": True, "bytes": job.total_bytes, "steps": shard.steps,
+                        return {"background": True, "bytes": job.total_bytes, "updates": shard.updates,
                                 "seq": shard.save_seq}
                     with self.tracer.span("checkpoint_save", rank=shard.rank):
                         info = job.wait()

@@ -83,7 +83,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         self.progress = segment.array(np.uint64, self.layout.progress_offset, 1)
         self.ready = segment.array(np.uint64, self.layout.ready_offset, 1)  # the worker writes it
         self.progress_block = hello.progress_block or P.DEFAULT_PROGRESS_BLOCK
-        self.steps = 0
+        self.updates = 0
         self.skipped = 0
         self.phase = ShardPhase.UNINITIALIZED
         self.working: str | None = None  # INIT/LOAD/GET_MASTER/SAVE running on the update thread
@@ -164,7 +164,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         # after the worker has let go of its fp32 copy of the model
         self._state_dirty = False
         self._init_next = 0
-        self.steps = 0
+        self.updates = 0
         self._write_weights16()
         self.progress[0] = 0  # step numbers restart: no old tag may match the next STEP
         self.phase = ShardPhase.READY
@@ -192,7 +192,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         bytes written and updates done (HEARTBEAT_OK.work: a waiting client's sign of
         progress)."""
         job = self.save_job
-        return self._io_done + (job.bytes_done if job is not None else 0) + self.steps + self._load_bytes
+        return self._io_done + (job.bytes_done if job is not None else 0) + self.updates + self._load_bytes
 
     @property
     def initialized(self) -> bool:
@@ -201,7 +201,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
     def refusal(self, what: str) -> str | None:
         """Why the request `what` cannot run now (None: it can), for an E_ORDER reply."""
         if self.phase is ShardPhase.UPDATING:
-            return f"{what} while step {self.steps + 1} is still updating; wait for its DONE first"
+            return f"{what} while step {self.updates + 1} is still updating; wait for its DONE first"
         if self.working is not None:
             return f"{what} while {self.working} is still running; wait for its reply first"
         if self.phase is ShardPhase.UNINITIALIZED:
@@ -227,15 +227,15 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         return None
 
     def _step_refusal(self, msg: P.Step) -> tuple[str, str] | None:
-        if msg.step != self.steps + 1:
-            return P.E_ORDER, (f"STEP {msg.step} out of order: the shard has done {self.steps} update(s), so "
-                               f"the next is {self.steps + 1}")
-        if msg.slot >= len(self.grads):
-            return P.E_INVALID, (f"gradient slot {msg.slot} but HELLO asked for {len(self.grads)} slot(s): send "
+        if msg.step != self.updates + 1:
+            return P.E_ORDER, (f"STEP {msg.step} out of order: the shard has done {self.updates} update(s), so "
+                               f"the next is {self.updates + 1}")
+        if msg.grad_slot >= len(self.grads):
+            return P.E_INVALID, (f"gradient slot {msg.grad_slot} but HELLO asked for {len(self.grads)} slot(s): send "
                                  f"slot 0, or register with grad_slots=2")
-        if msg.out_slot >= len(self.weights16_slots):
-            return P.E_INVALID, (f"out_slot {msg.out_slot} but HELLO asked for {len(self.weights16_slots)} weight "
-                                 f"slot(s): send out_slot 0, or register with weight_slots=2")
+        if msg.weights_slot >= len(self.weights16_slots):
+            return P.E_INVALID, (f"weights_slot {msg.weights_slot} but HELLO asked for {len(self.weights16_slots)} weight "
+                                 f"slot(s): send weights_slot 0, or register with weights_slots=2")
         if msg.predict and self.optimizer not in ("adamw", "adam"):
             return P.E_INVALID, f"predict is implemented for adam/adamw, not {self.optimizer}"
         if msg.predict and self.arrays.exact_master:
@@ -253,8 +253,8 @@ class Shard(ShardSpeculation, ShardCheckpoint):
     def skip(self, step: int) -> str | None:
         """SKIP: the step's gradients overflowed on some rank; the state stays as it
         is and only the count moves.  Returns why it is refused, or None."""
-        if step != self.steps + 1:
-            return f"SKIP {step} out of order: next step is {self.steps + 1}"
+        if step != self.updates + 1:
+            return f"SKIP {step} out of order: next step is {self.updates + 1}"
         self.skipped += 1
         return None
 
@@ -274,7 +274,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         return [(int(g[0]), int(g[0]) + int(g[1]), dict(zip(keys, g[2:7])), int(g[7])) for g in msg.groups]
 
     def step(self, msg: P.Step) -> float:
-        """Run one update from gradient slot msg.slot; returns seconds spent.  With param
+        """Run one update from gradient slot msg.grad_slot; returns seconds spent.  With param
         groups, one kernel call per group's range, front to back, each publishing its
         progress in shard coordinates (progress_base).  What a speculation already did
         for this STEP is kept (``_settle``)."""
@@ -288,9 +288,9 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         self._run(msg, ranges, start, self.numel, progress=True, twin=twin)
         if twin:
             self.arrays.flip()
-        self.arrays.finish_step(msg.out_slot)
+        self.arrays.finish_step(msg.weights_slot)
         dt = time.perf_counter() - t0
-        self.steps = msg.step
+        self.updates = msg.step
         self.update_times.append(dt)
         if len(self.update_times) > 1024:
             del self.update_times[:512]
@@ -305,7 +305,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         new state goes into the state's twin (ShardStateArrays.make_twin)."""
         ranges = [(max(a, lo), min(b, hi), h, u) for a, b, h, u in ranges if a < hi and b > lo]
         # the shared buffers are raw 16-bit words; the dtype keywords say fp16 or bf16
-        gin, out = self.grads[msg.slot], self.weights16_slots[msg.out_slot]
+        gin, out = self.grads[msg.grad_slot], self.weights16_slots[msg.weights_slot]
         if self.arrays.state_dtype == "int8":
             assert not twin, "int8 state has no twin (can_twin)"
             self._step_blocks(msg, ranges, gin, lo, hi, progress)
@@ -330,11 +330,11 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         """The int8 update of whole blocks [lo, hi): one kernel call (front to back, the
         kernel publishing its progress) or, reversed, one per progress block from the
         end; each call gets every range's hyper-parameters (None: kept)."""
-        segs = [(a, b, None if updates == 0 else dict(h, updates=updates)) for a, b, h, updates in ranges]
+        groups = [(a, b, None if updates == 0 else dict(h, updates=updates)) for a, b, h, updates in ranges]
         kw = dict(grad_dtype=self.dtype, out_dtype=self.dtype, grad_scale=msg.grad_scale, num_threads=self.threads)
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
-        run = dict(step=msg.step, gin=gin, slots=self.weights16_slots, out_slot=msg.out_slot,
+        run = dict(step=msg.step, gin=gin, slots=self.weights16_slots, weights_slot=msg.weights_slot,
                    index_base=self.index_base)
         if hi <= lo:
             return
@@ -348,14 +348,14 @@ class Shard(ShardSpeculation, ShardCheckpoint):
                 if progress:
                     kw.update(progress=self.progress, progress_tag=msg.step, progress_block=self.progress_block,
                               progress_base=a)
-                self.arrays.update_blocks(a, b, segs, kw=kw, **run)
+                self.arrays.update_blocks(a, b, groups, kw=kw, **run)
             return
         B = -(-self.progress_block // P.QBLOCK)  # blocks per publication
         first = lo // P.QBLOCK
         for k in range(-(-hi // P.QBLOCK), first, -B):
             a, b = max(first, k - B) * P.QBLOCK, min(hi, k * P.QBLOCK)
             self._guard(a, b)
-            self.arrays.update_blocks(a, b, segs, kw=kw, **run)
+            self.arrays.update_blocks(a, b, groups, kw=kw, **run)
             cpu_adam.store_progress(self.progress, tag=msg.step, done=self.numel - a)
 
     def _update_range(self, msg: P.Step, lo: int, hi: int, h: dict, updates: int, gin, out, *,
@@ -375,7 +375,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
             # no gradient this step (torch.optim skips a parameter whose .grad is None):
             # master and state stay as they are; the out slot may hold older weights
             # (two slots alternate), so it gets the master's 16 bits, then the progress
-            self.arrays.keep_range(lo, hi, self.weights16_slots, msg.out_slot, self.dtype, self.threads, twin=twin)
+            self.arrays.keep_range(lo, hi, self.weights16_slots, msg.weights_slot, self.dtype, self.threads, twin=twin)
             if progress:
                 cpu_adam.store_progress(self.progress, tag=msg.step, done=hi)
             return
@@ -388,7 +388,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         if msg.predict:  # the server refused it for optimizers other than adam/adamw
             kw["predict"] = msg.predict
         self.arrays.update_range(lo, hi, h, updates, step=msg.step, gin=gin, slots=self.weights16_slots,
-                                 out_slot=msg.out_slot, index_base=self.index_base, kw=kw, twin=twin)
+                                 weights_slot=msg.weights_slot, index_base=self.index_base, kw=kw, twin=twin)
 
     @property
     def bytes_per_update(self) -> int:
@@ -402,7 +402,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
 
     def stats(self) -> P.StatsOk:
         ut = self.update_times
-        return P.StatsOk(steps=self.steps, skipped=self.skipped, last_update_s=ut[-1] if ut else 0.0,
+        return P.StatsOk(updates=self.updates, skipped=self.skipped, last_update_s=ut[-1] if ut else 0.0,
                          mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
                          bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
                          speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason,

@@ -52,7 +52,7 @@ class ShardCheckpoint:
         return {"format": C.SHARD_FORMAT, "protocol_version": P.PROTOCOL_VERSION,
                 "rank": self.rank, "world_size": self.world_size, "numel": self.numel,
                 "dtype": self.dtype, "optimizer": self.optimizer, "hparams": self.hparams,
-                "steps": self.steps, "skipped": self.skipped, "groups": self.last_groups,
+                "updates": self.updates, "skipped": self.skipped, "groups": self.last_groups,
                 "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
 
     def start_save(self, directory: str) -> SaveJob:
@@ -72,7 +72,7 @@ class ShardCheckpoint:
         def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
             atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
             fsync_dir(d)
-            return {"path": str(bin_path), "bytes": nbytes, "steps": man["steps"]}
+            return {"path": str(bin_path), "bytes": nbytes, "updates": man["updates"]}
         if self.save_job is not None:
             self._io_done += self.save_job.bytes_done
         self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
@@ -89,7 +89,7 @@ class ShardCheckpoint:
             return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0}
         return self.save_job.status()
 
-    def load(self, directory: str, out_slot: int = 0) -> dict:
+    def load(self, directory: str, weights_slot: int = 0) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
         another (optimizer_server.reshard): every rank's manifest must agree, and
         every file read must match its checksum, before any state is touched."""
@@ -118,9 +118,9 @@ class ShardCheckpoint:
                 diff["format"] = (man.get("format"), f"one of {list(C.SHARD_FORMATS_READ)}")
             elif man.get("format") != mans[0].get("format"):
                 diff["format across ranks"] = (man.get("format"), mans[0].get("format"))
-            if man.get("numel") != mans[0].get("numel") or man.get("steps") != mans[0].get("steps"):
-                diff["numel/steps across ranks"] = ((man.get("numel"), man.get("steps")),
-                                                    (mans[0].get("numel"), mans[0].get("steps")))
+            if man.get("numel") != mans[0].get("numel") or C.manifest_updates(man) != C.manifest_updates(mans[0]):
+                diff["numel/updates across ranks"] = ((man.get("numel"), C.manifest_updates(man)),
+                                                      (mans[0].get("numel"), C.manifest_updates(mans[0])))
             if diff:
                 desc = ", ".join(f"{key}: checkpoint {a!r} vs this run {b!r}" for key, (a, b) in diff.items())
                 raise ValueError(f"checkpoint {man_paths[k]} does not match this shard's layout ({desc})")
@@ -129,8 +129,8 @@ class ShardCheckpoint:
         expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
         bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
         lo = self.rank * self.numel
-        if not 0 <= out_slot < len(self.weights16_slots):
-            raise ValueError(f"LOAD's out_slot {out_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
+        if not 0 <= weights_slot < len(self.weights16_slots):
+            raise ValueError(f"LOAD's weights_slot {weights_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
         for k, path in enumerate(bins):
             size = path.stat().st_size if path.exists() else -1
             if size != expect:
@@ -146,16 +146,16 @@ class ShardCheckpoint:
         self.phase = ShardPhase.UNINITIALIZED
         self._state_dirty = True
         try:
-            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, out_slot, self.threads)
+            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, weights_slot, self.threads)
             self._load_bytes += expect
         except OSError as e:
             raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
-        self.steps = int(man["steps"])
+        self.updates = C.manifest_updates(man)
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))
         self._init_next = 0
-        self._write_weights16(out_slot)
+        self._write_weights16(weights_slot)
         self.progress[0] = 0  # steps may repeat after a rollback: no old tag may match
         self.phase = ShardPhase.READY
-        return {"steps": self.steps}
+        return {"updates": self.updates}

@@ -142,14 +142,14 @@ class ShardSpeculation:
         sp = self.speculative
         if sp is None or sp.full or sp.closed or a != sp.done:
             return  # settled meanwhile, the STEP is here, or an earlier piece did not fit
-        per = UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)) / (b - a)
+        per = UndoLog.nbytes(self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.weights_slot)) / (b - a)
         room = int((self.undo.capacity - self.undo.used) / per) if per else b - a
         if room < b - a:  # as much as the log holds, and no more pieces this step
             sp.full = True
             b = self._block_floor(a + room)
             if b <= a:
                 return
-        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.out_slot)
+        writes = self.arrays.update_writes(a, b, self.weights16_slots, sp.msg.weights_slot)
         if not self.undo.fits(writes):
             sp.full = True  # the int8 scales' rounding: the cut piece's bytes did not fit after all
             return
@@ -164,7 +164,7 @@ class ShardSpeculation:
         sub = SPEC_SUBPIECE if writes else b - a
         for x in range(a, b, sub):
             y = min(b, x + sub)
-            saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.out_slot))
+            saved = self.undo.save(self.arrays.update_writes(x, y, self.weights16_slots, sp.msg.weights_slot))
             assert saved, "the piece's bytes fit, so each of its sub-pieces does"
             self._run(sp.msg, ranges, x, y, progress=False, twin=twin)
         sp.done = b
@@ -201,7 +201,7 @@ class ShardSpeculation:
 
     def _step_key(self, msg: P.Step) -> tuple:
         """Everything of a STEP that decides the bytes an update writes, per range."""
-        return (msg.step, msg.slot, msg.out_slot, msg.grad_scale, msg.predict,
+        return (msg.step, msg.grad_slot, msg.weights_slot, msg.grad_scale, msg.predict,
                 tuple((lo, hi, tuple(sorted(h.items())), updates) for lo, hi, h, updates in self._ranges(msg, persist=False)))
 
     @staticmethod

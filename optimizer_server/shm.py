@@ -50,8 +50,8 @@ class ShardLayout:
     through it in chunks, so it costs at most the window (64 MiB by default)
     beyond the gradient slots, nothing once they are longer.
 
-    Weights slots (weight_slots, 1 or 2), each page-aligned: the server writes
-    the new 16-bit weights into the one STEP.out_slot names.  A worker whose
+    Weights slots (weights_slots, 1 or 2), each page-aligned: the server writes
+    the new 16-bit weights into the one STEP.weights_slot names.  A worker whose
     device is this CPU keeps its model's weights in the other slot, so an update
     needs no copy up at all, only a swap (cpu_zero_copy).
 
@@ -76,7 +76,7 @@ class ShardLayout:
     """
 
     numel: int
-    weight_slots: int = 1
+    weights_slots: int = 1
     grad_slots: int = 1
     staging_numel: int = 0  # as asked (0: protocol.DEFAULT_STAGING_NUMEL); then what it is, at most numel
 
@@ -94,7 +94,7 @@ class ShardLayout:
     @property
     def weights_offsets(self) -> tuple[int, ...]:
         first = _round_up(max(self.grad_slots * 2 * self.numel, 4 * self.staging_numel))
-        return tuple(first + i * _round_up(2 * self.numel) for i in range(self.weight_slots))
+        return tuple(first + i * _round_up(2 * self.numel) for i in range(self.weights_slots))
 
     @property
     def progress_offset(self) -> int:

@@ -29,7 +29,7 @@ int8 moments (adam/adamw: m and v; lion: m) are codes in blocks of QBLOCK = 256
 elements with one fp32 scale per block and moment (cython_ext/_kernels_int8.h draws
 the codes).
 A block's scale depends on all of its elements, so an update handles whole
-blocks: one kernel call over the shard whose segments carry each range's
+blocks: one kernel call over the shard whose groups carry each range's
 hyper-parameters (update_blocks), and shards start on a block (HELLO refuses
 an int8 shard of another length when there are several ranks).
 
@@ -210,7 +210,7 @@ class ShardStateArrays:
         cpu_adam.cast_to_16(self.master, slots[slot], out_dtype=dtype, num_threads=threads)
 
     # ------------------------------------------------------------------ the update
-    def keep_range(self, lo: int, hi: int, slots: list, out_slot: int, dtype: str, threads: int,
+    def keep_range(self, lo: int, hi: int, slots: list, weights_slot: int, dtype: str, threads: int,
                    twin: bool = False) -> None:
         """A range without a gradient this step: master and state stay (twin: are copied
         into the twin, which becomes the state after this STEP); the out slot (which may
@@ -221,18 +221,18 @@ class ShardStateArrays:
             for name, a in self.twin.items():
                 np.copyto(a[sl], cur[name][sl])
         if self.exact_master:
-            if out_slot != self.hi_slot:
-                np.copyto(slots[out_slot][sl], slots[self.hi_slot][sl])
+            if weights_slot != self.hi_slot:
+                np.copyto(slots[weights_slot][sl], slots[self.hi_slot][sl])
         else:
-            cpu_adam.cast_to_16(self.master[sl], slots[out_slot][sl], out_dtype=dtype, num_threads=threads)
+            cpu_adam.cast_to_16(self.master[sl], slots[weights_slot][sl], out_dtype=dtype, num_threads=threads)
 
-    def update_range(self, lo: int, hi: int, h: dict, updates: int, *, step: int, gin, slots: list, out_slot: int,
+    def update_range(self, lo: int, hi: int, h: dict, updates: int, *, step: int, gin, slots: list, weights_slot: int,
                      index_base: int, kw: dict, twin: bool = False) -> None:
         """One kernel call over shard elements [lo, hi) at Adam step `updates`.
         kw: the dtype, scale, thread and progress keywords every kernel takes.
         twin: read the state and write the new one into the twin (the state stays)."""
         sl = slice(lo, hi)
-        g, o = gin[sl], slots[out_slot][sl]
+        g, o = gin[sl], slots[weights_slot][sl]
         dst = cur = self._mirrored()
         if twin:  # adam/adamw (can_twin): the old state is read, the new one goes to the twin
             dst = self.twin
@@ -246,38 +246,38 @@ class ShardStateArrays:
                 sr["master_hi"] = slots[self.hi_slot][sl]
         self.rule.update(p, st, g, o, h, updates, sr=sr, kw=kw)
 
-    def update_blocks(self, lo: int, hi: int, segments: list, *, step: int, gin, slots: list, out_slot: int,
+    def update_blocks(self, lo: int, hi: int, groups: list, *, step: int, gin, slots: list, weights_slot: int,
                       index_base: int, kw: dict) -> None:
         """int8: one kernel call over whole blocks [lo, hi) (lo on a block; hi on one or
-        the shard's end).  segments: (a, b, hparams with "updates", or None to keep) in
+        the shard's end).  groups: (a, b, hparams with "updates", or None to keep) in
         shard coordinates, covering [lo, hi).  kw: as update_range's."""
         assert self.state_dtype == "int8" and lo % QBLOCK == 0 and (hi % QBLOCK == 0 or hi == self.numel)
         sl = slice(lo, hi)
         bl = slice(lo // QBLOCK, nblocks(hi))
-        segs = []
-        for a, b, h in segments:
+        call = []
+        for a, b, h in groups:
             a, b = max(a, lo) - lo, min(b, hi) - lo
             if b > a:
-                segs.append((a, b, None if h is None else self.rule.segment_hparams(h)))
+                call.append((a, b, None if h is None else self.rule.group_hparams(h)))
         extra = dict(master_hi=slots[self.hi_slot][sl]) if self.exact_master else {}
-        extra.update(segments=segs, sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
+        extra.update(groups=call, sr_key=cpu_adam.rounding_key(step, self.seed), index_base=index_base + lo)
         p = self.remainder[sl] if self.exact_master else self.master[sl]
         st = {name: m[sl] for name, m in self.moments.items()}
         scales = {name: sc[bl] for name, sc in self.scales.items()}
-        self.rule.update_blocks(p, st, scales, gin[sl], slots[out_slot][sl], extra=extra, kw=kw)
+        self.rule.update_blocks(p, st, scales, gin[sl], slots[weights_slot][sl], extra=extra, kw=kw)
 
-    def update_writes(self, lo: int, hi: int, slots: list, out_slot: int) -> list[np.ndarray]:
+    def update_writes(self, lo: int, hi: int, slots: list, weights_slot: int) -> list[np.ndarray]:
         """The array slices an update of [lo, hi) overwrites that a rollback must put back
         (what the undo log saves before a speculative update): the master or remainder,
         each moment and the int8 scales of the blocks it touches (none of them with the
         twin, which leaves the state as it is), and the out weights slot where it is the
         one weights slot (the worker's current weights, which a SKIP leaves as they
-        were) or holds the exact master's high halves (out_slot == hi_slot; they are
-        read from hi_slot when out_slot differs).  Of two slots, a STEP writes the one
+        were) or holds the exact master's high halves (weights_slot == hi_slot; they are
+        read from hi_slot when weights_slot differs).  Of two slots, a STEP writes the one
         the worker does not compute with: its old bytes are the weights before the
         current ones, which nothing reads again and the next STEP rewrites whole."""
         sl = slice(lo, hi)
-        slot = [slots[out_slot][sl]] if len(slots) == 1 or (self.exact_master and out_slot == self.hi_slot) else []
+        slot = [slots[weights_slot][sl]] if len(slots) == 1 or (self.exact_master and weights_slot == self.hi_slot) else []
         if self.twin is not None:
             return slot
         out = [self.remainder[sl] if self.exact_master else self.master[sl]]
@@ -286,9 +286,9 @@ class ShardStateArrays:
         out += slot
         return out
 
-    def finish_step(self, out_slot: int) -> None:
+    def finish_step(self, weights_slot: int) -> None:
         """After a STEP: the slot it wrote holds the exact master's high halves."""
-        self.hi_slot = out_slot
+        self.hi_slot = weights_slot
 
     # ------------------------------------------------------------------ checkpoints
     # A shard file: master (fp32), each moment (its dtype), then each int8 moment's

@@ -11,8 +11,8 @@ says what combination exists:
     lion        lion_step            lion_step_bf16            lion_step_int8
 
 HELLO refuses the rest (protocol.COMPACT_OPTIMIZERS).  Elementwise rules (fp32,
-bf16) update any range; int8 rules update whole blocks, one call over segments that
-each carry their range's hyper-parameters (a block's scale depends on all of it).
+bf16) update any range; int8 rules update whole blocks, one call over groups that
+each carry their range's hyper-parameters (the kernel's `groups`) (a block's scale depends on all of it).
 """
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ class UpdateRule:
         halves (master_hi); kw: the dtype, scale, thread and progress keywords."""
         raise NotImplementedError
 
-    def segment_hparams(self, h: dict) -> dict:
-        """blockwise rules: what one segment carries of a range's hyper-parameters."""
+    def group_hparams(self, h: dict) -> dict:
+        """blockwise rules: what one group of the call carries of a range's hyper-parameters."""
         raise NotImplementedError
 
     def update_blocks(self, p, st: dict, scales: dict, g, o, *, extra: dict, kw: dict) -> None:
         """blockwise rules: one kernel call over whole blocks, moments st and their
-        block scales (sliced), extra: the segments, rounding key, index base and
+        block scales (sliced), extra: the groups, rounding key, index base and
         master_hi."""
         raise NotImplementedError
 
@@ -85,7 +85,7 @@ class LionBF16(UpdateRule):
 class AdamInt8(UpdateRule):
     blockwise = True
 
-    def segment_hparams(self, h):
+    def group_hparams(self, h):
         return dict(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"],
                     step=h["updates"], eps=h["eps"])
 
@@ -97,7 +97,7 @@ class AdamInt8(UpdateRule):
 class LionInt8(UpdateRule):
     blockwise = True
 
-    def segment_hparams(self, h):  # Lion has no bias correction and no eps
+    def group_hparams(self, h):  # Lion has no bias correction and no eps
         return dict(lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"], weight_decay=h["weight_decay"])
 
     def update_blocks(self, p, st, scales, g, o, *, extra, kw):

@@ -202,7 +202,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         """What STEP updates + 1 carries (runtime.step_message)."""
         return step_message.step_args(self.flat, self.optimizer, rank=self.rank, k=self.updates + 1,
                                       param_updates=self.param_updates, used=used, grad_scale=clip / self.scaler.scale,
-                                      slot=slot, predict=predict,
+                                      grad_slot=slot, predict=predict,
                                       reverse=self._overlapping() and self.pipeline.per_module)
 
     def _overlapping(self) -> bool:

@@ -132,8 +132,8 @@ class CheckpointAPI:
             # slot that will hold its high halves (the incoming one when they are still
             # to go up, else the model's), and the engine writes no slot the server owns
             exact, stale = self.cfg.exact_master, meta["stale"]
-            out_slot = (self.cycle.incoming_slot if stale else self.cycle.model_slot) if exact else 0
-            self.client.load(str(d), out_slot=out_slot)
+            weights_slot = (self.cycle.incoming_slot if stale else self.cycle.model_slot) if exact else 0
+            self.client.load(str(d), weights_slot=weights_slot)
             if not (exact and self._zero_copy and not stale):
                 self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
             if self.world_size > 1:

@@ -25,7 +25,7 @@ bucket by bucket on CUDA, once the copy stream's event for the bucket has passed
 finished and a hook has copied it down.  Across ranks the shards are contiguous and
 backward fills the flat space front to back, so the first ranks' shards get their
 final gradients during backward and the last rank's mostly at its end.  It hears of
-growth by at least ``ready_every`` elements (and of the end), so the server gets
+growth by at least ``progress_block`` elements (and of the end), so the server gets
 pieces worth a kernel call.  What finish() completes (unused
 parameters, gradients of earlier micro-batches) is not announced: its step counts are
 not the ones speculation assumes.
@@ -109,14 +109,14 @@ class GradientsDown:
 
     def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
                  device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
-                 counters: Counters, collectives=None, on_ready=None, ready_every: int = 1):
+                 counters: Counters, collectives=None, on_ready=None, progress_block: int = 1):
         self.flat = flat
         self.coll = collectives  # runtime.distributed.Collectives, with world_size > 1
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
         self.rank, self.world_size = rank, world_size
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
         self.on_ready = on_ready
-        self.ready_every = max(1, ready_every)
+        self.progress_block = max(1, progress_block)
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
         self.shard_lo, self.shard_hi = flat.shard_range(rank)
@@ -261,7 +261,7 @@ class GradStep:
         if d.on_ready is None or self.finishing:
             return
         hi = min(max(self._ready_hi() - d.shard_lo, 0), d.pad_lo)  # never the padding: finish() zeroes it
-        if hi - self.announced >= d.ready_every or (hi == d.pad_lo and hi > self.announced):
+        if hi - self.announced >= d.progress_block or (hi == d.pad_lo and hi > self.announced):
             self.announced = hi
             d.on_ready(hi)
 

@@ -10,8 +10,8 @@ from .optimizer_proxy import ServerOptimizer
 
 
 def step_args(flat: FlatParams, optimizer: ServerOptimizer, *, rank: int, k: int, param_updates: np.ndarray,
-              used: list[bool], grad_scale: float, slot: int, predict: float, reverse: bool) -> dict:
-    """UpdateCycle.send's keywords for update k: gradients in `slot`, of which `used` says
+              used: list[bool], grad_scale: float, grad_slot: int, predict: float, reverse: bool) -> dict:
+    """UpdateCycle.send's keywords for update k: gradients in `grad_slot`, of which `used` says
     per parameter which got one (on any rank), multiplied by grad_scale (the clip over the
     loss scale); each parameter's own step count follows param_updates."""
     lrs = optimizer.lrs_for(k)
@@ -28,5 +28,5 @@ def step_args(flat: FlatParams, optimizer: ServerOptimizer, *, rank: int, k: int
                                f"parameters with and without a gradient, alternating), more than one STEP "
                                f"carries ({MAX_GROUPS}): put parameters that are often unused in a param "
                                f"group of their own")
-    return dict(grad_slot=slot, lr=lrs[0], grad_scale=grad_scale, hparams=hps[0], predict=predict, groups=groups,
+    return dict(grad_slot=grad_slot, lr=lrs[0], grad_scale=grad_scale, hparams=hps[0], predict=predict, groups=groups,
                 reverse=reverse)

@@ -149,7 +149,7 @@ class UpdateCycle:
         kw = {"groups": groups} if groups else {}
         if reverse:
             kw["reverse"] = True
-        self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, out_slot=self.incoming_slot,
+        self.client.step_async(k, grad_slot, lr, grad_scale, hparams, predict=predict, weights_slot=self.incoming_slot,
                                **kw)
         self.step, self.phase = k, CyclePhase.IN_FLIGHT
         if self._up is not None:
@@ -167,7 +167,7 @@ class UpdateCycle:
             self._reads = None
         self.client.announce(k, upto)  # first: the server follows the word once SPECULATE is in
         self.client.speculate(k, grad_slot, lr, grad_scale, hparams, upto=upto, predict=predict,
-                              out_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
+                              weights_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
 
     def announce(self, k: int, upto: int) -> None:
         """After update k's SPECULATE: the gradients of [0, upto) are final (the ready

@@ -174,7 +174,7 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
     # the shard, described once (protocol.ShardSpec): HELLO carries it, the server's Shard keeps it
     spec = ShardSpec(rank=engine.rank, world_size=engine.world_size, numel=engine.flat.shard_numel, dtype=cfg.dtype,
                      optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,
-                     weight_slots=2 if engine._zero_copy else 1, grad_slots=engine._grad_slots,
+                     weights_slots=2 if engine._zero_copy else 1, grad_slots=engine._grad_slots,
                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
                      exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes)
     engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
@@ -198,7 +198,7 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                                  on_free=engine.cycle.pump, tracer=engine.tracer, counters=engine.counters,
                                  collectives=engine.coll,
                                  on_ready=engine.speculator.ready if engine.speculator is not None else None,
-                                 ready_every=cfg.expert.progress_block_numel)
+                                 progress_block=cfg.expert.progress_block_numel)
 
 
 def init_weights(engine: "OffloadEngine") -> None:

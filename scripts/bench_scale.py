@@ -190,7 +190,7 @@ def server_io(d: str, state_dtype: str, exact: bool, threads: int) -> dict:
         for t in ths:
             t.join()
         out["reshard_s"] = time.perf_counter() - t0
-        assert all(c.stats().steps > 0 for c in cs), "the resharded shards did not load"
+        assert all(c.stats().updates > 0 for c in cs), "the resharded shards did not load"
         for c in cs:
             c.close()
     return out

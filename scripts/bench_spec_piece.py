@@ -39,11 +39,11 @@ from zero_offload.server.shm import Segment, ShardLayout  # noqa: E402
 from zero_offload.server.state import bytes_per_param  # noqa: E402
 
 
-def make_shard(n: int, state: str, undo_log_bytes: int, weight_slots: int = 1) -> Shard:
+def make_shard(n: int, state: str, undo_log_bytes: int, weights_slots: int = 1) -> Shard:
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=n, dtype="bf16",
                   optimizer="adamw", undo_log_bytes=undo_log_bytes, state_dtype=state, exact_master=state == "bf16",
-                  weight_slots=weight_slots)
-    layout = ShardLayout(numel=n, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=1 << 20)
+                  weights_slots=weights_slots)
+    layout = ShardLayout(numel=n, weights_slots=msg.weights_slots, grad_slots=msg.grad_slots, staging_numel=1 << 20)
     seg = Segment.create(f"zo-bench-spec-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
     sh = Shard("s", msg, seg, layout, 1)
     sh.staging[:] = 0.01
@@ -80,12 +80,12 @@ def run(sh: Shard, k: int, speculate: bool) -> tuple[float, float]:
     """Update k (speculated whole, then its STEP, or a STEP alone): (seconds, seconds saving)."""
     # of two weights slots, each STEP writes the other one (as a CPU worker's do)
     out = k % 2 if len(sh.weights16_slots) > 1 else 0
-    step = P.Step(session="s", step=k, slot=0, lr=1e-3, out_slot=out)
+    step = P.Step(session="s", step=k, grad_slot=0, lr=1e-3, weights_slot=out)
     with SaveTimer() as st:
         t0 = time.perf_counter()
         if speculate:
-            assert sh.accept_speculation(P.Speculate(session="s", step=k, slot=0, lr=1e-3, upto=sh.numel,
-                                                     out_slot=out))
+            assert sh.accept_speculation(P.Speculate(session="s", step=k, grad_slot=0, lr=1e-3, upto=sh.numel,
+                                                     weights_slot=out))
             sh.speculate(0, sh.numel)
         assert sh.accept_step(step) is None
         sh.step(step)

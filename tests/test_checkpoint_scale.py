@@ -125,7 +125,7 @@ def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path, st
         for name in ("shard-r0-of-1.bin", "shard-r0-of-1.json"):
             assert filecmp.cmp(tmp_path / "blocking" / name, tmp_path / "background" / name, shallow=False), name
         # and the shard saved at step 2 went on to step 7 meanwhile
-        assert a.stats().steps == 7
+        assert a.stats().updates == 7
         a.close()
         b.close()
 
@@ -185,7 +185,7 @@ def test_save_and_load_at_0_3e9_parameters(tmp_path):
         c.load(str(tmp_path / "big"))
         load_s = time.monotonic() - t0
         print(f"save {info['bytes'] / 2**30:.2f} GiB in {save_s:.1f} s, load in {load_s:.1f} s")
-        assert c.stats().steps == crc_before.steps == 1
+        assert c.stats().updates == crc_before.updates == 1
         np.testing.assert_array_equal(c.weights16, w_saved)
         c.save(str(tmp_path / "again"))
         assert filecmp.cmp(tmp_path / "big" / "shard-r0-of-1.bin", tmp_path / "again" / "shard-r0-of-1.bin",

@@ -33,9 +33,9 @@ def blocks(n):
 
 
 def run_int8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, index_base=0, adamw=True,
-             grad_scale=1.0, lr=1e-3, wd=0.01, segments=None):
-    """Adam with int8 moments from master p0 over the gradient words gs.  segments: a
-    function of the step giving adam_step_int8's segments (None: one set of hparams).
+             grad_scale=1.0, lr=1e-3, wd=0.01, groups=None):
+    """Adam with int8 moments from master p0 over the gradient words gs.  groups: a
+    function of the step giving adam_step_int8's groups (None: one set of hparams).
     Returns (master fp32, m codes, v codes, m scales, v scales, weights words)."""
     prev = ca.set_simd_level(level if level in LEVELS else None)
     try:
@@ -46,10 +46,10 @@ def run_int8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, i
         for t, g in enumerate(gs, 1):
             kw = dict(adamw=adamw, grad_dtype="bf16", out_dtype="bf16", rounding=rounding,
                       sr_key=ca.rounding_key(t, 5), index_base=index_base, num_threads=threads, grad_scale=grad_scale)
-            if segments is None:
+            if groups is None:
                 kw.update(step=t, lr=lr, weight_decay=wd)
             else:
-                kw.update(segments=segments(t))
+                kw.update(groups=groups(t))
             ca.adam_step_int8(master.param, m, v, ms, vs, g, out, **master.kw, **kw)
         return master.fp32(), m, v, ms, vs, out
     finally:
@@ -120,7 +120,7 @@ def test_round_to_nearest_v_stalls_and_stochastic_rounding_does_not(level):
     assert abs(gain(stoch[1]) - want) < 3e-3
 
 
-def _segments(n):
+def _two_groups(n):
     """Two param groups and a kept run (no gradient) that ends inside a block."""
     a, b = 3 * Q + 17, 5 * Q + 100
     return lambda t: [(0, a, dict(step=t, lr=1e-3, weight_decay=0.01)), (a, b, None),
@@ -137,7 +137,7 @@ def test_simd_paths_agree_with_scalar(exact, rounding, adamw, grad_scale, groups
     p0 = rng.standard_normal(n).astype(np.float32)
     gs = spread_grads(rng, n, 5)
     kw = dict(exact=exact, rounding=rounding, adamw=adamw, grad_scale=grad_scale, index_base=9,
-              segments=_segments(n) if groups else None)
+              groups=_two_groups(n) if groups else None)
     ref = run_int8(p0, gs, level="scalar", **kw)
     for lv in LEVELS[1:]:
         got = run_int8(p0, gs, level=lv, **kw)
@@ -206,10 +206,10 @@ def test_kept_elements_stay_and_their_weights_are_written(level):
     p0 = rng.standard_normal(n).astype(np.float32)
     gs = spread_grads(rng, n, 4)
     full = lambda t: [(0, n, dict(step=t, lr=1e-3))]  # noqa: E731
-    p, m, v, ms, vs, w = run_int8(p0, gs[:3], exact=False, level=level, segments=full)
+    p, m, v, ms, vs, w = run_int8(p0, gs[:3], exact=False, level=level, groups=full)
     before = [x.copy() for x in (p, m, v, ms, vs)]
     out = np.zeros(n, np.uint16)
-    ca.adam_step_int8(p, m, v, ms, vs, gs[3], out, segments=[(0, a, dict(step=4, lr=1e-3)), (a, b, None),
+    ca.adam_step_int8(p, m, v, ms, vs, gs[3], out, groups=[(0, a, dict(step=4, lr=1e-3)), (a, b, None),
                                                               (b, n, dict(step=4, lr=1e-3))],
                       grad_dtype="bf16", out_dtype="bf16", sr_key=ca.rounding_key(4, 5))
     assert np.array_equal(p[a:b].view(np.uint32), before[0][a:b].view(np.uint32))
@@ -315,14 +315,14 @@ def _bad_calls(n):
         (lambda: ca.adam_step_int8(p, m, v, ms, vs.astype(np.float64), g, out, **kw), TypeError, "exp_avg_sq_scale"),
         (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, rounding="up", **kw), ValueError, "rounding"),
         (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, grad_dtype="bf16", out_dtype="bf16"), TypeError, "step"),
-        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, segments=[(0, n - 1, hp)], **seg), ValueError, "cover"),
-        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, segments=[(0, 5, hp), (6, n, hp)], **seg),
+        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, groups=[(0, n - 1, hp)], **seg), ValueError, "cover"),
+        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, groups=[(0, 5, hp), (6, n, hp)], **seg),
          ValueError, "tile"),
-        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, segments=[(0, n, dict(lr=1e-3))], **seg),
+        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, groups=[(0, n, dict(lr=1e-3))], **seg),
          ValueError, "step"),
-        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, segments=[(0, n, dict(step=1, lr=-1.0))], **seg),
+        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, groups=[(0, n, dict(step=1, lr=-1.0))], **seg),
          ValueError, "lr"),
-        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, segments=[(0, n, hp)], step=1, **seg), TypeError, "both"),
+        (lambda: ca.adam_step_int8(p, m, v, ms, vs, g, out, groups=[(0, n, hp)], step=1, **seg), TypeError, "both"),
         (lambda: ca.quantize_int8(p, m, ms, moment="v"), ValueError, "moment"),
     ]
 
@@ -366,9 +366,9 @@ def test_stream_probe_int8_runs_both_patterns():
 # ---------------------------------------------------------------- Lion's one int8 moment
 
 def run_lion8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, index_base=0, grad_scale=1.0,
-              lr=1e-3, wd=0.1, segments=None):
-    """Lion with an int8 moment from master p0 over the gradient words gs.  segments: a
-    function of the step giving lion_step_int8's segments.  Returns (master fp32, m
+              lr=1e-3, wd=0.1, groups=None):
+    """Lion with an int8 moment from master p0 over the gradient words gs.  groups: a
+    function of the step giving lion_step_int8's groups.  Returns (master fp32, m
     codes, m scales, weights words)."""
     prev = ca.set_simd_level(level if level in LEVELS else None)
     try:
@@ -378,7 +378,7 @@ def run_lion8(p0, gs, *, exact, level="avx2", rounding="stochastic", threads=1, 
         for t, g in enumerate(gs, 1):
             kw = dict(grad_dtype="bf16", out_dtype="bf16", rounding=rounding, sr_key=ca.rounding_key(t, 5),
                       index_base=index_base, num_threads=threads, grad_scale=grad_scale)
-            kw.update(dict(lr=lr, weight_decay=wd) if segments is None else dict(segments=segments(t)))
+            kw.update(dict(lr=lr, weight_decay=wd) if groups is None else dict(groups=groups(t)))
             ca.lion_step_int8(master.param, m, ms, g, out, **master.kw, **kw)
         return master.fp32(), m, ms, out
     finally:
@@ -434,7 +434,7 @@ def test_lion_simd_paths_agree_with_scalar(exact, rounding, grad_scale, groups):
     a, b = 3 * Q + 17, 5 * Q + 100
     segs = (lambda t: [(0, a, dict(lr=1e-3, weight_decay=0.1)), (a, b, None),  # noqa: E731
                        (b, n, dict(lr=2e-3, beta1=0.8, beta2=0.95))]) if groups else None
-    kw = dict(exact=exact, rounding=rounding, grad_scale=grad_scale, index_base=9, segments=segs)
+    kw = dict(exact=exact, rounding=rounding, grad_scale=grad_scale, index_base=9, groups=segs)
     ref = run_lion8(p0, gs, level="scalar", **kw)
     runs = [(lv, 1) for lv in LEVELS[1:]] + ([(LEVELS[-1], 2)] if ca.openmp_enabled() else [])
     for lv, threads in runs:
@@ -451,9 +451,9 @@ def test_lion_int8_bad_calls_are_refused_before_anything_is_written():
     calls = [
         (lambda: ca.lion_step_int8(p, m, ms, g, out, **kw), TypeError, "needs lr"),
         (lambda: ca.lion_step_int8(p, m, ms[:-1], g, out, lr=1e-3, **kw), ValueError, "one scale per block"),
-        (lambda: ca.lion_step_int8(p, m, ms, g, out, segments=[(0, n, dict(step=1, lr=1e-3))], **kw),
+        (lambda: ca.lion_step_int8(p, m, ms, g, out, groups=[(0, n, dict(step=1, lr=1e-3))], **kw),
          ValueError, "may give"),
-        (lambda: ca.lion_step_int8(p, m, ms, g, out, segments=[(0, n, dict(lr=1e-3))], lr=1e-3, **kw),
+        (lambda: ca.lion_step_int8(p, m, ms, g, out, groups=[(0, n, dict(lr=1e-3))], lr=1e-3, **kw),
          TypeError, "both"),
         (lambda: ca.lion_step_int8(p, m.view(np.int8).astype(np.int16), ms, g, out, lr=1e-3, **kw),
          TypeError, "8-bit codes"),

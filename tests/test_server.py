@@ -6,6 +6,7 @@ torch.optim.AdamW in float64.
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import signal
@@ -119,7 +120,7 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
         for t in range(1, 11):
             g = rng.standard_normal(n).astype(np.float16)
             c.grad[t % 2][:] = g
-            done = c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=1e-2, grad_scale=0.5))
+            done = c.req(P.Step(session=c.session, step=t, grad_slot=t % 2, lr=1e-2, grad_scale=0.5))
             assert isinstance(done, P.Done) and done.step == t
             ref.grad = torch.tensor(g.astype(np.float64) * 0.5)
             opt.step()
@@ -136,9 +137,9 @@ def test_steps_match_float64_adamw_and_skip_get_master(server):
         np.testing.assert_array_equal(c.master(), m1)
         np.testing.assert_array_equal(c.w16, before_w)
         st = c.req(P.Stats(session=c.session))
-        assert st.steps == 10 and st.skipped == 1
+        assert st.updates == 10 and st.skipped == 1
         # out-of-order step is refused and changes nothing
-        e = c.req(P.Step(session=c.session, step=13, slot=0, lr=1e-2))
+        e = c.req(P.Step(session=c.session, step=13, grad_slot=0, lr=1e-2))
         assert isinstance(e, P.Error) and e.code == P.E_ORDER
     finally:
         c.close()
@@ -229,8 +230,8 @@ def test_bad_messages_get_error_replies(server):
     c = MiniClient(server.address, server.token, 64)
     try:
         for data in [b"garbage", b"", msgpack_bytes({"t": "STEP"}), msgpack_bytes({"t": "X"}),
-                     P.Step(session="nope", step=1, slot=0, lr=0.1).encode(),
-                     P.Step(session=c.session, step=1, slot=0, lr=0.1).encode()]:  # before INIT
+                     P.Step(session="nope", step=1, grad_slot=0, lr=0.1).encode(),
+                     P.Step(session=c.session, step=1, grad_slot=0, lr=0.1).encode()]:  # before INIT
             r = c.send_raw(data)
             assert isinstance(r, P.Error), data
         c.s.send_multipart([b"a", b"b"])  # two frames
@@ -271,11 +272,11 @@ def test_two_clients_one_killed(server):
         while os.path.exists(f"/dev/shm/{seg}"):
             step += 1
             c.grad[step % 2][:] = 1.0
-            assert isinstance(c.req(P.Step(session=c.session, step=step, slot=step % 2, lr=1e-3)), P.Done)
+            assert isinstance(c.req(P.Step(session=c.session, step=step, grad_slot=step % 2, lr=1e-3)), P.Done)
             assert time.monotonic() - t0 < 3.0, "dead worker's segment not freed within the heartbeat timeout"
         for _ in range(3):
             step += 1
-            assert isinstance(c.req(P.Step(session=c.session, step=step, slot=step % 2, lr=1e-3)), P.Done)
+            assert isinstance(c.req(P.Step(session=c.session, step=step, grad_slot=step % 2, lr=1e-3)), P.Done)
         c.close()
     finally:
         victim.kill()
@@ -291,7 +292,7 @@ def test_save_load_bitwise_equals_uninterrupted(tmp_path):
     def run(c, steps):
         for t in steps:
             c.grad[t % 2][:] = grads[t - 1]
-            assert isinstance(c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=3e-3)), P.Done)
+            assert isinstance(c.req(P.Step(session=c.session, step=t, grad_slot=t % 2, lr=3e-3)), P.Done)
 
     with spawn(threads=1) as srv:
         c = MiniClient(srv.address, srv.token, n)
@@ -309,9 +310,20 @@ def test_save_load_bitwise_equals_uninterrupted(tmp_path):
     with spawn(threads=1) as srv:
         c = MiniClient(srv.address, srv.token, n)
         ok = c.req(P.Load(session=c.session, dir=str(tmp_path)))
-        assert isinstance(ok, P.Ok) and ok.info["steps"] == 10
+        assert isinstance(ok, P.Ok) and ok.info["updates"] == 10
         run(c, range(11, 16))
         np.testing.assert_array_equal(c.master(), full)
+        c.close()
+        # a manifest from before protocol 14 says "steps" for the updates: it still loads
+        mans = sorted(tmp_path.glob("shard-*.json"))
+        assert mans
+        for man in mans:
+            d = json.loads(man.read_text())
+            d["steps"] = d.pop("updates")
+            man.write_text(json.dumps(d))
+        c = MiniClient(srv.address, srv.token, n)
+        ok = c.req(P.Load(session=c.session, dir=str(tmp_path)))
+        assert isinstance(ok, P.Ok) and ok.info["updates"] == 10
         c.close()
         # a different layout is refused, naming both
         c = MiniClient(srv.address, srv.token, n + 1)
@@ -332,18 +344,18 @@ def test_progress_word_tags_each_step_and_resets_on_init_and_load(server, tmp_pa
         assert int(c.progress[0]) == 0
         for t in range(1, 6):
             c.grad[t % 2][:] = rng.standard_normal(n).astype(np.float16)
-            assert isinstance(c.req(P.Step(session=c.session, step=t, slot=t % 2, lr=1e-3)), P.Done)
+            assert isinstance(c.req(P.Step(session=c.session, step=t, grad_slot=t % 2, lr=1e-3)), P.Done)
             assert int(c.progress[0]) == (t << 40) | n
             if t == 3:
                 assert isinstance(c.req(P.Save(session=c.session, dir=str(tmp_path))), P.Ok)
-        e = c.req(P.Step(session=c.session, step=6, slot=0, lr=1e-3, out_slot=1))  # HELLO asked for one slot
-        assert isinstance(e, P.Error) and "out_slot" in e.message
+        e = c.req(P.Step(session=c.session, step=6, grad_slot=0, lr=1e-3, weights_slot=1))  # HELLO asked for one slot
+        assert isinstance(e, P.Error) and "weights_slot" in e.message
         assert isinstance(c.req(P.Skip(session=c.session, step=6)), P.Ok)
         assert int(c.progress[0]) == (5 << 40) | n  # a skip publishes nothing
         assert isinstance(c.req(P.Load(session=c.session, dir=str(tmp_path))), P.Ok)
         assert int(c.progress[0]) == 0
         c.grad[0][:] = rng.standard_normal(n).astype(np.float16)
-        assert isinstance(c.req(P.Step(session=c.session, step=4, slot=0, lr=1e-3)), P.Done)
+        assert isinstance(c.req(P.Step(session=c.session, step=4, grad_slot=0, lr=1e-3)), P.Done)
         assert int(c.progress[0]) == (4 << 40) | n
         bad = c.req(P.Hello(version=P.PROTOCOL_VERSION, token=server.token, rank=0, world_size=1, numel=8,
                             dtype="fp16", optimizer="adamw", progress_block=-1))
@@ -409,18 +421,18 @@ def test_staging_window_chunks_and_one_gradient_slot(server):
         assert isinstance(c.req(P.Init(session=c.session, offset=0, count=1000)), P.Ok)
         for bad, match in [(P.Init(session=c.session, offset=2000, count=500), "expected offset 1000"),
                            (P.Init(session=c.session, offset=1000, count=1001), "does not fit"),
-                           (P.Step(session=c.session, step=1, slot=0, lr=1e-3), "before INIT")]:
+                           (P.Step(session=c.session, step=1, grad_slot=0, lr=1e-3), "before INIT")]:
             e = c.req(bad)
             assert isinstance(e, P.Error) and match in e.message, (bad, e)
         c.init(p0)  # from 0 again, all of it
         np.testing.assert_array_equal(c.master(), p0)
         np.testing.assert_array_equal(c.w16, p0.astype(np.float16))
         for bad, match in [(P.GetMaster(session=c.session, offset=2000, count=501), "does not fit"),
-                           (P.Step(session=c.session, step=1, slot=1, lr=1e-3), "grad_slots=2")]:
+                           (P.Step(session=c.session, step=1, grad_slot=1, lr=1e-3), "grad_slots=2")]:
             e = c.req(bad)
             assert isinstance(e, P.Error) and match in e.message, (bad, e)
         c.grad[0][:] = rng.standard_normal(n).astype(np.float16)
-        assert isinstance(c.req(P.Step(session=c.session, step=1, slot=0, lr=1e-3)), P.Done)
+        assert isinstance(c.req(P.Step(session=c.session, step=1, grad_slot=0, lr=1e-3)), P.Done)
         assert not np.array_equal(c.master(), p0)
     finally:
         c.close()
@@ -431,8 +443,8 @@ def test_segment_bytes_per_param():
     6 with DPU's second gradient slot, 8 with the CPU worker's second weights slot."""
     from zero_offload.server.shm import ShardLayout
     n = 100_000_000
-    for weight_slots, grad_slots, per_param in [(1, 1, 4), (1, 2, 6), (2, 2, 8), (2, 1, 6)]:
-        assert ShardLayout(numel=n, weight_slots=weight_slots, grad_slots=grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
+    for weights_slots, grad_slots, per_param in [(1, 1, 4), (1, 2, 6), (2, 2, 8), (2, 1, 6)]:
+        assert ShardLayout(numel=n, weights_slots=weights_slots, grad_slots=grad_slots).total_bytes / n == pytest.approx(per_param, abs=1e-3)
     small = ShardLayout(numel=1000)  # the staging window (all 1000 fp32) is longer than the one slot
     assert small.weights_offsets[0] >= 4 * 1000 and small.staging_numel == 1000
     assert ShardLayout(numel=n, staging_numel=4096).staging_numel == 4096
@@ -446,7 +458,7 @@ def _shard(numel=100, optimizer="adamw", dtype="fp16", **hello):
     from tests.conftest import PREFIX
     msg = P.Hello(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=numel, dtype=dtype,
                   optimizer=optimizer, **hello)
-    layout = ShardLayout(numel=numel, weight_slots=msg.weight_slots, grad_slots=msg.grad_slots, staging_numel=40)
+    layout = ShardLayout(numel=numel, weights_slots=msg.weights_slots, grad_slots=msg.grad_slots, staging_numel=40)
     seg = Segment.create(f"{PREFIX}unit-{os.getpid()}-{time.monotonic_ns()}", layout.total_bytes)
     return Shard("s", msg, seg, layout, 1)
 
@@ -456,8 +468,8 @@ def test_shard_state_table():
     from zero_offload.server.shard_phase import ShardPhase
     sh = _shard()
     try:
-        step = lambda k, **kw: P.Step(session="s", step=k, slot=kw.get("slot", 0), lr=1e-3,  # noqa: E731
-                                      out_slot=kw.get("out_slot", 0), predict=kw.get("predict", 0.0))
+        step = lambda k, **kw: P.Step(session="s", step=k, grad_slot=kw.get("grad_slot", 0), lr=1e-3,  # noqa: E731
+                                      weights_slot=kw.get("weights_slot", 0), predict=kw.get("predict", 0.0))
         assert sh.phase is ShardPhase.UNINITIALIZED and "before INIT" in sh.refusal("STEP")
         sh.staging[:40] = 1.0
         sh.init_chunk(0, 40)
@@ -468,17 +480,17 @@ def test_shard_state_table():
         sh.init_chunk(80, 20)
         assert sh.phase is ShardPhase.READY and sh.refusal("STEP") is None
         assert sh.accept_step(step(2))[0] == P.E_ORDER
-        assert sh.accept_step(step(1, slot=1))[0] == P.E_INVALID   # one gradient slot registered
-        assert sh.accept_step(step(1, out_slot=1))[0] == P.E_INVALID
+        assert sh.accept_step(step(1, grad_slot=1))[0] == P.E_INVALID   # one gradient slot registered
+        assert sh.accept_step(step(1, weights_slot=1))[0] == P.E_INVALID
         assert sh.phase is ShardPhase.READY  # refusals change nothing
         assert sh.accept_step(step(1)) is None and sh.phase is ShardPhase.UPDATING
         assert "still updating" in sh.refusal("GET_MASTER")
         sh.grads[0].view(np.float16)[:] = 0.5
         sh.step(step(1))
         sh.finish_update()
-        assert sh.phase is ShardPhase.READY and sh.steps == 1
+        assert sh.phase is ShardPhase.READY and sh.updates == 1
         assert "out of order" in sh.skip(3)
-        assert sh.skip(2) is None and sh.skipped == 1 and sh.steps == 1  # SKIP moves only the count
+        assert sh.skip(2) is None and sh.skipped == 1 and sh.updates == 1  # SKIP moves only the count
         sh.staging[:40] = 2.0
         sh.init_chunk(0, 40)  # INIT again: partial again until its last chunk
         assert sh.phase is ShardPhase.UNINITIALIZED
@@ -492,7 +504,7 @@ def test_shard_speculation_states():
     from zero_offload.server.shard_phase import ShardPhase
     sh = _shard(undo_log_bytes=1 << 16)
     try:
-        spec = lambda k, upto, lr=1e-3: P.Speculate(session="s", step=k, slot=0, lr=lr, upto=upto)  # noqa: E731
+        spec = lambda k, upto, lr=1e-3: P.Speculate(session="s", step=k, grad_slot=0, lr=lr, upto=upto)  # noqa: E731
         assert isinstance(sh.accept_speculation(spec(1, 50)), str)  # before INIT: dropped
         sh.staging[:40] = 1.0
         for lo in (0, 40, 80):
@@ -513,9 +525,9 @@ def test_shard_speculation_states():
         np.testing.assert_array_equal(sh.arrays.master, m0)
         assert sh.accept_speculation(spec(1, 100)) == [(0, 100)]
         sh.speculate(0, 100)
-        assert sh.accept_step(P.Step(session="s", step=1, slot=0, lr=1e-3)) is None
+        assert sh.accept_step(P.Step(session="s", step=1, grad_slot=0, lr=1e-3)) is None
         assert sh.phase is ShardPhase.UPDATING
-        sh.step(P.Step(session="s", step=1, slot=0, lr=1e-3))
+        sh.step(P.Step(session="s", step=1, grad_slot=0, lr=1e-3))
         assert (sh.last_speculated, sh.last_rolled_back) == (100, 0) and sh.undo.empty
         sh.finish_update()
         assert sh.phase is ShardPhase.READY and sh.speculative is None
@@ -582,8 +594,8 @@ SUBPIECE_CASES = {  # HELLO of each: the twin, the undo log, the twin of bf16 st
     "twin": dict(optimizer="adamw"),
     "undo-log": dict(optimizer="lion"),
     "twin-bf16-exact": dict(optimizer="adamw", dtype="bf16", state_dtype="bf16", exact_master=True),
-    "twin-two-slots": dict(optimizer="adamw", weight_slots=2),  # the out slot is not the worker's: not logged
-    "undo-log-two-slots": dict(optimizer="lion", weight_slots=2),  # master and m only
+    "twin-two-slots": dict(optimizer="adamw", weights_slots=2),  # the out slot is not the worker's: not logged
+    "undo-log-two-slots": dict(optimizer="lion", weights_slots=2),  # master and m only
 }
 
 
@@ -601,8 +613,8 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
     monkeypatch.setattr(S, "SPEC_SUBPIECE", 256)
     n = 1000
     hello = SUBPIECE_CASES[case]
-    out = hello.get("weight_slots", 1) - 1  # of two slots, the one the worker does not compute with
-    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=n, out_slot=out)
+    out = hello.get("weights_slots", 1) - 1  # of two slots, the one the worker does not compute with
+    spec = P.Speculate(session="s", step=1, grad_slot=0, lr=1e-3, upto=n, weights_slot=out)
     shards = _speculating_pair(n, {}, **hello)
     try:
         sp, ref = shards
@@ -620,7 +632,7 @@ def test_speculation_in_sub_pieces_writes_the_bytes_of_one_update(monkeypatch, c
         np.testing.assert_array_equal(_master(sp), m0)
         assert sp.accept_speculation(spec) == [(0, n)]
         sp.speculate(0, n)
-        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3, out_slot=out))
+        _step_both(shards, P.Step(session="s", step=1, grad_slot=0, lr=1e-3, weights_slot=out))
         assert (sp.last_speculated, sp.last_rolled_back) == (n, 0)
         assert np.array_equal(sp.weights16_slots[out], ref.weights16_slots[out])
     finally:
@@ -636,7 +648,7 @@ def test_shard_follows_the_ready_word_of_its_step_only():
     from zero_offload.kernels import cpu_adam
     from zero_offload.server import protocol as P
     n = 1000
-    spec = P.Speculate(session="s", step=1, slot=0, lr=1e-3, upto=100)
+    spec = P.Speculate(session="s", step=1, grad_slot=0, lr=1e-3, upto=100)
     shards = _speculating_pair(n, dict(progress_block=128))
     try:
         sp = shards[0]
@@ -656,15 +668,15 @@ def test_shard_follows_the_ready_word_of_its_step_only():
         sp.stop_following()  # a request came: what the word says more is left to the STEP
         follow()
         assert sp.speculative.done == 300 and len(ran) == 2
-        _step_both(shards, P.Step(session="s", step=1, slot=0, lr=1e-3))
+        _step_both(shards, P.Step(session="s", step=1, grad_slot=0, lr=1e-3))
         assert sp.last_speculated == 300
         # step 2: the word grows to the end, and following stops there
-        spec2 = P.Speculate(session="s", step=2, slot=0, lr=1e-3, upto=0)
+        spec2 = P.Speculate(session="s", step=2, grad_slot=0, lr=1e-3, upto=0)
         assert sp.accept_speculation(spec2) is None and sp.speculative is not None  # nothing final yet
         cpu_adam.store_progress(sp.ready, tag=2, done=n)
         follow(2)
         assert sp.speculative.done == n
-        _step_both(shards, P.Step(session="s", step=2, slot=0, lr=1e-3))
+        _step_both(shards, P.Step(session="s", step=2, grad_slot=0, lr=1e-3))
         assert sp.last_speculated == n
     finally:
         for sh in shards:
@@ -737,14 +749,14 @@ def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
             _init_ones(sh)
         for t in (1, 2):
             g = (rng.standard_normal(n) * 0.1).astype(np.float16)
-            step = P.Step(session="s", step=t, slot=0, lr=1e-3, groups=groups(0 if t == 2 else 1))
+            step = P.Step(session="s", step=t, grad_slot=0, lr=1e-3, groups=groups(0 if t == 2 else 1))
             for sh in shards:
                 sh.grads[0].view(np.float16)[:] = g
             sp, ref = shards
             assert sp.arrays.twin is not None
             # speculated as if every parameter got a gradient; the STEP says the second
             # range got none (on step 2), which lies past the speculated prefix
-            assert sp.accept_speculation(P.Speculate(session="s", step=t, slot=0, lr=1e-3, upto=d,
+            assert sp.accept_speculation(P.Speculate(session="s", step=t, grad_slot=0, lr=1e-3, upto=d,
                                                      groups=groups(1))) == [(0, d)]
             sp.speculate(0, d)
             _step_both(shards, step)
@@ -752,3 +764,26 @@ def test_twin_keeps_a_range_without_gradient_past_the_speculated_prefix():
     finally:
         for sh in shards:
             sh.close()
+
+
+def test_update_rules_cover_exactly_what_hello_accepts():
+    """One update rule per optimizer x state dtype that HELLO admits, and none for the
+    rest: a combination HELLO lets through always has its kernel.  (Mutation: dropping
+    ("lion", "int8") from update_rules.RULES, or admitting adagrad with bf16 state in
+    protocol.COMPACT_OPTIMIZERS, fails it.)"""
+    from zero_offload.server import protocol as P
+    from zero_offload.server.update_rules import RULES, rule_for
+    admitted = set()
+    for opt in P.OPTIMIZERS:
+        for sd in P.STATE_DTYPES:
+            hello = dict(version=P.PROTOCOL_VERSION, token="t", rank=0, world_size=1, numel=256, dtype="bf16",
+                         optimizer=opt, state_dtype=sd)
+            try:
+                P.Hello(**hello).validate()
+            except P.ProtocolError:
+                continue
+            admitted.add((opt, sd))
+            assert rule_for(opt, sd).blockwise == (sd == "int8")
+    assert set(RULES) == admitted
+    with pytest.raises(ValueError, match="no update rule"):
+        rule_for("adagrad", "bf16")

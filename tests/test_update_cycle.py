@@ -23,15 +23,15 @@ class FakeClient:
 
     request_timeout_s = 5.0
 
-    def __init__(self, weight_slots: int):
-        self.weights16_slots = [np.zeros(N, np.uint16) for _ in range(weight_slots)]
+    def __init__(self, weights_slots: int):
+        self.weights16_slots = [np.zeros(N, np.uint16) for _ in range(weights_slots)]
         self.sent = []
         self.progress = 0
         self.done = False
         self.timeouts = 0  # the next wait_done calls that time out
 
-    def step_async(self, step, slot, lr, grad_scale, hparams, predict=0.0, out_slot=0):
-        self.sent.append((step, out_slot))
+    def step_async(self, step, slot, lr, grad_scale, hparams, predict=0.0, weights_slot=0):
+        self.sent.append((step, weights_slot))
         self.progress, self.done = 0, False
 
     def published(self, step):

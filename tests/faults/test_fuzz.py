@@ -27,12 +27,12 @@ def mutations(rng: random.Random, token: str, session: str, next_step: int):
     server may run them into its undo log; they are never answered)."""
     hello = dict(version=P.PROTOCOL_VERSION, rank=0, world_size=1, dtype="fp16", optimizer="adamw")
     valid = [
-        P.Step(session=session, step=next_step, slot=0, lr=1e-3).encode(),
+        P.Step(session=session, step=next_step, grad_slot=0, lr=1e-3).encode(),
         P.Hello(token="not-the-token", numel=64, **hello).encode(),
         P.Hello(token=token, numel=2**39, **hello).encode(),
         P.Stats(session=session).encode(),
         P.Skip(session=session, step=next_step + 5).encode(),
-        P.Speculate(session=session, step=next_step, slot=0, lr=1e-3, upto=500).encode(),
+        P.Speculate(session=session, step=next_step, grad_slot=0, lr=1e-3, upto=500).encode(),
     ]
     junk_values = [None, -1, -2**63, 2**64 - 1, 2**40, 1e308, float("nan"), float("inf"), "", "x" * 300, b"\x00",
                    [], {}, [1, 2], {"a": 1}, True, 3.5]
@@ -47,7 +47,7 @@ def mutations(rng: random.Random, token: str, session: str, next_step: int):
             d = msgpack.unpackb(rng.choice(valid), raw=False)
             k = rng.choice(list(d))
             d[k] = rng.choice(junk_values)
-            if d.get("t") == "STEP" and d.get("step") == next_step and d.get("slot") in (0, 1) \
+            if d.get("t") == "STEP" and d.get("step") == next_step and d.get("grad_slot") in (0, 1) \
                     and isinstance(d.get("lr"), (int, float)) and d.get("session") == session:
                 d["step"] = next_step + 3  # never a real update
             if d.get("t") == "HELLO" and d.get("token") == token:
@@ -59,7 +59,7 @@ def mutations(rng: random.Random, token: str, session: str, next_step: int):
         elif kind == 3:  # wrong step, wrong slot, unknown session
             step = rng.choice([0, -1, next_step + rng.randrange(1, 1000), 2**31])
             yield msgpack.packb({"t": "STEP", "session": rng.choice([session, "nope", ""]), "step": step,
-                                 "slot": rng.choice([0, 1, 2, -1]), "lr": 1e-3}, use_bin_type=True)
+                                 "grad_slot": rng.choice([0, 1, 2, -1]), "lr": 1e-3}, use_bin_type=True)
         elif kind == 4:  # truncated valid message
             b = rng.choice(valid)
             yield b[:rng.randrange(len(b))]
@@ -119,7 +119,7 @@ def test_fuzz_control_socket(tmp_path):
                     codes[r.code] = codes.get(r.code, 0) + 1
                 assert srv.alive(), f"server died on message {sent} (seed {seed})"
                 if sent % 500 == 0:  # the real worker's heartbeats keep it registered meanwhile
-                    assert c.stats().steps == 1
+                    assert c.stats().updates == 1
         finally:
             s.close()
             ctx.term()
