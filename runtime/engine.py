@@ -68,7 +68,7 @@ log = logging.getLogger("zero_offload")
 class OffloadEngine(BackwardAPI, CheckpointAPI):
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
                  param_groups: list | None = None, backward_mode: str = "engine", overlap_ok: bool = True,
-                 auto_overlap: bool = True, **overrides):
+                 auto_overlap: bool = True, norm_reduce=None, **overrides):
         """param_groups: torch.optim's groups, [{"params": [...], "weight_decay": 0.0, "lr": ...}, ...]
         over the model's trainable parameters (each in exactly one group), each with its own
         lr, betas, eps and weight_decay (the config's where a group does not say);
@@ -89,7 +89,13 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         checkpoint, master_state_dict() or synchronize(copy_weights=True) lands the new
         ones).  OffloadAdamW and OffloadLion pass False: torch.optim's contract is that
         after step() the parameters are the new ones (an EMA of them, a
-        model.state_dict() saved there); forcing overlap_update still works."""
+        model.state_dict() saved there); forcing overlap_update still works.
+
+        norm_reduce: the parameters are this rank's shards of a model that another layer
+        shards (FSDP2: runtime.fsdp2): the engine trains them as one rank would, with no
+        collective of its own, and each step's local sum of squared gradients goes
+        through norm_reduce (a float64 scalar tensor in, the global sum out) for the
+        global norm that clipping and the overflow check use."""
         if config is None:
             config = OffloadConfig(**overrides)
         elif overrides:
@@ -97,7 +103,10 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         self.cfg = cfg = config
         self.model = model
         # the device, the ranks, the compute dtype, the flat layout, the candidate strategies
-        params = wiring.prepare(self, model, cfg, param_groups, backward_mode, overlap_ok, auto_overlap)
+        params = wiring.prepare(self, model, cfg, param_groups, backward_mode, overlap_ok, auto_overlap,
+                                local=norm_reduce is not None)
+        self.norm_reduce = norm_reduce
+        self.param_aliases: dict[int, torch.Tensor] = {}  # runtime.owners: other tensors this engine trains
         S = self.flat.shard_numel
 
         self._server = None

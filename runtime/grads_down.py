@@ -109,7 +109,7 @@ class GradientsDown:
 
     def __init__(self, flat: FlatParams, host_words: list, *, dtype: torch.dtype, dtype_name: str,
                  device: torch.device, rank: int, world_size: int, gate: SlotGate, on_free, tracer,
-                 counters: Counters, collectives=None, on_ready=None, progress_block: int = 1):
+                 counters: Counters, collectives=None, on_ready=None, progress_block: int = 1, norm_reduce=None):
         self.flat = flat
         self.coll = collectives  # runtime.distributed.Collectives, with world_size > 1
         self.dtype, self.dtype_name, self.device = dtype, dtype_name, device
@@ -117,6 +117,7 @@ class GradientsDown:
         self.gate, self.on_free, self.tracer, self.counters = gate, on_free, tracer, counters
         self.on_ready = on_ready
         self.progress_block = max(1, progress_block)
+        self.norm_reduce = norm_reduce  # one rank's shards of a model sharded elsewhere (FSDP2): the global sum
         self.cuda = device.type == "cuda"
         S = flat.shard_numel
         self.shard_lo, self.shard_hi = flat.shard_range(rank)
@@ -235,6 +236,8 @@ class GradStep:
                 v[0] = sq
                 v = self.d.coll.all_reduce_sum(v)
                 sq, seen = v[0], [bool(x > 0) for x in v[1:].tolist()]
+            elif self.d.norm_reduce is not None:
+                sq = self.d.norm_reduce(torch.tensor(float(sq), dtype=torch.float64))
             self._totals = (float(sq), seen)
         return self._totals
 

@@ -41,6 +41,7 @@ import weakref
 
 import torch
 
+from . import fsdp2
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .optim_state import FILES_KEY, InMemoryState, load_files
@@ -56,6 +57,14 @@ class _Params(torch.nn.Module):
         super().__init__()
         for i, p in enumerate(params):
             self.register_parameter(f"param{i}", p)
+
+
+def _close(engine: OffloadEngine, shards) -> None:
+    """Land the last update, stop the server; an FSDP2 model's local shards get it too."""
+    engine.close()
+    if shards is not None:
+        shards.copy_back()
+        shards.detach()
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -95,19 +104,54 @@ class OffloadAdamW(torch.optim.Optimizer):
         cfg = dataclasses.replace(offload, optimizer=self.OPTIMIZER, **defaults)
         super().__init__(params, defaults)
         params_all = [p for g in self.param_groups for p in g["params"]]
-        overlap_ok = model is not None  # a forward of the user's model runs the overlap's hooks
-        if model is None:
-            model = _Params(params_all)
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
         self.state_dir = state_dir
+        self._names = None
+        self._shards = None  # an FSDP2 model's local shards (runtime.fsdp2)
+        norm_reduce = None
+        if any(fsdp2.is_dtensor(p) for p in params_all):
+            cfg = self._fsdp2(params_all, groups, model, cfg, state_dir)
+            model, overlap_ok, norm_reduce = self._shards.module, False, self._shards.reduce_sumsq
+        else:
+            overlap_ok = model is not None  # a forward of the user's model runs the overlap's hooks
+            if model is None:
+                model = _Params(params_all)
         # auto_overlap=False: torch.optim's contract, the parameters are the new ones after step()
         self.engine = OffloadEngine(model, cfg, param_groups=groups, backward_mode="hooks", overlap_ok=overlap_ok,
-                                    auto_overlap=False)
+                                    auto_overlap=False, norm_reduce=norm_reduce)
         # the engine reads each group's values from these dicts, where schedulers write
         self.engine.optimizer.follow(self.param_groups)
-        self._close = weakref.finalize(self, self.engine.close)
+        if self._shards is not None:
+            self._shards.attach(self.engine)
+        self._close = weakref.finalize(self, _close, self.engine, self._shards)
         self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
         self._constructed = True
+
+    def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig, state_dir) -> OffloadConfig:
+        """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards
+        (runtime.fsdp2); `groups` is rewritten onto them.  Returns the config it runs with."""
+        if state_dir is not None:
+            raise ValueError("state_dir with an FSDP2 model: a checkpoint layout shared by every topology is not "
+                             "there yet for FSDP2; save each rank's opt.state_dict() with torch.save (loads at "
+                             "the same world size) and leave state_dir unset")
+        if cfg.grad_accumulation_steps != 1:
+            raise ValueError(f"grad_accumulation_steps={cfg.grad_accumulation_steps} with an FSDP2 model: accumulate "
+                             f"with FSDP2 (model.set_requires_gradient_sync(False) on the micro-batches before the "
+                             f"last), so the optimizer sees one backward per step, and leave it at 1")
+        if cfg.expert.exact_strategy not in ("auto", "sync", "speculation"):
+            raise ValueError(f"expert.exact_strategy={cfg.expert.exact_strategy!r} with an FSDP2 model: FSDP2's "
+                             f"all-gather reads the local shards before the forward, so the update cannot run "
+                             f"during it; use 'sync' (or mode='dpu')")
+        self._shards = fsdp2.LocalShards(params)
+        proxy = {id(p): q for p, q in zip(params, self._shards.proxies)}
+        for g in groups:
+            g["params"] = [proxy[id(p)] for p in g["params"]]
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        # the proxies are never computed with (FSDP2 computes on its own all-gathered
+        # parameters): they hold the 16-bit weights whatever the CPU's matmul
+        return dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, compute_dtype=cfg.dtype))
 
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict) -> None:
@@ -125,6 +169,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.step()
+        if self._shards is not None:
+            self._shards.copy_back()  # before the next forward's all-gather
         return loss
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
@@ -179,11 +225,17 @@ class OffloadAdamW(torch.optim.Optimizer):
             for k, v in s.items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
+        if self._shards is not None:
+            self._shards.copy_back()  # the loaded device weights into the local shards
 
     # ------------------------------------------------------------------ offload API
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
         """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights
         (background=True: written while training goes on; wait_checkpoint() publishes it)."""
+        if self._shards is not None:
+            raise ValueError("save_checkpoint with an FSDP2 model: a checkpoint layout shared by every topology is "
+                             "not there yet for FSDP2; torch.save each rank's opt.state_dict() instead (it loads "
+                             "at the same world size)")
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
 
     def wait_checkpoint(self) -> str | None:
@@ -191,11 +243,20 @@ class OffloadAdamW(torch.optim.Optimizer):
         return self.engine.wait_checkpoint()
 
     def load_checkpoint(self, directory: str) -> None:
+        if self._shards is not None:
+            raise ValueError("load_checkpoint with an FSDP2 model: load each rank's torch.save'd opt.state_dict() "
+                             "with load_state_dict instead")
         self.engine.load_checkpoint(directory)
 
     def master_state_dict(self, rank0_only: bool = False):
-        """The fp32 master weights, keyed like model.state_dict() (with model=)."""
-        return self.engine.master_state_dict(rank0_only)
+        """The fp32 master weights, keyed like model.state_dict() (with model=).  An FSDP2
+        model: whole tensors gathered from every rank's shards (a collective), keyed by
+        the model's parameter names (with model=) or param0, param1, ..."""
+        if self._shards is None:
+            return self.engine.master_state_dict(rank0_only)
+        local = list(self.engine.master_state_dict().values())  # the proxies' masters, in order
+        names = self._names or [f"param{i}" for i in range(len(local))]
+        return self._shards.gather(names, local)
 
     def stats(self) -> dict:
         return self.engine.stats()

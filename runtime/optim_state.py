@@ -54,7 +54,7 @@ class InMemoryState:
                              f"pass state_dir='...' to save master, m and v when it is taken")
         tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
         try:
-            step_dir = Path(self.opt.save_checkpoint(tmp, keep=1))
+            step_dir = Path(engine.save_checkpoint(tmp, keep=1))
             files = {}
             for p in sorted(step_dir.rglob("*")):
                 if p.is_file():  # one copy: the file's bytes into the tensor's own buffer
@@ -89,7 +89,7 @@ def load_files(opt, files: dict) -> None:
             p.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(t.contiguous().numpy().tobytes())
-        opt.load_checkpoint(str(root))
+                f.write(memoryview(t.contiguous().numpy()))  # no copy: the file's bytes straight from the tensor
+        opt.engine.load_checkpoint(str(root))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,11 @@ def owner_of(p: torch.Tensor) -> "OffloadEngine | None":
 
 def trains(e: "OffloadEngine", p: torch.Tensor) -> bool:
     s = e.flat.by_param.get(id(p))  # ids are reused once a tensor dies: check identity
-    return s is not None and s.param is p
+    if s is not None and s.param is p:
+        return True
+    # a tensor the engine trains through another (an FSDP2 parameter through its local
+    # shard's proxy: runtime.fsdp2)
+    return getattr(e, "param_aliases", {}).get(id(p)) is p
 
 
 def check_free(params: list) -> None:

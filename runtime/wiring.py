@@ -34,7 +34,7 @@ PARAM_ALIGN_CUDA = 128  # elements: 256 bytes of 16-bit weights
 
 
 def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig, param_groups: list | None,
-            backward_mode: str, overlap_ok: bool, auto_overlap: bool) -> list:
+            backward_mode: str, overlap_ok: bool, auto_overlap: bool, local: bool = False) -> list:
     """Everything the engine decides before a process starts: the checks of what it was
     given, the device and the ranks, the compute dtype, zero-copy, the flat layout, the
     param groups and the candidate strategies.  Returns the trainable parameters."""
@@ -65,7 +65,8 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     # fp32 forward and backward on a CPU that only emulates 16-bit matmul
     engine.compute_dtype, engine._compute_why = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype,
                                                                       engine.device)
-    engine.distributed = process_group()
+    # local: the parameters are this rank's own shards (FSDP2): no collective of the engine's
+    engine.distributed = False if local else process_group()
     engine.rank = dist.get_rank() if engine.distributed else 0
     engine.world_size = dist.get_world_size() if engine.distributed else 1
     # one CPU rank: its 16-bit weights can live in the shared segment itself (two
@@ -79,7 +80,9 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     # two it never waits (+2 B/param of host RAM).  Synchronous steps wait for
     # DONE before the next backward anyway.
     engine._grad_slots = cfg.expert.dpu_grad_slots if cfg.mode == "dpu" else 1
-    engine.tracer = Tracer(cfg.resolved_trace_dir(), "worker", engine.rank)
+    # an FSDP2 rank's engine is a one-rank engine, but its trace file is named by its real rank
+    trace_rank = dist.get_rank() if local and dist.is_available() and dist.is_initialized() else engine.rank
+    engine.tracer = Tracer(cfg.resolved_trace_dir(), "worker", trace_rank)
     group_of, group_opts = index_groups(param_groups, params, model) if param_groups is not None else (None, None)
     engine.optimizer = ServerOptimizer(cfg, group_opts)  # validates the groups' values before any process starts
     # each parameter 256-byte aligned on a GPU (cuBLAS picks slower kernels for operands
@@ -198,7 +201,7 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                                  on_free=engine.cycle.pump, tracer=engine.tracer, counters=engine.counters,
                                  collectives=engine.coll,
                                  on_ready=engine.speculator.ready if engine.speculator is not None else None,
-                                 progress_block=cfg.expert.progress_block_numel)
+                                 progress_block=cfg.expert.progress_block_numel, norm_reduce=engine.norm_reduce)
 
 
 def init_weights(engine: "OffloadEngine") -> None:

@@ -1,0 +1,146 @@
+"""OffloadAdamW on a model sharded by torch's FSDP2 (torch.distributed.fsdp.fully_shard).
+
+FSDP2 already gives each rank its part of every parameter: a DTensor sharded on dim 0
+whose local tensor (``p.to_local()``) is the rank's rows, which FSDP2 all-gathers
+before a unit's forward and backward, and whose gradient it reduce-scatters after the
+unit's backward.  So the optimizer has nothing to shard: each rank offloads its own
+local shards, as a one-rank engine would, to the optimizer server.
+
+    model = GPT(cfg).to(torch.bfloat16)          # 16-bit shards on the device
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = OffloadAdamW(model.parameters(), lr=3e-4)   # the one changed line
+    loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+How it is wired (LocalShards):
+  - the engine trains one plain tensor per parameter, a "proxy" as long as the rank's
+    local shard, laid out in its flat space as any model's parameters are;
+  - FSDP2 calls each parameter's post-accumulate-grad hook once its reduce-scatter has
+    put the rank's gradient shard in ``p.grad``: the hook hands that shard to the
+    engine as the proxy's gradient (it goes to the host as any gradient does) and frees
+    it;
+  - the global gradient norm (clipping, and the overflow check of fp16 loss scaling)
+    is the sum of every rank's squares: one scalar all-reduce over FSDP2's group;
+  - after each step() (and at close) the proxies' weights, which the engine's update
+    cycle has landed, are copied into the local shards in place, before the next
+    forward's all-gather (under DPU the schedule is the engine's: the forward after
+    step t computes on the weights of update t-1).
+
+Choices (docs/fsdp2.md has the why):
+  - gradient accumulation is FSDP2's (``set_requires_gradient_sync(False)`` on the
+    micro-batches before the last): the engine sees one backward per step, so
+    grad_accumulation_steps must be 1;
+  - the exact strategies that wait in the model's forward hooks (overlap_update) are
+    not used: FSDP2's own pre-forward all-gather reads the local shards;
+  - checkpoints: each rank's ``opt.state_dict()`` holds its own shards' state (same
+    world size and sharding to load it); ``save_checkpoint``/``state_dir`` are refused
+    until the world-size-independent layout for FSDP2 exists;
+  - the device holds the local shards and the proxies (2 B/param/world each with bf16
+    shards): on the CPU device the proxies live in the shared segment, so nothing more.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch before 2.4 kept it private
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return None
+    return DTensor
+
+
+def is_dtensor(p: torch.Tensor) -> bool:
+    cls = dtensor_class()
+    return cls is not None and isinstance(p, cls)
+
+
+def check_fsdp2(params: list) -> None:
+    """ValueError naming the fix unless every parameter is an FSDP2 shard (a DTensor
+    sharded on dim 0 over a 1-D mesh)."""
+    if not all(is_dtensor(p) for p in params):
+        raise ValueError("some parameters are DTensors (FSDP2) and some are not: fully_shard the whole model "
+                         "(each block, then the root), so every parameter is sharded")
+    for p in params:
+        pl = tuple(p.placements)
+        if len(pl) != 1 or not (hasattr(pl[0], "dim") and pl[0].is_shard() and pl[0].dim == 0):
+            raise ValueError(f"a parameter is placed {pl}: OffloadAdamW takes FSDP2's sharding (fully_shard on a "
+                             f"1-D mesh: Shard(0)); tensor parallelism and HSDP are not supported")
+
+
+class _Proxies(torch.nn.Module):
+    def __init__(self, proxies: list[torch.nn.Parameter]):
+        super().__init__()
+        for i, q in enumerate(proxies):
+            self.register_parameter(f"shard{i}", q)
+
+
+class LocalShards:
+    """The rank's local shards of an FSDP2 model, as plain tensors an engine trains."""
+
+    def __init__(self, params: list):
+        check_fsdp2(params)
+        self.params = params
+        self.local = [p.to_local() for p in params]
+        # the engine lays these out and frees them (its flat space views its own weights);
+        # fp32 shards start the master from their fp32 values
+        self.proxies = [torch.nn.Parameter(t.detach().clone()) for t in self.local]
+        self.module = _Proxies(self.proxies)
+        self.group = params[0].device_mesh.get_group() if params else None
+        self.engine = None
+        self._hooks = []
+
+    def attach(self, engine) -> None:
+        """Route FSDP2's gradient shards to `engine` (which trains the proxies)."""
+        from . import owners
+        self.engine = engine
+        # torch's clip_grad_norm_ on the model's parameters finds the engine (runtime.clipping)
+        for p in self.params:
+            engine.param_aliases[id(p)] = p
+        owners.claim(engine, self.params)
+        for p, q in zip(self.params, self.proxies):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(q)))
+
+    def _hook(self, q: torch.nn.Parameter):
+        def on_grad(p: torch.Tensor) -> None:
+            g = p.grad
+            p.grad = None  # FSDP2's sharded gradient is freed once it is on its way to the host
+            q.grad = g.to_local() if is_dtensor(g) else g
+            self.engine._on_grad(q)
+        return on_grad
+
+    def reduce_sumsq(self, sq: torch.Tensor) -> torch.Tensor:
+        """The global sum of squares: this rank's plus every other's (FSDP2's group)."""
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return sq
+        v = sq.detach().reshape(1).clone()
+        dist.all_reduce(v, group=self.group)
+        return v[0]
+
+    @torch.no_grad()
+    def copy_back(self) -> None:
+        """The engine's weights into the local shards, in place (FSDP2 all-gathers from them)."""
+        for t, q in zip(self.local, self.proxies):
+            t.copy_(q.detach().view(t.shape))
+
+    def gather(self, names: list[str], local_masters: list[torch.Tensor]) -> dict:
+        """Whole fp32 tensors by name from every rank's local masters (a collective over
+        FSDP2's group: each rank calls it)."""
+        DTensor = dtensor_class()
+        out = {}
+        for n, p, m in zip(names, self.params, local_masters):
+            d = DTensor.from_local(m.reshape(p.to_local().shape).to(p.device), p.device_mesh, p.placements,
+                                   shape=p.shape, stride=p.stride(), run_check=False)
+            out[n] = d.full_tensor().cpu()
+        return out
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,148 @@
+"""One rank of the FSDP2 tests, run under zero-offload-launch (one optimizer server per node).
+
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/fsdp2_worker.py OUT MODES STEPS
+
+A tiny GPT-2 from its config (no download), fully_shard on each block and on the root,
+trained on real text (this interpreter's json, logging and os sources as bytes), each
+rank its own rows of a fixed global batch.  MODES: ","-joined runs in turn in one launch,
+each "+"-joined options:
+  ref      the reference: torch.optim.AdamW over fp32 masters of the local shards fed the
+           same gradients (Reference); else OffloadAdamW (the changed line)
+  dpu      DPU from step DPU_WARMUP (mode="dpu"; the reference follows the same schedule)
+  zero2    reshard_after_forward=False (FSDP2's ZeRO-2); else True (ZeRO-3)
+The model is cast to bf16 before fully_shard (16-bit local shards) with
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
+Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
+Writes OUT/MODE/rank{r}.pt: losses, the final masters (fp32, gathered: full tensors by
+name), the local shards' dtype and numel, and the offload stats.
+"""
+import json
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+SEED = 20261203
+CLIP = 0.5
+LR = 3e-3
+ROWS, SEQ = 12, 32  # the global batch; each rank takes ROWS / world of it (2 or 3 ranks)
+DPU_WARMUP = 3
+
+
+def text_rows(step: int) -> torch.Tensor:
+    data = b"".join(open(m.__file__, "rb").read() for m in (json, logging, os))
+    g = torch.Generator().manual_seed(SEED + step)
+    starts = torch.randint(0, len(data) - SEQ - 1, (ROWS,), generator=g)
+    return torch.tensor([list(data[s:s + SEQ]) for s in starts.tolist()], dtype=torch.long)
+
+
+def make_model():
+    import transformers
+    torch.manual_seed(SEED)
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def main():
+    out, modes, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo")
+    for mode in modes.split(","):
+        run(out, mode, steps)
+    dist.destroy_process_group()
+
+
+def run(out: str, mode: str, steps: int) -> None:
+    opts = set(mode.split("+"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    model = make_model().to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reshard = "zero2" not in opts
+    for block in model.transformer.h:
+        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    dpu = "dpu" in opts
+    if "ref" in opts:
+        opt = Reference(model, dpu)
+    else:
+        from zero_offload import OffloadAdamW
+        kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
+        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
+                           server={"threads": 1}, **kw)
+    per = ROWS // world
+    losses, norms = [], []
+    for t in range(1, steps + 1):
+        x = text_rows(t)[rank * per:(rank + 1) * per]
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+        lt = loss.detach().float().reshape(1)
+        dist.all_reduce(lt)
+        losses.append(float(lt) / world)
+    res = {"losses": losses, "norms": norms,
+           "local": {n: (str(p.to_local().dtype), p.to_local().numel()) for n, p in model.named_parameters()}}
+    if "ref" in opts:
+        res["master"] = opt.master_state_dict()
+    else:
+        res["stats"] = opt.stats()
+        res["master"] = opt.master_state_dict()  # a collective: whole tensors from every rank's shards
+        opt.close()  # the last update lands in the local shards
+    os.makedirs(os.path.join(out, mode), exist_ok=True)
+    torch.save(res, os.path.join(out, mode, f"rank{rank}.pt"))
+
+
+class Reference:
+    """FSDP2 with torch.optim.AdamW over fp32 masters of the local shards, fed the same
+    16-bit gradient shards the offload run gets (FSDP2 reduces in fp32 and hands the
+    bf16 shard's gradient); the local shards get the masters' bf16 values after each
+    step.  dpu: the engine's schedule: from step DPU_WARMUP on, the device gets the
+    master of one update before (the forward of step t computes on M_(t-2))."""
+
+    def __init__(self, model, dpu: bool):
+        self.params = list(model.parameters())
+        self.master = {id(p): p.to_local().detach().float().clone().requires_grad_(True) for p in self.params}
+        gs = [{**g, "params": [self.master[id(p)] for p in g["params"]]} for g in groups(model)]
+        self.opt = torch.optim.AdamW(gs, lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
+        self.dpu, self.t = dpu, 0
+        self.names = {id(p): n for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        for p in self.params:
+            self.master[id(p)].grad = p.grad.to_local().float()
+        before = [m.clone() for m in self.master.values()] if self.dpu and self.t >= DPU_WARMUP else None
+        self.opt.step()
+        src = before if before is not None else list(self.master.values())
+        for p, m in zip(self.params, src):
+            p.to_local().copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def master_state_dict(self) -> dict:
+        from torch.distributed.tensor import DTensor
+        out = {}
+        for p in self.params:
+            d = DTensor.from_local(self.master[id(p)].detach(), p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride(), run_check=False)
+            out[self.names[id(p)]] = d.full_tensor()
+        return out
+
+
+if __name__ == "__main__":
+    main()
