@@ -15,7 +15,7 @@ from zero_offload.server.protocol import QBLOCK, ShardSpec
 from zero_offload.server.state import bytes_per_param
 from zero_offload.server.tracing import Tracer
 
-from . import compute_dtype, distributed, exact_mode, host_memory, owners
+from . import compute_dtype, distributed, exact_mode, fsdp2, host_memory, owners
 from .config import OffloadConfig
 from .devices import process_group, resolve_device
 from .dtypes import TORCH_DTYPES
@@ -49,13 +49,13 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
-    if any(_is_dtensor(p) for p in params):
+    if any(fsdp2.is_dtensor(p) for p in params):
         # FSDP2's sharded parameters meet a flat space of plain tensors: refused before any
         # process starts, instead of a DTensor error from deep inside the first copy
-        raise ValueError("the model's parameters are DTensors (torch.distributed.fsdp.fully_shard, FSDP2, or "
-                         "tensor parallelism), which the engine does not shard yet: train without fully_shard "
-                         "and let the engine shard the optimizer itself (ZeRO-2: initialise torch.distributed "
-                         "and start the job with zero-offload-launch; each rank offloads its 1/N of the state)")
+        raise ValueError("the model's parameters are DTensors (torch.distributed.fsdp.fully_shard, FSDP2): "
+                         "OffloadEngine trains plain tensors; for an FSDP2 model use OffloadAdamW (or "
+                         "OffloadLion), which offloads each rank's local shards, or train without fully_shard "
+                         "and let the engine shard the optimizer itself (zero-offload-launch)")
     owners.check_free(params)
     src = params[0].device
     if any(p.device != src for p in params):
@@ -104,17 +104,6 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     if cfg.mode == "exact":
         engine.picker, engine._undo_log_bytes = exact_strategies(engine, cfg, overlap_ok, auto_overlap)
     return params
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch before 2.4 kept it private
-        try:
-            from torch.distributed._tensor import DTensor
-        except ImportError:
-            return False
-    return isinstance(p, DTensor)
 
 
 def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bool,

@@ -180,16 +180,18 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
         assert steps[n] == opt.state[masters[n]]["step"].item(), n
 
 
-def test_an_fsdp2_model_is_refused_naming_the_fix(tmp_path):
-    """A model under torch's fully_shard (FSDP2: DTensor parameters) is refused before any
-    process starts, naming what to do instead, and left as it was (the engine does not
-    shard with FSDP2 yet).  One rank over gloo, the process group taken down after.
-    (Mutation: dropping the check gives torch's "mixed torch.Tensor and DTensor" error
-    from inside the first copy, after the server started.)"""
+def test_an_fsdp2_model_is_refused_by_the_engine_naming_the_fix(tmp_path):
+    """OffloadEngine on a model under torch's fully_shard (FSDP2: DTensor parameters) is
+    refused before any process starts, naming OffloadAdamW (which takes FSDP2's local
+    shards: tests/test_fsdp2.py), and the model is left as it was; OffloadAdamW over a
+    mix of DTensors and plain tensors is refused naming fully_shard of the whole model.
+    One rank over gloo, the process group taken down after.  (Mutation: dropping the
+    engine's check gives torch's "mixed torch.Tensor and DTensor" error from inside the
+    first copy, after the server started.)"""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from zero_offload import OffloadAdamW
+    from zero_offload import OffloadAdamW, OffloadEngine
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -198,8 +200,11 @@ def test_an_fsdp2_model_is_refused_naming_the_fix(tmp_path):
             fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         fully_shard(model)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
-        with pytest.raises(ValueError, match="DTensors.*fully_shard.*zero-offload-launch"):
-            OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
+        with pytest.raises(ValueError, match="DTensors.*fully_shard.*use OffloadAdamW"):
+            OffloadEngine(model, dtype="bf16", server={"threads": 1})
         assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+        plain = torch.nn.Linear(4, 4)
+        with pytest.raises(ValueError, match="some parameters are DTensors.*fully_shard the whole model"):
+            OffloadAdamW(list(model.parameters()) + list(plain.parameters()), lr=1e-3, server={"threads": 1})
     finally:
         dist.destroy_process_group()

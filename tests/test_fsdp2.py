@@ -49,7 +49,8 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2-2")
     # reshard_after_forward changes when FSDP2 frees the unsharded units, not the
     # arithmetic: the ZeRO-2 runs are held to the ZeRO-3 references
-    launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2"], 2)
+    launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2", "offload+resume", "dpu+resume"],
+           2)
     return out
 
 
@@ -79,6 +80,22 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
     assert res[0]["norms"] == res[1]["norms"]
     st = res[0]["stats"]
     assert st["updates"] == STEPS and st["mode"] == ("dpu" if "dpu" in mode else "exact")
+
+
+@pytest.mark.parametrize("mode", ["offload", "dpu"])
+def test_torch_save_of_each_ranks_state_dict_resumes_bitwise(two_ranks, mode):
+    """Halfway, each rank torch.saves model.state_dict() and opt.state_dict() (no
+    state_dir), a new FSDP2 model and a new OffloadAdamW load them and go on: losses,
+    clip norms and final masters bitwise those of the uninterrupted run, sync and DPU
+    (whose state dict carries the device weights the delayed update left).  (Mutation:
+    load_state_dict not loading the state's files fails it: the new optimizer starts
+    its master from the bf16 weights with zero moments.)"""
+    whole, resumed = load(two_ranks, mode, 2), load(two_ranks, mode + "+resume", 2)
+    for r in range(2):
+        assert resumed[r]["losses"] == whole[r]["losses"], r
+        assert resumed[r]["norms"] == whole[r]["norms"], r
+        for n, v in whole[r]["master"].items():
+            assert torch.equal(resumed[r]["master"][n], v), (r, n)
 
 
 def test_the_device_holds_16_bit_local_shards_of_1_over_world(two_ranks):

@@ -10,12 +10,15 @@ each "+"-joined options:
            same gradients (Reference); else OffloadAdamW (the changed line)
   dpu      DPU from step DPU_WARMUP (mode="dpu"; the reference follows the same schedule)
   zero2    reshard_after_forward=False (FSDP2's ZeRO-2); else True (ZeRO-3)
+  resume   halfway, torch.save each rank's model and optimizer state dicts, build a new
+           model and optimizer, load them and go on (torch.optim's contract)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
 Writes OUT/MODE/rank{r}.pt: losses, the final masters (fp32, gathered: full tensors by
 name), the local shards' dtype and numel, and the offload stats.
 """
+import io
 import json
 import logging
 import os
@@ -62,9 +65,8 @@ def main():
     dist.destroy_process_group()
 
 
-def run(out: str, mode: str, steps: int) -> None:
-    opts = set(mode.split("+"))
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build(opts: set):
+    """The model, fully_shard on each block and the root, and its optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model().to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -74,15 +76,33 @@ def run(out: str, mode: str, steps: int) -> None:
     fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     dpu = "dpu" in opts
     if "ref" in opts:
-        opt = Reference(model, dpu)
-    else:
-        from zero_offload import OffloadAdamW
-        kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
-        opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
-                           server={"threads": 1}, **kw)
+        return model, Reference(model, dpu)
+    from zero_offload import OffloadAdamW
+    kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
+    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
+                       server={"threads": 1}, **kw)
+    return model, opt
+
+
+def run(out: str, mode: str, steps: int) -> None:
+    opts = set(mode.split("+"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt = build(opts)
     per = ROWS // world
     losses, norms = [], []
     for t in range(1, steps + 1):
+        if "resume" in opts and t == steps // 2 + 1:
+            # torch.optim's contract, per rank: torch.save the state dicts, then a new
+            # model and a new optimizer load them and go on
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            opt.close()
+            del model, opt
+            model, opt = build(opts)
+            buf.seek(0)
+            sd = torch.load(buf)  # torch.load's default, weights_only
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["opt"])
         x = text_rows(t)[rank * per:(rank + 1) * per]
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
