@@ -44,7 +44,7 @@ import torch
 from . import fsdp2
 from .config import OffloadConfig
 from .engine import OffloadEngine
-from .optim_state import FILES_KEY, InMemoryState, load_files
+from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
 
 _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 STATE_KEY = "zero_offload"   # the key of OffloadAdamW's own entry in state_dict()
@@ -125,6 +125,11 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._shards.attach(self.engine)
         self._close = weakref.finalize(self, _close, self.engine, self._shards)
         self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
+        # one empty entry per parameter: the state is in the server, and torch.optim code
+        # that tells "not stepped yet" by an empty opt.state (DCP's get_state_dict, which
+        # then runs a step with zero gradients and lr set to 0) must not take it for none
+        for p in params_all:
+            self.state[p] = {}
         self._constructed = True
 
     def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig, state_dir) -> OffloadConfig:
@@ -188,6 +193,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         tensors, which load_state_dict of a new optimizer on a new model resumes from,
         bitwise.  That copy holds the server's whole state in worker memory (14 B/param
         with fp32 state); state_dir avoids it.  One rank (several: state_dir)."""
+        refuse_dcp("OffloadAdamW.state_dict()")
         sd = super().state_dict()
         sd["state"] = {}
         if self.state_dir is not None:
@@ -200,6 +206,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict() of this optimizer's class: its groups' values, and master,
         m and v (and the device weights as they were) from its checkpoint."""
+        refuse_dcp("OffloadAdamW.load_state_dict()")
         own = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
         if own is None:
             raise ValueError(f"this state dict is not an {type(self).__name__}'s (it has no master, m and v): a "

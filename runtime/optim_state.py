@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,28 @@ FILES_KEY = "files"
 # the most bytes one file of a state dict may claim when written back (a checkpoint
 # file is at most a shard's largest array, 4 B x 2^40 elements)
 MAX_FILE_BYTES = 1 << 42
+
+
+DCP_MODULE = "torch.distributed.checkpoint"
+
+
+def refuse_dcp(what: str) -> None:
+    """ValueError naming the fix when torch.distributed.checkpoint's get_state_dict /
+    set_state_dict (or another of its functions) called `what`: it keeps only the
+    optimizer state torch's own optimizers hold per parameter, so the master and
+    moments, which live in the optimizer server, would be dropped from the checkpoint
+    without a word."""
+    f = sys._getframe(2)
+    for _ in range(6):  # DCP's own helpers call state_dict() a few frames down
+        if f is None:
+            return
+        if str(f.f_globals.get("__name__", "")).startswith(DCP_MODULE):
+            raise ValueError(f"{what} called by torch.distributed.checkpoint (get_state_dict/set_state_dict): "
+                             f"its optimizer format holds per-parameter tensors, and this optimizer's master and "
+                             f"moments live in the optimizer server, so DCP would save none of them. Save the "
+                             f"optimizer with torch.save(opt.state_dict()) on each rank (it resumes at the same "
+                             f"world size), and the model with DCP or model.state_dict() as before")
+        f = f.f_back
 
 
 class InMemoryState:

@@ -125,3 +125,46 @@ def test_three_ranks_uneven_shards(tmp_path):
         a, b = torch.tensor(res["losses"]), torch.tensor(ref["losses"])
         assert ((a - b).abs() / b.abs()).max() < 1e-2
         assert moved_rel(res["master"], ref["master"], p0) < 0.10
+
+
+def test_torch_distributed_checkpoint_is_refused_naming_the_fix(tmp_path):
+    """DCP's get_state_dict/set_state_dict keep only per-parameter tensors in an
+    optimizer's state, and OffloadAdamW's master and moments live in the server: both are
+    refused naming per-rank torch.save(opt.state_dict()), and the optimizer is left as it
+    was (its lr, no gradient set, the next step trains).  One rank over gloo, in this
+    process, the group taken down after.  (Mutation: without the empty per-parameter
+    entries in opt.state, DCP first runs a step with zero gradients and lr 0, which the
+    engine refuses with a RuntimeError and leaves lr at 0.)"""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from zero_offload import OffloadAdamW
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
+        x = torch.randn(4, 16, dtype=torch.bfloat16)
+        try:
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with pytest.raises(ValueError, match="torch.distributed.checkpoint.*torch.save\\(opt.state_dict\\(\\)\\)"):
+                get_state_dict(model, opt)
+            assert opt.param_groups[0]["lr"] == 1e-3
+            assert all(p.grad is None for p in model.parameters())
+            with pytest.raises(ValueError, match="torch.distributed.checkpoint"):
+                set_state_dict(model, opt, model_state_dict=model.state_dict(), optim_state_dict=opt.state_dict())
+            before = [p.detach().full_tensor().clone() for p in model.parameters()]
+            model(x).float().square().mean().backward()
+            opt.step()
+            assert opt.stats()["updates"] == 2
+            assert any(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+        finally:
+            opt.close()
+    finally:
+        dist.destroy_process_group()
