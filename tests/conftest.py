@@ -33,6 +33,10 @@ XDIST_GROUPS = (
     ("tests/test_distributed.py::test_overlap_update_on_two_ranks_is_bitwise_sync", "two_rank_runs"),
     ("tests/test_distributed.py::test_overflow_on_one_rank_skips_everywhere", "two_rank_runs"),
     ("tests/faults/test_restart.py", "restart"),
+    # the FSDP2 module fixture's one launch of 8 runs
+    ("tests/test_fsdp2.py::test_offload_adamw_on_fsdp2", "fsdp2_two_ranks"),
+    ("tests/test_fsdp2.py::test_torch_save_of_each_ranks", "fsdp2_two_ranks"),
+    ("tests/test_fsdp2.py::test_the_device_holds", "fsdp2_two_ranks"),
     ("tests/test_checkpoint_scale.py", "memory"),
     ("tests/test_memory.py", "memory"),
     ("tests/test_scripts.py::test_bench_memory_tiny", "memory"),
