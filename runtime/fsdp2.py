@@ -86,6 +86,10 @@ class LocalShards:
 
     def __init__(self, params: list):
         check_fsdp2(params)
+        # frozen shards (requires_grad=False) get no gradient and are never touched, as
+        # torch.optim leaves them; only the trainable ones get a proxy
+        self.frozen = [p for p in params if not p.requires_grad]
+        params = [p for p in params if p.requires_grad]
         self.params = params
         self.local = [p.to_local() for p in params]
         # the engine lays these out and frees them (its flat space views its own weights);
@@ -129,12 +133,16 @@ class LocalShards:
         for t, q in zip(self.local, self.proxies):
             t.copy_(q.detach().view(t.shape))
 
-    def gather(self, names: list[str], local_masters: list[torch.Tensor]) -> dict:
-        """Whole fp32 tensors by name from every rank's local masters (a collective over
-        FSDP2's group: each rank calls it)."""
+    def gather(self, names: dict, local_masters: list[torch.Tensor]) -> dict:
+        """Whole fp32 tensors by name (names: id of an FSDP2 parameter -> its name) from
+        every rank's local masters, and the frozen parameters' values in fp32 (a
+        collective over FSDP2's group: each rank calls it)."""
         DTensor = dtensor_class()
         out = {}
-        for n, p, m in zip(names, self.params, local_masters):
+        for p in self.frozen:
+            out[names[id(p)]] = p.detach().full_tensor().float().cpu()
+        for p, m in zip(self.params, local_masters):
+            n = names[id(p)]
             d = DTensor.from_local(m.reshape(p.to_local().shape).to(p.device), p.device_mesh, p.placements,
                                    shape=p.shape, stride=p.stride(), run_check=False)
             out[n] = d.full_tensor().cpu()

@@ -148,12 +148,11 @@ class OffloadAdamW(torch.optim.Optimizer):
                              f"all-gather reads the local shards before the forward, so the update cannot run "
                              f"during it; use 'sync' (or mode='dpu')")
         self._shards = fsdp2.LocalShards(params)
-        proxy = {id(p): q for p, q in zip(params, self._shards.proxies)}
-        for g in groups:
-            g["params"] = [proxy[id(p)] for p in g["params"]]
-        if model is not None:
-            names = {id(p): n for n, p in model.named_parameters()}
-            self._names = [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+        proxy = {id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
+        for g in groups:  # frozen shards have no proxy: left alone, as torch.optim leaves them
+            g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._names = {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(params)}
         # the proxies are never computed with (FSDP2 computes on its own all-gathered
         # parameters): they hold the 16-bit weights whatever the CPU's matmul
         return dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, compute_dtype=cfg.dtype))
@@ -262,8 +261,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._shards is None:
             return self.engine.master_state_dict(rank0_only)
         local = list(self.engine.master_state_dict().values())  # the proxies' masters, in order
-        names = self._names or [f"param{i}" for i in range(len(local))]
-        return self._shards.gather(names, local)
+        return self._shards.gather(self._names, local)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -10,6 +10,8 @@ each "+"-joined options:
            same gradients (Reference); else OffloadAdamW (the changed line)
   dpu      DPU from step DPU_WARMUP (mode="dpu"; the reference follows the same schedule)
   zero2    reshard_after_forward=False (FSDP2's ZeRO-2); else True (ZeRO-3)
+  frozen   the position embedding frozen (requires_grad=False), still in the optimizer's groups
+  accum    two micro-batches a step, FSDP2's accumulation (set_requires_gradient_sync)
   resume   halfway, torch.save each rank's model and optimizer state dicts, build a new
            model and optimizer, load them and go on (torch.optim's contract)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
@@ -69,6 +71,8 @@ def build(opts: set):
     """The model, fully_shard on each block and the root, and its optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model().to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
+    if "frozen" in opts:
+        model.transformer.wpe.weight.requires_grad_(False)  # torch.optim leaves it: no gradient, no decay
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     reshard = "zero2" not in opts
     for block in model.transformer.h:
@@ -104,7 +108,15 @@ def run(out: str, mode: str, steps: int) -> None:
             model.load_state_dict(sd["model"])
             opt.load_state_dict(sd["opt"])
         x = text_rows(t)[rank * per:(rank + 1) * per]
-        loss = model(input_ids=x, labels=x).loss
+        if "accum" in opts:
+            # FSDP2's accumulation: no reduce-scatter until the last micro-batch
+            half = per // 2
+            model.set_requires_gradient_sync(False)
+            (model(input_ids=x[:half], labels=x[:half]).loss / 2).backward()
+            model.set_requires_gradient_sync(True)
+            loss = model(input_ids=x[half:], labels=x[half:]).loss / 2
+        else:
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
@@ -143,7 +155,7 @@ class Reference:
     def step(self):
         self.t += 1
         for p in self.params:
-            self.master[id(p)].grad = p.grad.to_local().float()
+            self.master[id(p)].grad = p.grad.to_local().float() if p.grad is not None else None
         before = [m.clone() for m in self.master.values()] if self.dpu and self.t >= DPU_WARMUP else None
         self.opt.step()
         src = before if before is not None else list(self.master.values())
