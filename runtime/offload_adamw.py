@@ -40,8 +40,9 @@ import uuid
 import weakref
 
 import torch
+import torch.distributed as dist
 
-from . import fsdp2
+from . import fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
@@ -135,10 +136,6 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig, state_dir) -> OffloadConfig:
         """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards
         (runtime.fsdp2); `groups` is rewritten onto them.  Returns the config it runs with."""
-        if state_dir is not None:
-            raise ValueError("state_dir with an FSDP2 model: a checkpoint layout shared by every topology is not "
-                             "there yet for FSDP2; save each rank's opt.state_dict() with torch.save (loads at "
-                             "the same world size) and leave state_dir unset")
         if cfg.grad_accumulation_steps != 1:
             raise ValueError(f"grad_accumulation_steps={cfg.grad_accumulation_steps} with an FSDP2 model: accumulate "
                              f"with FSDP2 (model.set_requires_gradient_sync(False) on the micro-batches before the "
@@ -153,6 +150,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
         names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
         self._names = {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(params)}
+        # the built-in path's layout of the same parameters (runtime.fsdp2_checkpoint):
+        # the model's trainable ones in its order (the optimizer's without model=), by group
+        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
+        order = [p for p in (model.parameters() if model is not None else params)
+                 if p.requires_grad and id(p) in group_of]
+        self._layout = (order, group_of)
+        self._flat_map = None
         # the proxies are never computed with (FSDP2 computes on its own all-gathered
         # parameters): they hold the 16-bit weights whatever the CPU's matmul
         return dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, compute_dtype=cfg.dtype))
@@ -238,20 +242,31 @@ class OffloadAdamW(torch.optim.Optimizer):
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
         """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights
         (background=True: written while training goes on; wait_checkpoint() publishes it)."""
-        if self._shards is not None:
-            raise ValueError("save_checkpoint with an FSDP2 model: a checkpoint layout shared by every topology is "
-                             "not there yet for FSDP2; torch.save each rank's opt.state_dict() instead (it loads "
-                             "at the same world size)")
+        if self._shards is not None:  # a collective over FSDP2's group, in the layout every topology reads
+            if background:
+                raise ValueError("save_checkpoint(background=True) with an FSDP2 model: its save gathers every "
+                                 "rank's pieces into one layout before it returns; pass background=False")
+            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards.group, directory, keep)
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
+
+    def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":
+        if self._flat_map is None:
+            g = self._shards.group
+            rank, world = (dist.get_rank(g), dist.get_world_size(g)) if g is not None else (0, 1)
+            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, self._shards, *self._layout, rank, world)
+        return self._flat_map
 
     def wait_checkpoint(self) -> str | None:
         """OffloadEngine.wait_checkpoint: publish the background save in flight."""
         return self.engine.wait_checkpoint()
 
     def load_checkpoint(self, directory: str) -> None:
+        """OffloadEngine.load_checkpoint: any checkpoint of this model's optimizer, saved at any
+        world size, with FSDP2 or the built-in path (with FSDP2 a collective)."""
         if self._shards is not None:
-            raise ValueError("load_checkpoint with an FSDP2 model: load each rank's torch.save'd opt.state_dict() "
-                             "with load_state_dict instead")
+            fsdp2_checkpoint.load(self.engine, self._fsdp2_map(), directory)
+            self._shards.copy_back()  # the loaded device weights into the local shards
+            return
         self.engine.load_checkpoint(directory)
 
     def master_state_dict(self, rank0_only: bool = False):

@@ -50,7 +50,7 @@ def two_ranks(tmp_path_factory):
     # reshard_after_forward changes when FSDP2 frees the unsharded units, not the
     # arithmetic: the ZeRO-2 runs are held to the ZeRO-3 references
     launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2", "offload+resume", "dpu+resume",
-                 "ref+frozen+accum", "offload+frozen+accum"], 2)
+                 "ref+frozen+accum", "offload+frozen+accum", "offload+resume+statedir"], 2)
     return out
 
 
@@ -92,15 +92,17 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
     assert st["updates"] == STEPS and st["mode"] == ("dpu" if "dpu" in mode else "exact")
 
 
-@pytest.mark.parametrize("mode", ["offload", "dpu"])
-def test_torch_save_of_each_ranks_state_dict_resumes_bitwise(two_ranks, mode):
+@pytest.mark.parametrize("mode,resumed", [("offload", "offload+resume"), ("dpu", "dpu+resume"),
+                                          ("offload", "offload+resume+statedir")])
+def test_torch_save_of_each_ranks_state_dict_resumes_bitwise(two_ranks, mode, resumed):
     """Halfway, each rank torch.saves model.state_dict() and opt.state_dict() (no
     state_dir), a new FSDP2 model and a new OffloadAdamW load them and go on: losses,
     clip norms and final masters bitwise those of the uninterrupted run, sync and DPU
-    (whose state dict carries the device weights the delayed update left).  (Mutation:
+    (whose state dict carries the device weights the delayed update left), and with
+    state_dir (the state dict then names a checkpoint in the shared layout).  (Mutation:
     load_state_dict not loading the state's files fails it: the new optimizer starts
     its master from the bf16 weights with zero moments.)"""
-    whole, resumed = load(two_ranks, mode, 2), load(two_ranks, mode + "+resume", 2)
+    whole, resumed = load(two_ranks, mode, 2), load(two_ranks, resumed, 2)
     for r in range(2):
         assert resumed[r]["losses"] == whole[r]["losses"], r
         assert resumed[r]["norms"] == whole[r]["norms"], r

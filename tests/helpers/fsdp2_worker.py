@@ -12,6 +12,7 @@ each "+"-joined options:
   zero2    reshard_after_forward=False (FSDP2's ZeRO-2); else True (ZeRO-3)
   frozen   the position embedding frozen (requires_grad=False), still in the optimizer's groups
   accum    two micro-batches a step, FSDP2's accumulation (set_requires_gradient_sync)
+  statedir OffloadAdamW(..., state_dir=...): state_dict() holds a checkpoint's path
   resume   halfway, torch.save each rank's model and optimizer state dicts, build a new
            model and optimizer, load them and go on (torch.optim's contract)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
@@ -67,7 +68,7 @@ def main():
     dist.destroy_process_group()
 
 
-def build(opts: set):
+def build(opts: set, out: str = ""):
     """The model, fully_shard on each block and the root, and its optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     model = make_model().to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
@@ -83,6 +84,8 @@ def build(opts: set):
         return model, Reference(model, dpu)
     from zero_offload import OffloadAdamW
     kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
+    if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
+        kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
     opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
                        server={"threads": 1}, **kw)
     return model, opt
@@ -91,7 +94,7 @@ def build(opts: set):
 def run(out: str, mode: str, steps: int) -> None:
     opts = set(mode.split("+"))
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, opt = build(opts)
+    model, opt = build(opts, out)
     per = ROWS // world
     losses, norms = [], []
     for t in range(1, steps + 1):
@@ -102,7 +105,7 @@ def run(out: str, mode: str, steps: int) -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
             opt.close()
             del model, opt
-            model, opt = build(opts)
+            model, opt = build(opts, out)
             buf.seek(0)
             sd = torch.load(buf)  # torch.load's default, weights_only
             model.load_state_dict(sd["model"])

@@ -1,0 +1,340 @@
+"""Checkpoints of an FSDP2 model's optimizer in the layout every topology shares.
+
+A checkpoint holds the flat space a one-rank engine lays out for the whole model
+(runtime.flat.FlatParams over the model's trainable parameters, in the order and the
+param groups the built-in path gives them, at the same parameter alignment), cut
+into the files of the ranks that saved it (optimizer_server.reshard).  An FSDP2 rank
+holds rows [r0, r1) of every parameter (torch.chunk on dim 0): a contiguous range of
+that parameter, so a contiguous range of the flat space.  Its engine, a one-rank
+engine over its proxies (runtime.fsdp2), lays those out in its own local flat space;
+FlatMap says where each local piece lies in the shared one.
+
+save (every rank of FSDP2's group calls it):
+  1. each rank's engine writes an ordinary one-rank checkpoint of its local flat
+     space into a private temporary directory;
+  2. rank 0 creates the step directory's one-rank files at their full size
+     (shard-r0-of-1.bin: master and moments of the whole flat space;
+     device16-r0-of-1.bin; pending16 under DPU), zeros where no parameter lies;
+  3. each rank copies its pieces of each array into them (pread/pwrite, bounded
+     chunks);
+  4. rank 0 writes the manifests with the files' checksums, and the directory is
+     published as any checkpoint is (optimizer_server.checkpoint.CheckpointDir).
+The result is an ordinary checkpoint: the built-in path loads it on any number of
+ranks, and so does FSDP2 on any number of ranks.
+
+load (every rank calls it): each rank reads its pieces out of any checkpoint (saved
+by FSDP2 or by the built-in path, at any world size: read_range), writes them as a
+one-rank checkpoint of its local flat space into a private temporary directory, and
+its engine loads that (with every check a load makes).
+
+Cost: each rank writes, reads and copies its local state once more through a
+temporary directory (12 B/param/world with fp32 state, plus 2-4 of weights), and
+rank 0 reads the shared files once for their checksums.  int8 state is refused: its
+scale per 256 elements does not follow FSDP2's rows, so moving it between topologies
+would re-quantise it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zero_offload.server import checkpoint as C
+from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.errors import OptimizerServerError
+from zero_offload.server.protocol import E_CHECKPOINT
+from zero_offload.server.reshard import read_range
+from zero_offload.server.state import INT8_CODES, ITEM_BYTES, ShardStateArrays
+
+from .flat import FlatParams
+
+CHUNK = 1 << 24  # elements copied at a time: 64 MiB of fp32 in the worker, whatever the model's size
+ONE = 1          # the shared files are a one-rank checkpoint's
+
+
+@dataclass
+class FlatMap:
+    """Where this rank's local flat space lies in the shared one."""
+    numel: int                               # the shared flat space (one rank: no padding)
+    pieces: list[tuple[int, int, int]]       # (local_lo, flat_lo, n), by local_lo
+    span_of_local: list[int]                 # local span j -> its parameter's span in the shared layout
+    n_params: int                            # the shared layout's parameters (a step count each)
+
+
+def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int) -> FlatMap:
+    """order: the model's trainable FSDP2 parameters in the order the built-in path lays
+    them out (the model's, or the optimizer's without model=); group_of: id -> group."""
+    stand = [torch.empty(p.shape, device="meta") for p in order]
+    shared = FlatParams(stand, bucket_numel=1 << 62, world_size=1, groups=[group_of[id(p)] for p in order],
+                        align=engine.param_align)
+    span_index = {id(s.param): j for j, s in enumerate(shared.spans)}
+    where = {id(p): shared.spans[span_index[id(t)]] for p, t in zip(order, stand)}
+    index = {id(p): span_index[id(t)] for p, t in zip(order, stand)}
+    proxy_of = {id(q): p for p, q in zip(shards.params, shards.proxies)}
+    pieces, span_of_local = [], []
+    for s in engine.flat.spans:
+        p = proxy_of[id(s.param)]
+        rows = p.shape[0] if p.dim() else 1
+        cols = p.numel() // rows if rows else 0
+        chunk = -(-rows // world)
+        r0, r1 = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        if (r1 - r0) * cols != s.numel:
+            raise ValueError(f"a local shard of {s.numel} elements where FSDP2's rows {r0}:{r1} of a "
+                             f"{tuple(p.shape)} parameter hold {(r1 - r0) * cols}: this sharding is not "
+                             f"torch.chunk on dim 0, so its place in a checkpoint is unknown")
+        if s.numel:
+            pieces.append((s.offset, where[id(p)].offset + r0 * cols, s.numel))
+        span_of_local.append(index[id(p)])
+    return FlatMap(shared.numel, pieces, span_of_local, len(shared.spans))
+
+
+class _Group:
+    """FSDP2's process group, as CheckpointDir's agree and barrier."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world = dist.get_world_size(group) if group is not None else 1
+
+    def agree(self, ok: bool) -> bool:
+        if self.world == 1:
+            return ok
+        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier(group=self.group)
+
+    def bcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+
+def _arrays(man: dict) -> tuple[list, dict]:
+    names, dtypes = list(man["arrays"]), C.saved_array_dtypes(man)
+    bad = [n for n in names if dtypes.get(n, "fp32") in INT8_CODES or dtypes.get(n, "fp32") == C.LEGACY_INT8]
+    if bad:
+        raise ValueError("an FSDP2 checkpoint with int8 state: its scale per 256 elements does not follow "
+                         "FSDP2's rows, so it cannot move between topologies bitwise; use state_dtype='bf16' "
+                         "or 'fp32' (or save each rank's opt.state_dict() with torch.save)")
+    return names, dtypes
+
+
+def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int, reverse: bool) -> None:
+    """Elements of each piece between two files: local -> shared (reverse=False) or the
+    other way, CHUNK elements at a time."""
+    for lo, flat_lo, n in pieces:
+        a, b = (lo, flat_lo) if not reverse else (flat_lo, lo)
+        for off in range(0, n, CHUNK):
+            m = min(CHUNK, n - off)
+            data = os.pread(src_fd, m * item, src_base + (a + off) * item)
+            if len(data) != m * item:
+                raise OSError(f"short read of a checkpoint file ({len(data)} of {m * item} bytes)")
+            os.pwrite(dst_fd, data, dst_base + (b + off) * item)
+
+
+def _create(path: Path, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def save(engine, fmap: FlatMap, group, directory: str, keep: int) -> str:
+    """Every rank of FSDP2's group: the optimizer's state into directory/step-N in the
+    shared layout (module docstring).  Returns the step directory."""
+    g = _Group(group)
+    d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
+    tmp = d.begin(engine.iteration)
+    local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+    err: BaseException | None = None
+    files = {}
+    try:
+        # 1. this rank's own one-rank checkpoint
+        try:
+            local = Path(engine.save_checkpoint(str(local_root), keep=1))
+            man = json.loads(C.rank_file(local, C.SHARD, 0, ONE, ".json").read_text())
+            meta = json.loads(C.rank_file(local, C.ENGINE, 0, ONE, ".json").read_text())
+            names, dtypes = _arrays(man)
+            ok = True
+        except (OSError, ValueError, OptimizerServerError) as e:
+            ok, err = False, e
+        if not g.agree(ok):
+            return _fail(d, tmp, err)
+        # every rank's stale flag is the same (one DPU schedule): rank 0's decides the files
+        stale = g.bcast(bool(meta["stale"]))
+        N = fmap.numel
+        shard_bytes = ShardStateArrays.file_bytes(names, dtypes, N)
+        files = {C.SHARD: C.rank_file(tmp, C.SHARD, 0, ONE, ".bin"),
+                 C.DEVICE16: C.rank_file(tmp, C.DEVICE16, 0, ONE, ".bin")}
+        if stale:
+            files[C.PENDING16] = C.rank_file(tmp, C.PENDING16, 0, ONE, ".bin")
+        # 2. rank 0 makes the shared files at their full size (zeros where no parameter lies)
+        ok = True
+        if g.rank == 0:
+            try:
+                _create(files[C.SHARD], shard_bytes)
+                for k in (C.DEVICE16, C.PENDING16):
+                    if k in files:
+                        _create(files[k], 2 * N)
+            except OSError as e:
+                ok, err = False, e
+        if not g.agree(ok):
+            return _fail(d, tmp, err)
+        # 3. each rank its pieces
+        try:
+            n_local = int(man["numel"])
+            lbase, _ = ShardStateArrays.file_layout(names, dtypes, n_local)
+            gbase, _ = ShardStateArrays.file_layout(names, dtypes, N)
+            for role, path in files.items():
+                src = C.rank_file(local, role, 0, ONE, ".bin")
+                sfd, dfd = os.open(src, os.O_RDONLY), os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+                try:
+                    if role == C.SHARD:
+                        for name in names:
+                            item = ITEM_BYTES[dtypes.get(name, "fp32")]
+                            _copy_pieces(sfd, dfd, fmap.pieces, lbase[name], gbase[name], item, False)
+                    else:
+                        _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2, False)
+                    os.fsync(dfd)
+                finally:
+                    os.close(sfd)
+                    os.close(dfd)
+        except OSError as e:
+            ok, err = False, e
+        if not g.agree(ok):
+            return _fail(d, tmp, err)
+        # 4. rank 0: the manifests, with the shared files' checksums
+        if g.rank == 0:
+            try:
+                sums = {role: C.file_checksum(path) for role, path in files.items()}
+                shard_man = dict(man, rank=0, world_size=ONE, numel=N, groups=[], checksum=sums.pop(C.SHARD))
+                atomic_write_bytes(C.rank_file(tmp, C.SHARD, 0, ONE, ".json"),
+                                   json.dumps(shard_man, indent=1).encode())
+                counts = [0] * fmap.n_params
+                for j, c in zip(fmap.span_of_local, meta["param_updates"]):
+                    counts[j] = c
+                eng = dict(meta, rank=0, world_size=ONE, numel=N, param_updates=counts, checksums=sums)
+                atomic_write_bytes(C.rank_file(tmp, C.ENGINE, 0, ONE, ".json"), json.dumps(eng, indent=1).encode())
+            except OSError as e:
+                ok, err = False, e
+        expected = [C.rank_file(Path("."), p, 0, ONE, s) for p, s in
+                    ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
+        done, where = d.commit(tmp, ok, lambda k: expected if k == 0 else [])
+        if done:
+            return where
+        why = err or where or "on another rank"
+        raise OptimizerServerError(f"saving the FSDP2 checkpoint in {directory} failed ({why}); the previous "
+                                   f"checkpoint is intact", code=E_CHECKPOINT)
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
+def _fail(d, tmp: Path, err) -> str:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise OptimizerServerError(f"saving the FSDP2 checkpoint failed ({err or 'on another rank'}); the previous "
+                               f"checkpoint is intact", code=E_CHECKPOINT)
+
+
+def load(engine, fmap: FlatMap, directory: str) -> None:
+    """Every rank: its pieces out of any checkpoint (module docstring), loaded by its engine."""
+    d = C.resolve(directory)
+    src = C.pick_world_size(d, C.SHARD, ONE)
+    mans, metas = [], []
+    for k in range(src):
+        mp, ep = C.rank_file(d, C.SHARD, k, src, ".json"), C.rank_file(d, C.ENGINE, k, src, ".json")
+        for path in (mp, ep):
+            if not path.exists():
+                raise C.CheckpointError(f"checkpoint {d} is incomplete: {path.name} is missing; load another "
+                                        f"checkpoint (an earlier step-N beside it)")
+        man = json.loads(mp.read_text())
+        C.check_shard_manifest(mp, man)
+        mans.append(man)
+        meta = json.loads(ep.read_text())
+        C.check_version(ep, "version", meta.get("version"), C.ENGINE_VERSION)
+        metas.append(meta)
+    man, meta = mans[0], metas[0]
+    names, dtypes = _arrays(man)
+    per_file = int(man["numel"])
+    if any(int(m["numel"]) != per_file for m in mans):
+        raise C.CheckpointError(f"checkpoint {d}: its shard files hold different numbers of elements")
+    if meta.get("param_align", 1) != engine.param_align or meta.get("numel") != fmap.numel:
+        raise C.CheckpointError(
+            f"checkpoint {d} lays out {meta.get('numel')} elements at an alignment of {meta.get('param_align', 1)}, "
+            f"this model's one-rank layout {fmap.numel} at {engine.param_align}: load it into the model it was "
+            f"saved from, with the same param groups (and expert={{'param_align_numel': "
+            f"{meta.get('param_align', 1)}}} if only the alignment differs)")
+    if len(meta.get("param_updates", [])) != fmap.n_params:
+        raise C.CheckpointError(f"checkpoint {d} counts steps for {len(meta.get('param_updates', []))} parameters, "
+                                f"this model has {fmap.n_params} trainable ones: load it into the model it was "
+                                f"saved from")
+    bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
+    expect = ShardStateArrays.file_bytes(names, dtypes, per_file)
+    for k, path in enumerate(bins):
+        size = path.stat().st_size if path.exists() else -1
+        if size != expect:
+            raise C.CheckpointError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
+        C.verify(path, mans[k].get("checksum"))
+    roles = [C.DEVICE16] + ([C.PENDING16] if meta["stale"] else [])
+    w16 = {role: [C.rank_file(d, role, k, src, ".bin") for k in range(src)] for role in roles}
+    for role, fs in w16.items():
+        for k, f in enumerate(fs):
+            C.verify(f, metas[k].get("checksums", {}).get(role))
+    n_local = engine.flat.shard_numel
+    local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+    try:
+        local = local_root / "state"
+        local.mkdir(mode=0o700)
+        lbase, lsize = ShardStateArrays.file_layout(names, dtypes, n_local)
+        gbase, _ = ShardStateArrays.file_layout(names, dtypes, per_file)
+        out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
+        _create(out, lsize)
+        _gather(bins, per_file, out, [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")]) for n in names],
+                fmap.pieces)
+        sums = {}
+        for role, fs in w16.items():
+            per16 = fs[0].stat().st_size // 2
+            out16 = C.rank_file(local, role, 0, ONE, ".bin")
+            _create(out16, 2 * n_local)
+            _gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces)
+            sums[role] = C.file_checksum(out16)
+        atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(
+            dict(man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.file_checksum(out))).encode())
+        counts = [meta["param_updates"][j] for j in fmap.span_of_local]
+        atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
+            dict(meta, rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts,
+                 checksums=sums)).encode())
+        engine.load_checkpoint(str(local))
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+
+
+def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int, int, int]], pieces) -> None:
+    """Into the local file `out`: each array's pieces (arrays: (local base, shared base,
+    item bytes)) read out of the shared flat space of `files` (read_range)."""
+    fd = os.open(out, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        for lbase, gbase, item in arrays:
+            dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
+            for lo, flat_lo, n in pieces:
+                for off in range(0, n, CHUNK):
+                    m = min(CHUNK, n - off)
+                    buf = np.empty(m, dt)
+                    read_range(files, per_file, gbase, flat_lo + off, flat_lo + off + m, buf)
+                    os.pwrite(fd, memoryview(buf).cast("B"), lbase + (lo + off) * item)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
