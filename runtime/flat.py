@@ -189,6 +189,8 @@ class FlatParams:
         base = flat16.data_ptr()
         size = flat16.element_size()
         for s in self.spans:
+            if s.numel == 0:  # an empty view has no address (data_ptr 0): nothing to reach it
+                continue
             if s.param.data_ptr() != base + size * s.offset or s.param.dtype != dtype:
                 raise RuntimeError(
                     "the model's parameters no longer view the engine's 16-bit weights: something replaced their "

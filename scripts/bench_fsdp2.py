@@ -4,6 +4,7 @@ optimizer state and runs its own collectives), on 2 gloo ranks in the same launc
 
     python scripts/bench_fsdp2.py                  # writes BENCHMARKS.md (bench_fsdp2)
     python scripts/bench_fsdp2.py --steps 8 --no-write
+    python scripts/bench_fsdp2.py --checkpoint 0.3e9      # checkpoints at scale (bench_fsdp2_checkpoint)
 
 One byte-level GPT-2 from its config (no download), bf16 weights, the same text rows for
 both paths (each rank its half of a fixed global batch), two param groups, clipping at
@@ -14,6 +15,13 @@ clip, step) of rank 0 over both of its rounds, after WARMUP steps of each.  Byte
 rank per step: host<->device from the engine's counters (the CPU device's zero-copy
 weights move none up), and the collectives' bytes from what each path calls (computed
 from the sizes, not measured).
+
+--checkpoint N: a model that is nearly all one embedding table of N parameters (bf16,
+fp32 state), on 2 gloo ranks, under the built-in path and then under FSDP2 (each in
+the same launch): two steps, then save_checkpoint and load_checkpoint of the same
+state, timed; FSDP2's checkpoint is the shared layout (runtime/fsdp2_checkpoint.py), so
+its save and load copy each rank's state once more through a temporary directory: the
+ratio says what that costs against the built-in path's.
 """
 from __future__ import annotations
 
@@ -92,9 +100,60 @@ def run_path(path: str, args) -> dict:
             "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"]}
 
 
+def ckpt_path(path: str, args) -> dict:
+    """One path's save and load at --checkpoint parameters (module docstring)."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from bench_scale import Tables
+    from zero_offload import OffloadAdamW
+    rank = dist.get_rank()
+    torch.manual_seed(SEED)
+    rows = int(args.checkpoint) // 64
+    model = Tables(rows).to(torch.bfloat16)
+    if path == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(model)
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1},
+                       expert={"exact_strategy": "sync"})
+    gen = torch.Generator().manual_seed(SEED + rank)
+    for _ in range(2):
+        model(torch.randint(0, rows, (8, 64), generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+    d = os.path.join(args.worker, f"ck-{path}")
+    dist.barrier()
+    t0 = time.perf_counter()
+    step_dir = opt.save_checkpoint(d)
+    dist.barrier()
+    save_s = time.perf_counter() - t0
+    nbytes = sum(f.stat().st_size for f in Path(step_dir).glob("*.bin"))
+    t0 = time.perf_counter()
+    opt.load_checkpoint(d)
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    model(torch.randint(0, rows, (8, 64), generator=gen)).backward()  # it trains on after the load
+    opt.step()
+    out = {"params": sum(p.numel() for p in model.parameters()), "save_s": save_s, "load_s": load_s,
+           "bytes": nbytes, "updates": opt.stats()["updates"]}
+    opt.close()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
 def worker(args) -> None:
     import torch.distributed as dist
     dist.init_process_group("gloo")
+    if args.checkpoint:
+        res = {p: ckpt_path(p, args) for p in ("builtin", "fsdp2")}
+        if dist.get_rank() == 0:
+            Path(args.worker, "rank0.json").write_text(json.dumps(res))
+        dist.destroy_process_group()
+        return
     res = {p: [] for p in ORDER}
     for path in ORDER:
         res[path].append(run_path(path, args))
@@ -118,19 +177,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--n-embd", type=int, default=512)
     ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--checkpoint", type=float, default=0.0,
+                    help="time save and load at this many parameters instead (module docstring)")
+    ap.add_argument("--dir", default="/var/tmp", help="where the checkpoints go (--checkpoint)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
     from zero_offload.kernels import cpu_adam
-    with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as out:
+    with tempfile.TemporaryDirectory(prefix="bench-fsdp2-", dir=args.dir if args.checkpoint else None) as out:
         cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", __file__,
                "--worker", out, "--steps", str(args.steps), "--n-embd", str(args.n_embd),
-               "--n-layer", str(args.n_layer)]
+               "--n-layer", str(args.n_layer), "--checkpoint", str(args.checkpoint)]
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
         res = json.loads(Path(out, "rank0.json").read_text())
+    if args.checkpoint:
+        return report_checkpoint(res, args)
     world = 2
     rows, med = [], {}
     for path in ("builtin", "fsdp2"):
@@ -167,6 +231,29 @@ def main() -> None:
     if not args.no_write:
         from bench_md import update_section
         update_section("bench_fsdp2", "## FSDP2 ZeRO-2 against the built-in ZeRO-2 (bench_fsdp2.py)\n\n" + body)
+
+
+def report_checkpoint(res: dict, args) -> None:
+    from bench_md import machine_line, update_section
+    from zero_offload.kernels import cpu_adam
+    b, f = res["builtin"], res["fsdp2"]
+    lines = [f"Machine: {machine_line()}; SIMD level {cpu_adam.simd_level()}; 2 gloo ranks on the CPU device, "
+             f"one server thread; an embedding table of {b['params'] / 1e9:.2f}e9 parameters (bf16 weights, "
+             f"fp32 state), 2 steps, then save_checkpoint and load_checkpoint of the same state (blocking), "
+             f"page cache warm; one run.",
+             "",
+             "| path | checkpoint GB | save s | save GB/s | load s | load GB/s | save, load vs built-in |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in (("built-in ZeRO-2", b), ("FSDP2 (shared layout)", f)):
+        gb = r["bytes"] / 1e9
+        lines.append(f"| {name} | {gb:.2f} | {r['save_s']:.1f} | {gb / r['save_s']:.2f} | {r['load_s']:.1f} | "
+                     f"{gb / r['load_s']:.2f} | {r['save_s'] / b['save_s']:.2f}x, {r['load_s'] / b['load_s']:.2f}x |")
+    assert b["updates"] == f["updates"] == 3, (b["updates"], f["updates"])
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        update_section("bench_fsdp2_checkpoint", "## FSDP2 checkpoints at scale (bench_fsdp2.py --checkpoint)\n\n"
+                       + body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """One checkpoint layout for every topology: OffloadAdamW's checkpoint of an FSDP2 model
 saved on 2 ranks loads under FSDP2 on 3 ranks, on one rank without FSDP2, on 2 ranks of
 the built-in ZeRO-2 path and back under FSDP2 on 2 ranks (tests/helpers/fsdp2_ckpt_worker.py,
-under zero-offload-launch over gloo), for sync with fp32 state and DPU with bf16 state."""
+under zero-offload-launch over gloo), for sync with fp32 state and DPU with bf16 state.  The
+model has a one-row parameter, so every rank but 0 holds an empty local shard of it."""
 from __future__ import annotations
 
 import json
@@ -91,9 +92,10 @@ def test_checkpoint_moves_between_topologies_bitwise(chain, variant):
                 assert f[k] == v, (name, k)
     # and what they hold is the model's: each parameter's fp32 master where the one-rank
     # layout of the plain model (FlatParams, the groups' order) puts it
-    from tests.helpers.fsdp2_worker import groups, make_model
+    from tests.helpers.fsdp2_ckpt_worker import Scaled
+    from tests.helpers.fsdp2_worker import groups
     from zero_offload.flat import FlatParams
-    model = make_model()
+    model = Scaled()
     gs = groups(model)
     group_of = {id(p): gi for gi, g in enumerate(gs) for p in g["params"]}
     params = list(model.parameters())
