@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 SEED = 20261203
 CLIP = 0.5
-LR = 3e-3
+LR = 1e-3
 ROWS, SEQ = 12, 32  # the global batch; each rank takes ROWS / world of it (2 or 3 ranks)
 DPU_WARMUP = 3
 
