@@ -24,8 +24,9 @@ ranks, and so does FSDP2 on any number of ranks.
 
 load (every rank calls it): each rank reads its pieces out of any checkpoint (saved
 by FSDP2 or by the built-in path, at any world size: read_range), writes them as a
-one-rank checkpoint of its local flat space into a private temporary directory, and
-its engine loads that (with every check a load makes).
+one-rank checkpoint of its local flat space into a private temporary directory (in
+TMPDIR: point it at a disk with room), and its engine loads that (with every check a
+load makes).  A save's own temporary directory is beside the checkpoints.
 
 Cost: each rank writes, reads and copies its local state once more through a
 temporary directory (12 B/param/world with fp32 state, plus 2-4 of weights), and
@@ -104,22 +105,22 @@ class _Group:
         self.world = dist.get_world_size(group) if group is not None else 1
 
     def agree(self, ok: bool) -> bool:
+        """True on every rank if ok is True on every rank."""
+        return self._reduce(ok, dist.ReduceOp.MIN)
+
+    def any(self, flag: bool) -> bool:
+        return self._reduce(flag, dist.ReduceOp.MAX)
+
+    def _reduce(self, flag: bool, op) -> bool:
         if self.world == 1:
-            return ok
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=op, group=self.group)
         return bool(t.item())
 
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.group)
-
-    def bcast(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return box[0]
 
 
 def _arrays(man: dict) -> tuple[list, dict]:
@@ -159,7 +160,9 @@ def save(engine, fmap: FlatMap, group, directory: str, keep: int) -> str:
     g = _Group(group)
     d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
     tmp = d.begin(engine.iteration)
-    local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+    # beside the checkpoints (the disk chosen for their size), where the directory
+    # protocol's sweep of tmp-* does not look; removed below whatever happens
+    local_root = Path(tempfile.mkdtemp(prefix=f".local-r{g.rank}-", dir=directory))
     err: BaseException | None = None
     files = {}
     try:
@@ -174,8 +177,10 @@ def save(engine, fmap: FlatMap, group, directory: str, keep: int) -> str:
             ok, err = False, e
         if not g.agree(ok):
             return _fail(d, tmp, err)
-        # every rank's stale flag is the same (one DPU schedule): rank 0's decides the files
-        stale = g.bcast(bool(meta["stale"]))
+        # every rank's stale flag is the same (one DPU schedule)
+        stale = bool(meta["stale"])
+        if g.any(stale) != g.agree(stale):
+            return _fail(d, tmp, RuntimeError("the ranks disagree on whether an update is pending"))
         N = fmap.numel
         shard_bytes = ShardStateArrays.file_bytes(names, dtypes, N)
         files = {C.SHARD: C.rank_file(tmp, C.SHARD, 0, ONE, ".bin"),
