@@ -74,6 +74,14 @@ def check_fsdp2(params: list) -> None:
                              f"1-D mesh: Shard(0)); tensor parallelism and HSDP are not supported")
 
 
+def collective_device(mesh) -> torch.device:
+    """Where tensors for a collective over `mesh`'s group live: its device type (the
+    current CUDA device for "cuda")."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 class _Proxies(torch.nn.Module):
     def __init__(self, proxies: list[torch.nn.Parameter]):
         super().__init__()
@@ -97,6 +105,9 @@ class LocalShards:
         self.proxies = [torch.nn.Parameter(t.detach().clone()) for t in self.local]
         self.module = _Proxies(self.proxies)
         self.group = params[0].device_mesh.get_group() if params else None
+        # the device of FSDP2's collectives (NCCL takes CUDA tensors only): the scalars
+        # this module reduces over its group go there
+        self.coll_device = collective_device(params[0].device_mesh) if params else torch.device("cpu")
         self.engine = None
         self._hooks = []
 
@@ -123,9 +134,9 @@ class LocalShards:
         """The global sum of squares: this rank's plus every other's (FSDP2's group)."""
         if self.group is None or dist.get_world_size(self.group) == 1:
             return sq
-        v = sq.detach().reshape(1).clone()
+        v = sq.detach().reshape(1).to(self.coll_device, copy=True)
         dist.all_reduce(v, group=self.group)
-        return v[0]
+        return v[0].cpu()
 
     @torch.no_grad()
     def copy_back(self) -> None:

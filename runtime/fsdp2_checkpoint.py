@@ -99,8 +99,8 @@ def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int)
 class _Group:
     """FSDP2's process group, as CheckpointDir's agree and barrier."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, device: torch.device):
+        self.group, self.device = group, device  # device: where the group's collectives take tensors
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world = dist.get_world_size(group) if group is not None else 1
 
@@ -114,7 +114,7 @@ class _Group:
     def _reduce(self, flag: bool, op) -> bool:
         if self.world == 1:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=op, group=self.group)
         return bool(t.item())
 
@@ -154,10 +154,11 @@ def _create(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def save(engine, fmap: FlatMap, group, directory: str, keep: int) -> str:
-    """Every rank of FSDP2's group: the optimizer's state into directory/step-N in the
-    shared layout (module docstring).  Returns the step directory."""
-    g = _Group(group)
+def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, keep: int) -> str:
+    """Every rank of FSDP2's group (its collectives on `device`): the optimizer's state
+    into directory/step-N in the shared layout (module docstring).  Returns the step
+    directory."""
+    g = _Group(group, device)
     d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
     tmp = d.begin(engine.iteration)
     # beside the checkpoints (the disk chosen for their size), where the directory

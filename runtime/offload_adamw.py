@@ -246,7 +246,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             if background:
                 raise ValueError("save_checkpoint(background=True) with an FSDP2 model: its save gathers every "
                                  "rank's pieces into one layout before it returns; pass background=False")
-            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards.group, directory, keep)
+            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards.group,
+                                         self._shards.coll_device, directory, keep)
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
 
     def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":
