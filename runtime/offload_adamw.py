@@ -195,7 +195,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         and torch.save (or a deep copy) turns it into the checkpoint's files as uint8 CPU
         tensors, which load_state_dict of a new optimizer on a new model resumes from,
         bitwise.  That copy holds the server's whole state in worker memory (14 B/param
-        with fp32 state); state_dir avoids it.  One rank (several: state_dir)."""
+        with fp32 state); state_dir avoids it.  One rank (several: state_dir), or each rank
+        of an FSDP2 model (its own shards; it loads at the same world size)."""
         refuse_dcp("OffloadAdamW.state_dict()")
         sd = super().state_dict()
         sd["state"] = {}

@@ -16,7 +16,8 @@ the same files to disk instead.
 The files are a checkpoint like any other (optimizer_server.checkpoint: CRCs,
 format version), so a load checks them as load_checkpoint does.  One rank only:
 with several, a checkpoint is a collective and torch.save runs on one rank, so
-pickling it raises naming state_dir.
+pickling it raises naming state_dir.  Under FSDP2 each rank's engine is a one-rank
+engine over its own shards: each rank's torch.save holds those (runtime.fsdp2).
 """
 from __future__ import annotations
 
