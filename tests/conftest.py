@@ -37,6 +37,7 @@ XDIST_GROUPS = (
     ("tests/test_fsdp2.py::test_offload_adamw_on_fsdp2", "fsdp2_two_ranks"),
     ("tests/test_fsdp2.py::test_torch_save_of_each_ranks", "fsdp2_two_ranks"),
     ("tests/test_fsdp2.py::test_the_device_holds", "fsdp2_two_ranks"),
+    ("tests/test_fsdp2.py::test_mode_exact_on_fsdp2", "fsdp2_two_ranks"),
     ("tests/test_fsdp2_checkpoint.py", "fsdp2_checkpoint_chain"),
     ("tests/test_checkpoint_scale.py", "memory"),
     ("tests/test_memory.py", "memory"),

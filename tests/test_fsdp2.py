@@ -50,7 +50,8 @@ def two_ranks(tmp_path_factory):
     # reshard_after_forward changes when FSDP2 frees the unsharded units, not the
     # arithmetic: the ZeRO-2 runs are held to the ZeRO-3 references
     launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2", "offload+resume", "dpu+resume",
-                 "ref+frozen+accum", "offload+frozen+accum", "offload+resume+statedir"], 2)
+                 "ref+frozen+accum", "offload+frozen+accum", "offload+resume+statedir",
+                 "offload+sync", "offload+speculation"], 2)
     return out
 
 
@@ -108,6 +109,22 @@ def test_torch_save_of_each_ranks_state_dict_resumes_bitwise(two_ranks, mode, re
         assert resumed[r]["norms"] == whole[r]["norms"], r
         for n, v in whole[r]["master"].items():
             assert torch.equal(resumed[r]["master"][n], v), (r, n)
+
+
+def test_mode_exact_on_fsdp2_is_bitwise_sync(two_ranks):
+    """Mode "exact" under FSDP2, the engine's own pick and speculation forced: losses, clip
+    norms and final masters bitwise those of sync forced, on both ranks; speculation did
+    run (clipping at 0.5 rolls it back).  (Mutation: the shard keeping a speculation whose
+    clip key differs from the STEP's, in shard_speculation._settle, fails it.)"""
+    sync = load(two_ranks, "offload+sync", 2)
+    for mode in ("offload", "offload+speculation"):
+        res = load(two_ranks, mode, 2)
+        for r in range(2):
+            assert res[r]["losses"] == sync[r]["losses"], (mode, r)
+            assert res[r]["norms"] == sync[r]["norms"], (mode, r)
+            for k, v in sync[r]["master"].items():
+                assert torch.equal(res[r]["master"][k], v), (mode, r, k)
+    assert load(two_ranks, "offload+speculation", 2)[0]["stats"]["spec_steps"] > 0
 
 
 def test_the_device_holds_16_bit_local_shards_of_1_over_world(two_ranks):

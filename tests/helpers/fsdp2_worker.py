@@ -12,6 +12,7 @@ each "+"-joined options:
   zero2    reshard_after_forward=False (FSDP2's ZeRO-2); else True (ZeRO-3)
   frozen   the position embedding frozen (requires_grad=False), still in the optimizer's groups
   accum    two micro-batches a step, FSDP2's accumulation (set_requires_gradient_sync)
+  sync, speculation   mode "exact" with that strategy forced (else the engine picks)
   statedir OffloadAdamW(..., state_dir=...): state_dict() holds a checkpoint's path
   resume   halfway, torch.save each rank's model and optimizer state dicts, build a new
            model and optimizer, load them and go on (torch.optim's contract)
@@ -84,6 +85,9 @@ def build(opts: set, out: str = ""):
         return model, Reference(model, dpu)
     from zero_offload import OffloadAdamW
     kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
+    for strategy in ("sync", "speculation"):  # mode "exact" with its strategy forced
+        if strategy in opts:
+            kw["expert"] = {"exact_strategy": strategy}
     if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
         kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
     opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
