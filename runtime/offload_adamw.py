@@ -2,7 +2,7 @@
 
     model = MyModel()                                   # fp32, as the user built it
     opt = OffloadAdamW(groups_or_params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                       model=model, dpu=True)           # + any OffloadConfig field
+                       model=model, mode="dpu")         # + any OffloadConfig field
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-4, total_steps=N)
     for x, y in loader:
         loss = model(x, y)                              # 16-bit weights on the device
@@ -26,12 +26,15 @@ What differs from torch.optim.AdamW, and why:
   here for these parameters: runtime.clipping).
 - Gradient accumulation over k backwards per step needs grad_accumulation_steps=k
   (the engine must know which backward is the last to send them down then).
-- state_dict() holds small metadata; master, m and v are written as an engine
-  checkpoint under state_dir (loadable at any world size), and load_state_dict
-  reads them back from there.  Both are collectives across ranks.  Without
-  state_dir a state dict restores only into the same optimizer at the same step
-  (Accelerate's prepare() round trip) and refuses anywhere else.
-- With dpu=True the model computes on weights one update old (see OffloadEngine).
+- state_dict() keeps torch.optim's contract: without state_dir it holds the
+  state lazily (runtime.optim_state: torch.save copies it into the worker, one
+  rank); with state_dir it writes a checkpoint there (any world size, a collective)
+  and holds its path.  torch.distributed.checkpoint's get_state_dict is refused
+  (it would keep none of the server's state).
+- With mode="dpu" the model computes on weights one update old (see OffloadEngine).
+- On an FSDP2 (fully_shard) model each rank offloads its own local shards
+  (runtime.fsdp2), and save_checkpoint/load_checkpoint use the layout every
+  topology shares (runtime.fsdp2_checkpoint).
 """
 from __future__ import annotations
 
