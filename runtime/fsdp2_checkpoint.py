@@ -58,6 +58,9 @@ from .flat import FlatParams
 
 CHUNK = 1 << 24  # elements copied at a time: 64 MiB of fp32 in the worker, whatever the model's size
 ONE = 1          # the shared files are a one-rank checkpoint's
+INT8_REFUSED = ("an FSDP2 checkpoint with int8 state: its scale per 256 elements does not follow FSDP2's rows, "
+                "so it cannot move between topologies bitwise; use state_dtype='bf16' or 'fp32' (or save each "
+                "rank's opt.state_dict() with torch.save)")
 
 
 @dataclass
@@ -127,9 +130,7 @@ def _arrays(man: dict) -> tuple[list, dict]:
     names, dtypes = list(man["arrays"]), C.saved_array_dtypes(man)
     bad = [n for n in names if dtypes.get(n, "fp32") in INT8_CODES or dtypes.get(n, "fp32") == C.LEGACY_INT8]
     if bad:
-        raise ValueError("an FSDP2 checkpoint with int8 state: its scale per 256 elements does not follow "
-                         "FSDP2's rows, so it cannot move between topologies bitwise; use state_dtype='bf16' "
-                         "or 'fp32' (or save each rank's opt.state_dict() with torch.save)")
+        raise ValueError(INT8_REFUSED)
     return names, dtypes
 
 
@@ -158,6 +159,8 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
     """Every rank of FSDP2's group (its collectives on `device`): the optimizer's state
     into directory/step-N in the shared layout (module docstring).  Returns the step
     directory."""
+    if engine.cfg.state_dtype == "int8":  # before anything is written
+        raise ValueError(INT8_REFUSED)
     g = _Group(group, device)
     d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
     tmp = d.begin(engine.iteration)

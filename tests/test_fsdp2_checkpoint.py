@@ -122,3 +122,55 @@ def test_resumed_after_the_round_trip_is_the_uninterrupted_run(chain, variant):
     assert resumed["losses"] == whole["losses"]
     for k, v in whole["master"].items():
         assert torch.equal(resumed["master"][k], v), k
+
+
+def test_a_checkpoint_of_another_model_or_int8_state_is_refused_naming_the_fix(tmp_path):
+    """One FSDP2 rank in this process (gloo): a checkpoint of another model is refused
+    naming the model it came from, and the optimizer that refused it trains on as before
+    (its state untouched: the refusal comes before the engine's load); an FSDP2 save with
+    int8 state is refused naming bf16/fp32, and the previous checkpoint stays `latest`.
+    (Mutation: dropping the layout check in fsdp2_checkpoint.load lets the other
+    model's checkpoint load without a word.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from zero_offload import OffloadAdamW
+    from zero_offload.server.checkpoint import CheckpointError
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    opts = []
+    try:
+        def build(width: int, **kw):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Linear(width, 4)).to(torch.bfloat16)
+            for layer in m:
+                fully_shard(layer)
+            fully_shard(m)
+            opts.append(OffloadAdamW(m.parameters(), lr=1e-3, model=m, server={"threads": 1}, **kw))
+            return m, opts[-1]
+
+        def step(m, opt):
+            m(torch.ones(2, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        a, oa = build(16)
+        step(a, oa)
+        oa.save_checkpoint(str(tmp_path / "a"))
+        b, ob = build(24)
+        step(b, ob)
+        before = [p.detach().full_tensor().clone() for p in b.parameters()]
+        with pytest.raises(CheckpointError, match="load it into the model it was saved from"):
+            ob.load_checkpoint(str(tmp_path / "a"))
+        assert all(torch.equal(x, p.detach().full_tensor()) for x, p in zip(before, b.parameters()))
+        step(b, ob)
+        assert ob.stats()["updates"] == 2
+        c, oc = build(16, state_dtype="int8")
+        step(c, oc)
+        latest = (tmp_path / "a" / "latest").read_text()
+        with pytest.raises(ValueError, match="int8 state.*bf16"):
+            oc.save_checkpoint(str(tmp_path / "a"))
+        assert (tmp_path / "a" / "latest").read_text() == latest
+        assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["latest", latest]
+    finally:
+        for o in opts:
+            o.close()
+        dist.destroy_process_group()
