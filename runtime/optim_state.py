@@ -54,8 +54,9 @@ def refuse_dcp(what: str) -> None:
             raise ValueError(f"{what} called by torch.distributed.checkpoint (get_state_dict/set_state_dict): "
                              f"its optimizer format holds per-parameter tensors, and this optimizer's master and "
                              f"moments live in the optimizer server, so DCP would save none of them. Save the "
-                             f"optimizer with torch.save(opt.state_dict()) on each rank (it resumes at the same "
-                             f"world size), and the model with DCP or model.state_dict() as before")
+                             f"optimizer with opt.save_checkpoint(dir) (loads at any world size and topology) or "
+                             f"torch.save(opt.state_dict()) on each rank (resumes at the same world size), and "
+                             f"the model with DCP or model.state_dict() as before")
         f = f.f_back
 
 
