@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import owners
+
 
 def dtensor_class():
     try:
@@ -113,7 +115,6 @@ class LocalShards:
 
     def attach(self, engine) -> None:
         """Route FSDP2's gradient shards to `engine` (which trains the proxies)."""
-        from . import owners
         self.engine = engine
         # torch's clip_grad_norm_ on the model's parameters finds the engine (runtime.clipping)
         for p in self.params:
