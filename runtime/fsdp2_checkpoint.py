@@ -42,6 +42,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -134,11 +135,9 @@ def _arrays(man: dict) -> tuple[list, dict]:
     return names, dtypes
 
 
-def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int, reverse: bool) -> None:
-    """Elements of each piece between two files: local -> shared (reverse=False) or the
-    other way, CHUNK elements at a time."""
-    for lo, flat_lo, n in pieces:
-        a, b = (lo, flat_lo) if not reverse else (flat_lo, lo)
+def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int) -> None:
+    """Each piece's elements from the local file into the shared one, CHUNK at a time."""
+    for a, b, n in pieces:  # (local_lo, flat_lo, n)
         for off in range(0, n, CHUNK):
             m = min(CHUNK, n - off)
             data = os.pread(src_fd, m * item, src_base + (a + off) * item)
@@ -180,11 +179,11 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
         except (OSError, ValueError, OptimizerServerError) as e:
             ok, err = False, e
         if not g.agree(ok):
-            return _fail(d, tmp, err)
+            return _fail(tmp, err)
         # every rank's stale flag is the same (one DPU schedule)
         stale = bool(meta["stale"])
         if g.any(stale) != g.agree(stale):
-            return _fail(d, tmp, RuntimeError("the ranks disagree on whether an update is pending"))
+            return _fail(tmp, RuntimeError("the ranks disagree on whether an update is pending"))
         N = fmap.numel
         shard_bytes = ShardStateArrays.file_bytes(names, dtypes, N)
         files = {C.SHARD: C.rank_file(tmp, C.SHARD, 0, ONE, ".bin"),
@@ -202,7 +201,7 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
             except OSError as e:
                 ok, err = False, e
         if not g.agree(ok):
-            return _fail(d, tmp, err)
+            return _fail(tmp, err)
         # 3. each rank its pieces
         try:
             n_local = int(man["numel"])
@@ -215,9 +214,9 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
                     if role == C.SHARD:
                         for name in names:
                             item = ITEM_BYTES[dtypes.get(name, "fp32")]
-                            _copy_pieces(sfd, dfd, fmap.pieces, lbase[name], gbase[name], item, False)
+                            _copy_pieces(sfd, dfd, fmap.pieces, lbase[name], gbase[name], item)
                     else:
-                        _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2, False)
+                        _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2)
                     os.fsync(dfd)
                 finally:
                     os.close(sfd)
@@ -225,7 +224,7 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
         except OSError as e:
             ok, err = False, e
         if not g.agree(ok):
-            return _fail(d, tmp, err)
+            return _fail(tmp, err)
         # 4. rank 0: the manifests, with the shared files' checksums
         if g.rank == 0:
             try:
@@ -252,7 +251,7 @@ def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, kee
         shutil.rmtree(local_root, ignore_errors=True)
 
 
-def _fail(d, tmp: Path, err) -> str:
+def _fail(tmp: Path, err) -> NoReturn:
     shutil.rmtree(tmp, ignore_errors=True)
     raise OptimizerServerError(f"saving the FSDP2 checkpoint failed ({err or 'on another rank'}); the previous "
                                f"checkpoint is intact", code=E_CHECKPOINT)

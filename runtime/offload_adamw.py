@@ -114,7 +114,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._shards = None  # an FSDP2 model's local shards (runtime.fsdp2)
         norm_reduce = None
         if any(fsdp2.is_dtensor(p) for p in params_all):
-            cfg = self._fsdp2(params_all, groups, model, cfg, state_dir)
+            cfg = self._fsdp2(params_all, groups, model, cfg)
             model, overlap_ok, norm_reduce = self._shards.module, False, self._shards.reduce_sumsq
         else:
             overlap_ok = model is not None  # a forward of the user's model runs the overlap's hooks
@@ -136,7 +136,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.state[p] = {}
         self._constructed = True
 
-    def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig, state_dir) -> OffloadConfig:
+    def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig) -> OffloadConfig:
         """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards
         (runtime.fsdp2); `groups` is rewritten onto them.  Returns the config it runs with."""
         if cfg.grad_accumulation_steps != 1:
