@@ -13,6 +13,14 @@ SHM = "/dev/shm"
 # its segments with this prefix, so other runs on the machine do not confuse the checks
 PREFIX = f"zo-t{os.getpid()}-"
 os.environ["ZERO_OFFLOAD_SHM_PREFIX"] = PREFIX
+# One intra-op thread per process (before torch is imported; children inherit it): the
+# suite runs two pytest-xdist workers, each with its servers and launched ranks, on as
+# many cores as there are workers.  With torch's default of a thread per core, each op's
+# parallel region waits for a thread that shares its core with another process:
+# tests/test_overlap.py took 67 s beside one busy core instead of 23 s with one thread
+# (18 s on an idle machine either way).  A test that wants more threads says so
+# (num_threads=, server threads, the launcher's split).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def our_segments() -> set[str]:

@@ -57,11 +57,15 @@ def _segments():
     return our_segments()  # this test process's servers' segments, not another run's beside it
 
 
-def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
-    """The manifest is a FIFO that gets its bytes only after 15 s: LOAD waits on the update
-    thread, heartbeats and the second client's STATS are answered throughout, and both
-    clients go on.  Fails if LOAD runs on the socket thread (STATS then waits 15 s), or if
-    the client applies the heartbeat rule to a local server (dead at 10 s)."""
+def test_a_load_stalled_past_the_heartbeat_bound_kills_nobody(tmp_path, monkeypatch):
+    """The manifest is a FIFO that gets its bytes only after 8 s, past the heartbeat bound
+    (cut to 3 s here from its default 10, so that the wait is short): LOAD waits on the
+    update thread, heartbeats and the second client's STATS are answered throughout, and
+    both clients go on.  Fails if LOAD runs on the socket thread (STATS then waits 8 s),
+    or if the client applies the heartbeat rule to a local server (dead at 3 s)."""
+    from zero_offload.server import client as client_mod
+    monkeypatch.setattr(client_mod, "HEARTBEAT_DEAD_AFTER_S", 3.0)
+    stall_s = 8.0
     n = 1 << 16
     rng = np.random.default_rng(SEED)
     print("seed", SEED)
@@ -76,7 +80,7 @@ def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
         os.mkfifo(man)
 
         def feed():
-            time.sleep(15.0)
+            time.sleep(stall_s)
             with open(man, "wb") as f:
                 f.write(text)
         feeder = threading.Thread(target=feed, daemon=True)
@@ -87,8 +91,8 @@ def test_a_load_stalled_for_15_s_kills_nobody(tmp_path):
         took = time.monotonic() - t0
         feeder.join()
         worst = poll.stop()
-        assert took >= 14.0, took  # it did wait for the FIFO
-        assert worst < 5.0, f"a STATS waited {worst:.1f} s behind the LOAD"
+        assert took >= stall_s - 1.0, took  # it did wait for the FIFO
+        assert worst < 4.0, f"a STATS waited {worst:.1f} s behind the LOAD"
         np.testing.assert_array_equal(c.get_master(), w)  # the loading client goes on
         assert srv.proc.poll() is None
         c.close()

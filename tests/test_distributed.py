@@ -221,14 +221,12 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_back(tmp_path):
     the next steps match the 2 ranks' own continuation.  Saved again by that rank,
     it loads on 2 ranks bitwise.  int8state: the 2 ranks' shards are padded to whole
     blocks, the one rank's is not; the blocks' scales are read across the files.
-    Both states run in each launch (OUT/MODE/...): three launches, not six."""
-    def two_ranks(kind, steps):
-        launch_modes(tmp_path, [f"{kind}-{state}dpu" for state in CKPT_STATES], steps, 240, f"{kind} hung")
-
-    two_ranks("save", 7)
+    Both states run in each launch, and the two loads (the 2 ranks' own continuation, and
+    the 1-rank checkpoint) in one: two launches, not six."""
+    launch_modes(tmp_path, [f"save-{state}dpu" for state in CKPT_STATES], 7, 240, "save hung")
     one, w_one = {}, {}
     for state in CKPT_STATES:
-        saved_dir, load_dir = tmp_path / f"save-{state}dpu", tmp_path / f"load-{state}dpu"
+        saved_dir = tmp_path / f"save-{state}dpu"
         saved = torch.load(saved_dir / "rank0.pt")
         model = make_model()
         with OffloadEngine(model, config(f"load-{state}dpu")) as eng:
@@ -242,25 +240,22 @@ def test_checkpoint_of_two_ranks_resumes_on_one_and_back(tmp_path):
                 eng.backward(torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y))
                 eng.step()
             one[state] = _flat(eng.master_state_dict())
-            eng.save_checkpoint(str(tmp_path / f"ckpt1-{state}"))
+            # and back: this rank's checkpoint, for the 2 ranks to load (load-back-*)
+            eng.save_checkpoint(str(tmp_path / f"load-back-{state}dpu@0" / "ckpt"))
             w_one[state] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        load_dir.mkdir()
-        os.replace(saved_dir / "ckpt", load_dir / "ckpt")
-    # the 2 ranks' own continuation from the same checkpoint
-    two_ranks("load", 3)
+        (tmp_path / f"load-{state}dpu@3").mkdir()
+        os.replace(saved_dir / "ckpt", tmp_path / f"load-{state}dpu@3" / "ckpt")
+    # in one launch: the 2 ranks' own continuation from their checkpoint (3 steps), and the
+    # 1-rank checkpoint loaded on 2 ranks (no step)
+    launch_modes(tmp_path, [f"load-{state}dpu@3" for state in CKPT_STATES]
+                 + [f"load-back-{state}dpu@0" for state in CKPT_STATES], 0, 240, "load hung")
     for state in CKPT_STATES:
         p0 = _flat(torch.load(tmp_path / f"save-{state}dpu" / "rank0.pt")["master"])
-        two = _flat(torch.load(tmp_path / f"load-{state}dpu" / "rank0.pt")["master"])
+        two = _flat(torch.load(tmp_path / f"load-{state}dpu@3" / "rank0.pt")["master"])
         # bf16 gradients averaged across ranks round differently (and int8 then draws differently)
         assert rel_err(one[state] - p0, two - p0) < (6e-2 if state else 2e-2), state
-        # and back: the 1-rank checkpoint on 2 ranks
-        load_dir = tmp_path / f"load-{state}dpu"
-        os.replace(load_dir / "ckpt", load_dir / "ckpt2")
-        os.replace(tmp_path / f"ckpt1-{state}", load_dir / "ckpt")
-    two_ranks("load", 0)
-    for state in CKPT_STATES:
         for r in range(2):
-            res = torch.load(tmp_path / f"load-{state}dpu" / f"rank{r}.pt")
+            res = torch.load(tmp_path / f"load-back-{state}dpu@0" / f"rank{r}.pt")
             assert torch.equal(_flat(res["master_at_load"]), one[state]), (state, r)
             for k, v in res["w16_at_load"].items():
                 assert torch.equal(v, w_one[state][k]), (state, r, k)

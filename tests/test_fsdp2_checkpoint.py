@@ -21,9 +21,10 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "helpers" / "fsdp2_ckpt_worker.py"
 VARIANTS = ["sync-fp32", "dpu-bf16"]
-# (ranks, topology, action): each loads what the one before saved, and saves it again at once
-CHAIN = [(2, "fsdp2", ["train", "a"]), (3, "fsdp2", ["relay", "a", "b"]), (1, "builtin", ["relay", "b", "c"]),
-         (2, "builtin", ["relay", "c", "d"]), (2, "fsdp2", ["resume", "d"])]
+# (ranks, stages): each stage loads what the one before saved, and saves it again at once;
+# the last launch's two stages run in the same two processes, one after the other
+CHAIN = [(2, ["fsdp2", "train", "a"]), (3, ["fsdp2", "relay", "a", "b"]), (1, ["builtin", "relay", "b", "c"]),
+         (2, ["builtin", "relay", "c", "d", "then", "fsdp2", "resume", "d"])]
 
 
 def launch(out: Path, nproc: int, args: list[str]) -> None:
@@ -36,8 +37,8 @@ def launch(out: Path, nproc: int, args: list[str]) -> None:
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2-ckpt")
-    for nproc, topology, action in CHAIN:
-        launch(out, nproc, [topology, *action])
+    for nproc, stages in CHAIN:
+        launch(out, nproc, stages)
     return out
 
 

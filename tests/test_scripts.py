@@ -147,7 +147,7 @@ def test_gpu_check_prints_the_table_when_the_bench_is_killed(tmp_path):
     """The measurements cut short by their bound (SIGTERM mid-way, in a variant that hangs
     after the first baseline, so the cut does not depend on this machine's speed): the
     summary table of what finished still prints."""
-    r = _gpu_check(tmp_path, GPU_CHECK_BENCH_S="30", GPU_CHECK_INJECT_HANG="1")
+    r = _gpu_check(tmp_path, GPU_CHECK_BENCH_S="12", GPU_CHECK_INJECT_HANG="1")
     summary = r.stdout.split("== summary", 1)[1]
     assert "| batch | variant |" in summary and "| 2x32 | baseline |" in summary, r.stdout[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())

@@ -24,7 +24,7 @@ from tests.faults.test_crashes import record
 
 pytestmark = pytest.mark.timeout(240)  # one xdist worker runs this module (tests/conftest.py XDIST_GROUPS)
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, CKPT_EVERY, KILL_AFTER = 300, 10, 25
+STEPS, CKPT_EVERY, KILL_AFTER = 100, 10, 25
 COMMON = ["--model", "tiny", "--seq-len", "32", "--batch-size", "2", "--eval-every", "0", "--dpu-warmup", "3",
           "--no-progress", "--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--auto-resume"]
 

@@ -1,7 +1,10 @@
 """One rank of the checkpoint-across-topologies test, run under zero-offload-launch.
 
-    python -m zero_offload.launch --nproc-per-node N tests/helpers/fsdp2_ckpt_worker.py ROOT TOPOLOGY ACTION
+    python -m zero_offload.launch --nproc-per-node N tests/helpers/fsdp2_ckpt_worker.py ROOT TOPOLOGY ACTION \
+        [then TOPOLOGY ACTION ...]
 
+Stages joined by "then" run one after another in the same processes (a launch of 2
+ranks costs ~10 s on 2 cores; the ranks' process group is the same for every stage).
 TOPOLOGY: "fsdp2" (fully_shard on each block and the root, bf16 shards) or "builtin"
 (the plain bf16 model; with several ranks the engine's own ZeRO-2).  The model, the
 text and the optimizer's groups are tests/helpers/fsdp2_worker's.  For each VARIANT
@@ -73,9 +76,7 @@ def train(model, opt, first: int, n: int) -> list[float]:
     return losses
 
 
-def main():
-    root, topology, action = sys.argv[1], sys.argv[2], sys.argv[3:]
-    dist.init_process_group("gloo")
+def run_stage(root: str, topology: str, action: list[str]) -> None:
     for name, mode, state_dtype in VARIANTS:
         d = os.path.join(root, name)
         model, opt = build(topology, mode, state_dtype)
@@ -100,6 +101,15 @@ def main():
         opt.close()
         if out is not None and dist.get_rank() == 0:
             torch.save(out, os.path.join(d, path))
+
+
+def main():
+    root, stages = sys.argv[1], " ".join(sys.argv[2:]).split(" then ")
+    dist.init_process_group("gloo")
+    for stage in stages:
+        topology, *action = stage.split()
+        run_stage(root, topology, action)
+        dist.barrier()  # the stage's checkpoint is complete on every rank before the next reads it
     dist.destroy_process_group()
 
 
