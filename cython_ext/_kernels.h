@@ -415,6 +415,10 @@ static void zo_join_chunk(const uint16_t *hi16, const uint16_t *rem, float *dst,
 
 #define ZO_T512 __attribute__((target("avx512f,avx2,f16c,fma")))
 #define ZO_T256 __attribute__((target("avx2,f16c,fma")))
+/* A vector body calls its scalar loop only when there is a tail (if (i < hi)): GCC
+ * makes that closing call a jump without vzeroupper, and SSE code run with the upper
+ * halves dirty costs Intel cores hundreds of cycles (zo_opt8_chunk in _kernels_int8.h,
+ * which calls its parts once per 256-element block, ran at half its speed). */
 
 /* ---- AVX-512: 16 lanes */
 static inline ZO_T512 __m512 zo512_load_grad(const void *g, int gk, int64_t i) {
@@ -503,7 +507,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
                         ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
 
 static inline ZO_T512 __attribute__((always_inline)) void zo512_adagrad_body(
@@ -523,7 +527,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adagrad_body(
         _mm512_storeu_ps(p + i, pi);
         zo512_store_out(out, ok, i, pi);
     }
-    zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
 }
 
 static inline ZO_T512 __attribute__((always_inline)) void zo512_lion_body(
@@ -547,7 +551,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_lion_body(
         _mm512_storeu_ps(p + i, pi);
         zo512_store_out(out, ok, i, pi);
     }
-    zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
 }
 
 
@@ -666,7 +670,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
 #undef ZO256_ADAM8
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adagrad_body(
@@ -686,7 +690,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adagrad_body(
         _mm256_storeu_ps(p + i, pi);
         zo256_store_out(out, ok, i, pi);
     }
-    zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_adagrad_scalar(p, s, g, gk, out, ok, i, hi, h);
 }
 
 static inline ZO_T256 __attribute__((always_inline)) void zo256_lion_body(
@@ -709,7 +713,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_lion_body(
         _mm256_storeu_ps(p + i, pi);
         zo256_store_out(out, ok, i, pi);
     }
-    zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
+    if (i < hi) zo_lion_scalar(p, m, g, gk, out, ok, i, hi, h);
 }
 
 
@@ -816,7 +820,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_body(
                            ? _mm256_add_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->predict), _mm256_sub_ps(pi, p0))) : pi,
                            s->rem != NULL);
     }
-    zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
+    if (i < hi) zo_adam16_scalar(p, g, gk, out, ok, i, hi, h, s);
 }
 
 
@@ -964,7 +968,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
         khi = _mm256_add_epi32(khi, step16);
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
 static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
@@ -1038,7 +1042,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         klo = _mm256_add_epi32(klo, step16);
         khi = _mm256_add_epi32(khi, step16);
     }
-    zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
 }
 
 static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
@@ -1205,7 +1209,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
         kw = _mm512_add_epi32(kw, step16);
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
 static ZO_T512 void zo512_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
@@ -1245,7 +1249,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16p_body(
         zo512_store_out(out, ok, i, predict ? _mm512_add_ps(q, _mm512_mul_ps(pr, _mm512_sub_ps(q, p0))) : q);
         kw = _mm512_add_epi32(kw, step16);
     }
-    zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
 }
 
 static ZO_T512 void zo512_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
@@ -1356,7 +1360,7 @@ static ZO_T512 void zo512_stream(float *p, float *m, float *v, const uint16_t *g
         _mm512_storeu_ps(p + i, pi);
         _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    zo_stream_scalar(p, m, v, g, out, i, hi);
+    if (i < hi) zo_stream_scalar(p, m, v, g, out, i, hi);
 }
 static ZO_T256 void zo256_stream(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
                                  int64_t lo, int64_t hi) {
@@ -1369,7 +1373,7 @@ static ZO_T256 void zo256_stream(float *p, float *m, float *v, const uint16_t *g
         _mm256_storeu_ps(p + i, pi);
         _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     }
-    zo_stream_scalar(p, m, v, g, out, i, hi);
+    if (i < hi) zo_stream_scalar(p, m, v, g, out, i, hi);
 }
 #endif
 static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
@@ -1419,7 +1423,7 @@ static ZO_T256 void zo256_stream16_exact(uint16_t *rem, const uint16_t *hi16, ui
         _mm256_storeu_si256((__m256i *)(v + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(v + i)), gi));
         _mm256_storeu_si256((__m256i *)(out + i), _mm256_add_epi16(h, gi));
     }
-    zo_stream16_scalar(NULL, rem, hi16, m, v, g, out, i, hi);
+    if (i < hi) zo_stream16_scalar(NULL, rem, hi16, m, v, g, out, i, hi);
 }
 static ZO_T256 void zo256_stream16 ZO_STREAM16_PARAMS {
     if (rem) { zo256_stream16_exact(rem, hi16, m, v, g, out, lo, hi); return; }

@@ -294,7 +294,7 @@ static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, f
             _mm256_storeu_ps(vb + (i - b0), zo8_256_decode_v(vc + i, vsc));
         }
     }
-    zo8_decode_scalar(s, b0, i, be, mb, vb);
+    if (i < be) zo8_decode_scalar(s, b0, i, be, mb, vb);  /* only for a tail: see zo_opt8_chunk */
 }
 
 /* The update of 8 lanes a turn.  The flags (exact master, grad scale, L2, decoupled decay,
@@ -367,6 +367,8 @@ static ZO_T256 void zo8_256_adam_span(float *p, const void *g, int gk, void *out
         zo8_256_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 1, 0, 0, 1, 0);
     else if (gk == ZO_F16 && ok == ZO_F16 && !exact && !has_l2 && decoupled)  /* fp16 AdamW, fp32 master */
         zo8_256_adam_span_body(p, g, ZO_F16, out, ZO_F16, lo, hi, b0, h, s, mb, vb, am, av, 0, scale, 0, 1, predict);
+    else if (gk == ZO_BF16 && ok == ZO_BF16 && !exact && !scale && !has_l2 && decoupled)  /* bf16, DPU's prediction */
+        zo8_256_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 0, 0, 0, 1, predict);
     else
         zo8_256_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av,
                                exact, scale, has_l2, decoupled, predict);
@@ -467,7 +469,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
         _mm_storeu_si128((__m128i *)(mc + k), _mm256_castsi256_si128(b));
         if (!lion) _mm_storeu_si128((__m128i *)(vc + k), _mm256_extracti128_si256(b, 1));
     }
-    zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
+    if (k < n) zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
 }
 static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
@@ -517,7 +519,7 @@ static ZO_T512 void zo8_512_decode(const zo_state8 *s, int64_t b0, int64_t be, f
             _mm512_storeu_ps(vb + (i - b0), zo8_512_decode_v(vc + i, vsc));
         }
     }
-    zo8_decode_scalar(s, b0, i, be, mb, vb);
+    if (i < be) zo8_decode_scalar(s, b0, i, be, mb, vb);  /* only for a tail: see zo_opt8_chunk */
 }
 
 static inline ZO_T512 __attribute__((always_inline)) void zo8_512_adam_span_body(
@@ -575,6 +577,8 @@ static ZO_T512 void zo8_512_adam_span(float *p, const void *g, int gk, void *out
         zo8_512_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 1, 0, 0, 1, 0);
     else if (gk == ZO_F16 && ok == ZO_F16 && !exact && !has_l2 && decoupled)  /* fp16 AdamW, fp32 master */
         zo8_512_adam_span_body(p, g, ZO_F16, out, ZO_F16, lo, hi, b0, h, s, mb, vb, am, av, 0, scale, 0, 1, predict);
+    else if (gk == ZO_BF16 && ok == ZO_BF16 && !exact && !scale && !has_l2 && decoupled)  /* bf16, DPU's prediction */
+        zo8_512_adam_span_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, b0, h, s, mb, vb, am, av, 0, 0, 0, 1, predict);
     else
         zo8_512_adam_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, vb, am, av,
                                exact, scale, has_l2, decoupled, predict);
@@ -658,7 +662,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
         _mm_storeu_si128((__m128i *)(mc + k), _mm512_cvtusepi32_epi8(qm));
         _mm_storeu_si128((__m128i *)(vc + k), _mm512_cvtusepi32_epi8(qv));
     }
-    zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
+    if (k < n) zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
 }
 static ZO_T512 void zo8_512_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
@@ -690,7 +694,12 @@ static void zo8_encode_block(int level, const float *mb, const float *vb, int64_
  * needs the block's maxima and their inverses (a reduction and two divisions, ~60
  * cycles in a row), and deferred, that latency hides behind the next update instead
  * of stalling every block (BENCHMARKS.md, after bench_adam_state).  The bytes are the
- * same: every block gets the same operations, only later. */
+ * same: every block gets the same operations, only later.
+ * The vector parts call their scalar loops only for a tail (i < be): GCC ends a vector
+ * function with that call, as a jump, without the vzeroupper it puts before a return,
+ * so the scalar (SSE-encoded) code and this loop ran with the vector registers' upper
+ * halves dirty.  On Intel cores that cost hundreds of cycles a block, even with an
+ * empty tail: the kernel ran at half its speed (BENCHMARKS.md, "vzeroupper"). */
 static void zo_opt8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                           const zo_seg8 *segs, int nseg, const zo_state8 *s) {
     float buf[2][2][ZO_QBLOCK] __attribute__((aligned(64)));  /* [which buffer][m, v] */
@@ -827,7 +836,7 @@ static ZO_T256 void zo8_256_stream ZO_STREAM8_PARAMS {
             }
         }
     }
-    zo8_stream_scalar(p, rem, hi16, m, v, g, out, i, hi);
+    if (i < hi) zo8_stream_scalar(p, rem, hi16, m, v, g, out, i, hi);
 }
 #endif
 static void zo8_stream_chunk(int level, uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint8_t *m, uint8_t *v,

@@ -7,13 +7,11 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from zero_offload import OffloadConfig, OffloadEngine
+from zero_offload import OffloadConfig
 from zero_offload.demo.gpt import GPT, GPTConfig
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
 from tests.helpers.overlap_runs import assert_bitwise, run, two_groups
