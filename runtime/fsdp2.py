@@ -107,6 +107,9 @@ class LocalShards:
         self.proxies = [torch.nn.Parameter(t.detach().clone()) for t in self.local]
         self.module = _Proxies(self.proxies)
         self.group = params[0].device_mesh.get_group() if params else None
+        # this rank's place in FSDP2's group: where its rows of each parameter lie
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        self.world = dist.get_world_size(self.group) if self.group is not None else 1
         # the device of FSDP2's collectives (NCCL takes CUDA tensors only): the scalars
         # this module reduces over its group go there
         self.coll_device = collective_device(params[0].device_mesh) if params else torch.device("cpu")
@@ -133,7 +136,7 @@ class LocalShards:
 
     def reduce_sumsq(self, sq: torch.Tensor) -> torch.Tensor:
         """The global sum of squares: this rank's plus every other's (FSDP2's group)."""
-        if self.group is None or dist.get_world_size(self.group) == 1:
+        if self.world == 1:
             return sq
         v = sq.detach().reshape(1).to(self.coll_device, copy=True)
         dist.all_reduce(v, group=self.group)

@@ -101,12 +101,12 @@ def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int)
 
 
 class _Group:
-    """FSDP2's process group, as CheckpointDir's agree and barrier."""
+    """FSDP2's process group (a LocalShards' group, rank and world size), as CheckpointDir's
+    agree and barrier."""
 
-    def __init__(self, group, device: torch.device):
-        self.group, self.device = group, device  # device: where the group's collectives take tensors
-        self.rank = dist.get_rank(group) if group is not None else 0
-        self.world = dist.get_world_size(group) if group is not None else 1
+    def __init__(self, shards):
+        self.group, self.rank, self.world = shards.group, shards.rank, shards.world
+        self.device = shards.coll_device  # where the group's collectives take tensors
 
     def agree(self, ok: bool) -> bool:
         """True on every rank if ok is True on every rank."""
@@ -154,13 +154,13 @@ def _create(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def save(engine, fmap: FlatMap, group, device: torch.device, directory: str, keep: int) -> str:
-    """Every rank of FSDP2's group (its collectives on `device`): the optimizer's state
-    into directory/step-N in the shared layout (module docstring).  Returns the step
-    directory."""
+def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
+    """Every rank of FSDP2's group (shards: the LocalShards whose group it is): the
+    optimizer's state into directory/step-N in the shared layout (module docstring).
+    Returns the step directory."""
     if engine.cfg.state_dtype == "int8":  # before anything is written
         raise ValueError(INT8_REFUSED)
-    g = _Group(group, device)
+    g = _Group(shards)
     d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
     tmp = d.begin(engine.iteration)
     # beside the checkpoints (the disk chosen for their size), where the directory

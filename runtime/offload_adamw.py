@@ -43,7 +43,6 @@ import uuid
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from . import fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
@@ -250,15 +249,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             if background:
                 raise ValueError("save_checkpoint(background=True) with an FSDP2 model: its save gathers every "
                                  "rank's pieces into one layout before it returns; pass background=False")
-            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards.group,
-                                         self._shards.coll_device, directory, keep)
+            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards, directory, keep)
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
 
     def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":
         if self._flat_map is None:
-            g = self._shards.group
-            rank, world = (dist.get_rank(g), dist.get_world_size(g)) if g is not None else (0, 1)
-            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, self._shards, *self._layout, rank, world)
+            sh = self._shards
+            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, sh, *self._layout, sh.rank, sh.world)
         return self._flat_map
 
     def wait_checkpoint(self) -> str | None:
