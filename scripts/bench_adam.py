@@ -26,6 +26,13 @@ moves), each against the bound of its own access pattern in the same run:
     python scripts/bench_adam.py --state-dtypes --lion  # section "bench_lion_state"
 the same for Lion's one moment (fp32 20, bf16 16, bf16-exact 14, int8 14, int8-exact
 12 B/param), each against fp32 state's Lion in the same run (no bound loops of its own)
+
+    python scripts/bench_adam.py --progress --threads 14  # section "bench_adam_progress"
+
+the fp32-state update (bf16 gradients and weights) as the server runs it, in progress
+blocks of 1M elements published one after another (each block split among all threads),
+against one call over the whole range: where a block does not split evenly among the
+threads, the update runs below the kernel's speed (the ratio says by how much)
 """
 from __future__ import annotations
 
@@ -271,6 +278,39 @@ def main_state(sizes, threads, reps, write) -> int:
     return 0
 
 
+PROGRESS_BLOCK = 1 << 20  # the engine's default (expert.progress_block_numel)
+
+
+def main_progress(sizes, threads, reps, write) -> int:
+    rng = np.random.default_rng(0)
+    print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()}")
+    rows = ["| N | threads | one call ms | 1M progress blocks ms | blocks vs one call |", "|" + "---|" * 5]
+    for n in sizes:
+        p = rng.standard_normal(n, dtype=np.float32)
+        m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+        v = np.abs(rng.standard_normal(n, dtype=np.float32)) * np.float32(1e-6)
+        g = (rng.standard_normal(n, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)  # bf16 words
+        out = np.empty(n, np.uint16)
+        word = np.zeros(1, np.uint64)
+        kw = dict(lr=1e-4, weight_decay=0.01, grad_dtype="bf16", out_dtype="bf16")
+        for t in threads:
+            runs = {"one": lambda step: cpu_adam.adam_step(p, m, v, g, out, step=step, num_threads=t, **kw),
+                    "blocks": lambda step: cpu_adam.adam_step(p, m, v, g, out, step=step, num_threads=t,
+                                                              progress=word, progress_tag=step,
+                                                              progress_block=PROGRESS_BLOCK, **kw)}
+            r = interleaved(runs, reps)
+            row = f"| {size_label(n)} | {t} | {r['one']:.1f} | {r['blocks']:.1f} | {r['one'] / r['blocks']:.2f}x |"
+            print(row, flush=True)
+            rows.append(row)
+    body = (f"## CPU Adam step in progress blocks (scripts/bench_adam.py --progress)\n\n{machine_line()}; "
+            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; fp32 state, bf16 gradients and "
+            f"weights; median of {reps} steps, 256 MiB cache flush before each, interleaved.\n\n"
+            + "\n".join(rows) + "\n")
+    if write:
+        update_section(section("bench_adam_progress"), body)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="4M,32M,128M", help="comma-separated element counts (K/M/G suffixes)")
@@ -279,11 +319,15 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--state-dtypes", action="store_true", help="compare the state dtypes (section bench_adam_state)")
     ap.add_argument("--lion", action="store_true", help="with --state-dtypes: Lion's (section bench_lion_state)")
+    ap.add_argument("--progress", action="store_true",
+                    help="the update in the engine's progress blocks vs one call (section bench_adam_progress)")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     if args.lion and not args.state_dtypes:
         ap.error("--lion compares Lion's state dtypes: give --state-dtypes too")
+    if args.progress:
+        return main_progress(sizes, threads, args.reps, not args.no_write)
     if args.state_dtypes:
         main_fn = main_lion_state if args.lion else main_state
         return main_fn(sizes, threads, args.reps, not args.no_write)

@@ -122,7 +122,9 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     and memory.  overlap: overlap_update (bitwise sync, the update during the next forward); overlap-spec: with
     speculation during backward too (an undo log for the whole state, and no clipping, which would roll every
     speculation back; the clip's own cost is a coefficient, nothing on the timeline);
-    dpu-after: weights up in one piece after DONE (the A/B for copying them inside backward)."""
+    dpu-after: weights up in one piece after DONE (the A/B for copying them inside backward).
+    A suffix ":bf16" or ":int8" sets the server's state dtype (fp32 otherwise)."""
+    kind, _, state_dtype = kind.partition(":")
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -138,6 +140,7 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
         if kind == "overlap-spec":
             expert["undo_log_bytes"] = 16 * n
     cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype=dtype, mode="dpu" if kind.startswith("dpu") else "exact",
+                        state_dtype=state_dtype or "fp32",
                         clip_grad_norm=None if kind == "overlap-spec" else 1.0,
                         server={"threads": max(1, (os.cpu_count() or 2) - 2)}, device=str(dev), expert=expert)
     if kind == "broken":  # --dry-run --inject-failure: a variant that raises, as a CUDA error would
@@ -151,7 +154,7 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, mc.vocab_size, (batch, mc.seq_len + 1), generator=gen).to(dev)
     x, y = idx[:, :-1], idx[:, 1:]
-    times, state_bytes = [], 0
+    times, state_bytes, update0 = [], 0, 0.0
     # False: page-locking was refused (a warning said why); None: not applicable
     pinned = getattr(eng, "_pinned", None) is not None if dev.type == "cuda" else None
     try:
@@ -165,6 +168,8 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
             sync(dev)
             if i >= warm:
                 times.append(time.perf_counter() - t0)
+            if i == warm - 1 and kind != "baseline":  # the server's time from here on: no first touch in it
+                update0 = eng.stats()["server_update_s"]
             if i == 0 and dev.type == "cuda":
                 state_bytes = torch.cuda.memory_allocated(dev)  # after a step: model states only
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
@@ -172,12 +177,15 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
         st = eng.stats() if kind != "baseline" else {}
         # share of the weights that went up while the update ran or inside backward
         early = st["bytes_to_device_early"] / st["bytes_to_device"] if st.get("bytes_to_device") else None
+        # the server's own time in updates, per timed step (DONE.update_s: the kernel's passes and the
+        # weights' copy-back, not the wait for gradients; the warm-up's first touch left out)
+        update_s = (st["server_update_s"] - update0) / steps if "server_update_s" in st else None
     finally:
         eng.close()
         host.stop()
         del eng, model
     return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak,
-            "pinned": pinned if kind != "baseline" else None, "early_up": early,
+            "pinned": pinned if kind != "baseline" else None, "early_up": early, "server_update_s": update_s,
             "host_peak_B": (host.peak - host0) / n, "host_steady_B": (host_steady - host0) / n}
 
 
@@ -193,17 +201,18 @@ def table(res: dict) -> str:
     """The compact table of what finished (and which variants failed), from the results."""
     rows = [(k, v) for k, v in res.items()
             if isinstance(v, dict) and "_b" in k and ("step_s" in v or "error" in v)]
-    out = ["| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only "
+           "| server update ms/step |", "|---|---|---|---|---|---|---|---|---|"]
     for key, r in rows:
         kind, b = key.rsplit("_b", 1)
         if "error" in r:
-            out.append(f"| {b} | {kind} | FAILED: {r['error'][:120]} | | | | | |")
+            out.append(f"| {b} | {kind} | FAILED: {r['error'][:120]} | | | | | | |")
             continue
         base = res.get(f"baseline_b{b}", {}).get("step_s")
         out.append(f"| {b}x{res.get('seq_len', '?')} | {kind} | {r['step_s'] * 1e3:.0f} | {r.get('tflops', 0):.1f} | "
                    f"{r['state_bytes'] / 2**30:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['host_peak_B']:.1f} | "
-                   + (f"{r['step_s'] / base:.2f}x |" if base else "- |"))
+                   + (f"{r['step_s'] / base:.2f}x |" if base else "- |")
+                   + (f" {r['server_update_s'] * 1e3:.0f} |" if r.get("server_update_s") is not None else " - |"))
     if "bandwidth" in res:
         bw = res["bandwidth"]
         if "error" in bw:
@@ -260,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="4,16")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--kinds", default="",
+                    help="comma-separated variants for every batch, e.g. baseline,dpu,dpu:bf16 (default: the full set)")
     a = ap.parse_args(argv)
     if a.summary:
         print(table(json.loads(Path(a.summary).read_text())))
@@ -303,6 +314,8 @@ def main(argv=None) -> int:
         kinds_last = ("overlap-spec", "dpu-after")
         for b in batches:
             kinds = ("baseline", "sync", "dpu", "overlap") + (kinds_last if b == batches[-1] else ())
+            if a.kinds:
+                kinds = tuple(k for k in a.kinds.split(",") if k)
             if a.inject_failure and b == batches[0]:
                 kinds = kinds[:1] + ("broken",) + kinds[1:]
             if a.inject_hang and b == batches[0]:
@@ -328,6 +341,7 @@ def main(argv=None) -> int:
                       f"states {r['state_bytes'] / 2**30:.2f} GiB, peak {r['peak_bytes'] / 2**30:.2f} GiB"
                       + f", host {r['host_peak_B']:.1f} B/param peak, {r['host_steady_B']:.1f} steady"
                       + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
+                      + ("" if r["server_update_s"] is None else f", server update {r['server_update_s'] * 1e3:.0f} ms")
                       + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
         _derived(res, dev, batches, n_params)
     except Deadline as e:

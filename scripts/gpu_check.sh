@@ -10,7 +10,8 @@
 # no network: pyzmq is not in its image, so carry the wheel in .whl/ (docs/gpu.md);
 # it is installed into /tmp/site.
 # Budget: machine facts (s), build (<= 60 s, skipped when a carried build matches the
-# sources), the cuda tests (<= 90 s: 30 s per test, 30 s per request), the measurements
+# sources), the cuda tests (<= 90 s: 30 s per test, 30 s per request), the CPU update
+# alone at the server's thread count (<= 45 s; about 15 s on 16 cores), the measurements
 # (<= 120 s, each variant in its own try/except, JSON after each), the summary table
 # from the JSON (even if the measurements were killed).
 # GPU_CHECK_BENCH_S overrides the measurements' bound (the dry-run test kills one mid-way).
@@ -28,9 +29,10 @@ T0=$SECONDS
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 echo "== machine"
-[ -z "$DRY" ] && nvidia-smi 2>&1 | tee "$OUT/nvidia-smi.txt" | head -20
-df -h /dev/shm | tee "$OUT/shm.txt"
-free -g | tee "$OUT/free.txt"
+# one file for the machine's facts: a lent machine returns at most 8 files from $OUT
+{ [ -z "$DRY" ] && nvidia-smi 2>&1 | head -20
+  df -h /dev/shm; free -g
+  lscpu 2>/dev/null | grep -E "^Model name|^CPU\(s\)|^NUMA node\(s\)|^L3"; } | tee "$OUT/machine.txt"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
@@ -75,6 +77,13 @@ echo "== cuda tests ($((SECONDS - T0)) s so far)"
 timeout 100 "$PY" -m pytest -o addopts="" -v --durations=0 -m cuda tests/test_cuda.py -p no:cacheprovider \
   2>&1 | tee "$OUT/cuda_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|slowest|[0-9]s (call|setup)" | tail -60
 tests_rc=${PIPESTATUS[0]}
+echo "== the CPU update at the server's threads ($((SECONDS - T0)) s so far)"
+# the fp32-state update in the engine's progress blocks vs one call, at the thread count
+# gpu_bench gives the server: what its "server update" per step should come near
+NT=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+NCPU=256M; [ -n "$DRY" ] && NCPU=2M
+timeout 45 "$PY" scripts/bench_adam.py --progress --sizes $NCPU --threads "$NT" --reps 5 --no-write 2>&1 \
+  | tee "$OUT/cpu_update.txt" | tail -3
 echo "== measurements ($((SECONDS - T0)) s so far)"
 # size the 1.5B run (4 B/param of shared segment, 16 of host RAM) to what /dev/shm has
 SIZE=""

@@ -173,6 +173,8 @@ def test_fp16_words_with_keyword_equal_float16_arrays():
 
 
 def test_threads_bitwise_identical():
+    """Any thread count, and progress blocks that do not divide among the threads (each
+    range is split into one piece per thread), give the one-thread bits."""
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
     rng = seeded_rng()
@@ -180,13 +182,16 @@ def test_threads_bitwise_identical():
     base = [x.copy() for x in _buffers(rng, n, 0)[:3]]
     g = rng.standard_normal(n).astype(np.float16)
     res = []
-    for nt in (1, 2):
+    for nt, block in ((1, 0), (2, 0), (3, 0), (7, 0), (3, 5 * 65536 + 16), (5, 1 << 20)):
         bufs = [x.copy() for x in base]
         out = np.empty(n, np.float16)
-        ca.adam_step(*bufs, g, out, step=1, lr=1e-3, num_threads=nt)
+        word = np.zeros(1, np.uint64)
+        ca.adam_step(*bufs, g, out, step=1, lr=1e-3, num_threads=nt, progress=word if block else None,
+                     progress_tag=1, progress_block=block)
         res.append(bufs + [out])
-    for a, b in zip(*res):
-        np.testing.assert_array_equal(a, b)
+    for r in res[1:]:
+        for a, b in zip(res[0], r):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_fp16_conversions_exhaustive(level):

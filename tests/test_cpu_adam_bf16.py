@@ -217,7 +217,7 @@ def test_non_finite_gradients_take_the_scalar_paths_bits(exact):
 
 
 def test_threads_and_sharding_change_no_bit():
-    """Two threads against one; and a model split into two shards at an odd point,
+    """Two, three and seven threads against one; and a model split into two shards at an odd point,
     each with its model-wide index_base, against one shard."""
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
@@ -227,10 +227,13 @@ def test_threads_and_sharding_change_no_bit():
     gs = grads(rng, n, 3)
     one = run_bf16(p0, gs, exact=True, threads=1)
     two = run_bf16(p0, gs, exact=True, threads=2)
+    # threads that share a range unevenly: one piece each
+    others = [run_bf16(p0, gs, exact=True, threads=t) for t in (3, 7)]
     a = run_bf16(p0[:cut], [g[:cut] for g in gs], exact=True, index_base=0)
     b = run_bf16(p0[cut:], [g[cut:] for g in gs], exact=True, index_base=cut)
     for k, name in enumerate(("master", "m", "v", "weights")):
-        assert np.array_equal(one[k].view(np.uint8), two[k].view(np.uint8)), f"threads change {name}"
+        for got in [two] + others:
+            assert np.array_equal(one[k].view(np.uint8), got[k].view(np.uint8)), f"threads change {name}"
         joined = np.concatenate([a[k], b[k]])
         assert np.array_equal(one[k].view(np.uint8), joined.view(np.uint8)), f"sharding changes {name}"
 

@@ -177,7 +177,7 @@ def test_fp16_gradients_with_an_fp32_master_and_prediction(level):
 
 
 def test_threads_and_sharding_change_no_bit():
-    """Two threads against one; and a model split into two shards at a block boundary,
+    """Two, three and seven threads against one; and a model split into two shards at a block boundary,
     each with its model-wide index_base, against one shard."""
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
@@ -187,10 +187,14 @@ def test_threads_and_sharding_change_no_bit():
     gs = spread_grads(rng, n, 3)
     one = run_int8(p0, gs, exact=True, threads=1)
     two = run_int8(p0, gs, exact=True, threads=2)
+    # threads that share a range unevenly: one piece each, whole blocks (a piece
+    # that split a block would give its two parts different scales)
+    others = [run_int8(p0, gs, exact=True, threads=t) for t in (3, 7)]
     a = run_int8(p0[:cut], [g[:cut] for g in gs], exact=True, index_base=0)
     b = run_int8(p0[cut:], [g[cut:] for g in gs], exact=True, index_base=cut)
     for k, name in enumerate(("master", "m", "v", "m scales", "v scales", "weights")):
-        assert np.array_equal(one[k].view(np.uint8), two[k].view(np.uint8)), f"threads change {name}"
+        for got in [two] + others:
+            assert np.array_equal(one[k].view(np.uint8), got[k].view(np.uint8)), f"threads change {name}"
         joined = np.concatenate([a[k], b[k]])
         assert np.array_equal(one[k].view(np.uint8), joined.view(np.uint8)), f"sharding changes {name}"
 
