@@ -33,11 +33,12 @@ Choices (docs/fsdp2.md has the why):
     grad_accumulation_steps must be 1;
   - the exact strategies that wait in the model's forward hooks (overlap_update) are
     not used: FSDP2's own pre-forward all-gather reads the local shards;
-  - checkpoints: each rank's ``opt.state_dict()`` holds its own shards' state (same
-    world size and sharding to load it); ``save_checkpoint``/``state_dir`` are refused
-    until the world-size-independent layout for FSDP2 exists;
+  - checkpoints: ``save_checkpoint``/``state_dir`` write the layout every topology
+    shares (runtime.fsdp2_checkpoint); each rank's ``opt.state_dict()`` holds its own
+    shards' state (same world size and sharding to load it);
   - the device holds the local shards and the proxies (2 B/param/world each with bf16
-    shards): on the CPU device the proxies live in the shared segment, so nothing more.
+    shards): on the CPU device the proxies live in the shared segment, so nothing more;
+    on a GPU the proxies are a second copy (docs/fsdp2.md).
 """
 from __future__ import annotations
 
