@@ -5,7 +5,7 @@ Importable without torch.  Three pieces:
 - ``crc32_combine``: the CRC-32 of two byte strings laid end to end from each one's
   CRC and the second's length (zlib's algorithm), so pieces written or read out of
   order by several threads still give the one whole-file checksum the manifest keeps.
-- ``parallel_read`` / ``file_crc``: large preads (``IO_CHUNK_BYTES``) on a few threads
+- ``parallel_read`` / ``file_crc`` / ``range_crc``: large preads (``IO_CHUNK_BYTES``) on a few threads
   (``IO_THREADS``); os.preadv and zlib.crc32 release the GIL, so the threads overlap.
 - ``SaveJob``: one shard file written by ``IO_THREADS`` writer threads, chunk by chunk
   of the shard's elements (``SAVE_CHUNK`` elements of every array: a chunk is a set
@@ -29,7 +29,6 @@ save does not count and the previous checkpoint stays ``latest``.
 from __future__ import annotations
 
 import enum
-import functools
 import os
 import threading
 import time
@@ -56,54 +55,53 @@ FILE_MODE = 0o600              # checkpoint files: the owner's, like the segment
 _POLY = 0xEDB88320
 
 
-def _gf2_times(mat: list[int], vec: int) -> int:
-    s, i = 0, 0
-    while vec:
-        if vec & 1:
-            s ^= mat[i]
-        vec >>= 1
-        i += 1
-    return s
+def _multmodp(a: int, b: int) -> int:
+    """a * b modulo the CRC-32 polynomial, both as reflected bit strings (zlib's multmodp;
+    a must not be 0)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
 
 
-def _gf2_compose(a: tuple, b: tuple) -> tuple:
-    """The operator that applies b, then a."""
-    return tuple(_gf2_times(a, b[n]) for n in range(32))
+_X2N = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31: x, x^2, x^4, ...
+for _ in range(31):
+    _X2N.append(_multmodp(_X2N[-1], _X2N[-1]))
 
 
-@functools.lru_cache(maxsize=64)
-def _zero_bytes_op(k: int) -> tuple:
-    """The operator that appends 2**k zero bytes to a CRC (squared from one zero bit)."""
-    if k < 0:
-        op = (_POLY,) + tuple(1 << n for n in range(31))  # one zero bit
-        for _ in range(3):
-            op = _gf2_compose(op, op)
-        return op  # eight zero bits: one byte
-    prev = _zero_bytes_op(k - 1)
-    return _gf2_compose(prev, prev)
-
-
-@functools.lru_cache(maxsize=256)
-def _shift_op(n: int) -> tuple:
-    """The operator that appends n zero bytes (cached: a file's pieces have few lengths, so
-    combining thousands of them costs one 32-step product each)."""
-    op = None
-    k = 0
+def _x2nmodp(n: int, k: int) -> int:
+    """x^(n * 2^k) modulo the polynomial: one product per set bit of n, so combining a
+    piece of any length costs about 0.1 ms in Python (a GF(2) matrix power cost 1 ms
+    per new length, and an FSDP2 checkpoint's pieces have hundreds of lengths)."""
+    p = 1 << 31  # x^0
     while n:
         if n & 1:
-            m = _zero_bytes_op(k - 1) if k else _zero_bytes_op(-1)
-            op = m if op is None else _gf2_compose(m, op)
+            p = _multmodp(_X2N[k & 31], p)
         n >>= 1
         k += 1
-    return op
+    return p
 
 
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """CRC-32 of A + B from crc1 = crc32(A), crc2 = crc32(B) and len2 = len(B) (zlib's
-    crc32_combine: append len2 zero bytes to crc1 with the GF(2) shift operator)."""
+    crc32_combine: crc1 shifted past len2 bytes, i.e. times x^(8 len2), plus crc2)."""
     if len2 <= 0:
         return crc1
-    return (_gf2_times(_shift_op(len2), crc1) ^ crc2) & 0xFFFFFFFF
+    return (_multmodp(_x2nmodp(len2, 3), crc1) ^ crc2) & 0xFFFFFFFF
+
+
+def zeros_crc(n: int) -> int:
+    """CRC-32 of n zero bytes (a file's holes: ftruncate'd and never written)."""
+    crc, step = 0, 1 << 20
+    block = zlib.crc32(bytes(min(n, step)))
+    for a in range(0, n, step):
+        m = min(step, n - a)
+        crc = crc32_combine(crc, block if m == step else zlib.crc32(bytes(m)), m)
+    return crc
 
 
 def combine_pieces(pieces: list[tuple[int, int, int]]) -> int:
@@ -179,10 +177,19 @@ def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_TH
 def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
     """(CRC-32, size) of a whole file, its pieces read and checksummed on several threads
     (each thread one reused buffer)."""
+    return range_crc(path, 0, None, threads)
+
+
+def range_crc(path: Path, lo: int, hi: int | None, threads: int = IO_THREADS) -> tuple[int, int]:
+    """(CRC-32 of bytes [lo, hi), the file's size); hi None: to the end.  Several ranks
+    can check one file together, each a range, their CRCs combined (crc32_combine)."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        spans = _spans(size, CRC_CHUNK_BYTES)
+        hi = size if hi is None else hi
+        if not 0 <= lo <= hi <= size:
+            raise ValueError(f"bytes [{lo}, {hi}) of {path} are not within its {size} bytes")
+        spans = [(lo + a, lo + b) for a, b in _spans(hi - lo, CRC_CHUNK_BYTES)]
         local = threading.local()
 
         def piece(a: int, b: int) -> tuple[int, int, int]:
@@ -197,7 +204,7 @@ def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
         else:
             with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-crc") as ex:
                 pieces = list(ex.map(lambda s: piece(*s), spans))
-        return combine_pieces(pieces), size
+        return combine_pieces([(a - lo, n, c) for a, n, c in pieces]), size
     finally:
         os.close(fd)
 

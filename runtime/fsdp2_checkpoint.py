@@ -16,23 +16,25 @@ save (every rank of FSDP2's group calls it):
      (shard-r0-of-1.bin: master and moments of the whole flat space;
      device16-r0-of-1.bin; pending16 under DPU), zeros where no parameter lies;
   3. each rank copies its pieces of each array into them (pread/pwrite, bounded
-     chunks);
-  4. rank 0 writes the manifests with the files' checksums, and the directory is
+     chunks), taking each piece's CRC-32 as it writes it;
+  4. rank 0 combines every rank's CRCs into the files' checksums (the holes are
+     zeros; nobody reads the files back), writes the manifests, and the directory is
      published as any checkpoint is (optimizer_server.checkpoint.CheckpointDir).
 The result is an ordinary checkpoint: the built-in path loads it on any number of
 ranks, and so does FSDP2 on any number of ranks.
 
-load (every rank calls it): each rank reads its pieces out of any checkpoint (saved
-by FSDP2 or by the built-in path, at any world size: read_range), writes them as a
-one-rank checkpoint of its local flat space into a private temporary directory (in
-TMPDIR: point it at a disk with room), and its engine loads that (with every check a
-load makes).  A save's own temporary directory is beside the checkpoints.
+load (every rank calls it): the checkpoint's checksums are verified with the reading
+shared (each rank 1/world of every file, the CRCs combined); each rank reads its
+pieces out of any checkpoint (saved by FSDP2 or by the built-in path, at any world
+size: read_range), writes them as a one-rank checkpoint of its local flat space into
+a private temporary directory (in TMPDIR: point it at a disk with room), and its
+engine loads that (with every check a load makes).  A save's own temporary directory
+is beside the checkpoints.
 
 Cost: each rank writes, reads and copies its local state once more through a
-temporary directory (12 B/param/world with fp32 state, plus 2-4 of weights), and
-rank 0 reads the shared files once for their checksums.  int8 state is refused: its
-scale per 256 elements does not follow FSDP2's rows, so moving it between topologies
-would re-quantise it.
+temporary directory (12 B/param/world with fp32 state, plus 2-4 of weights).  int8
+state is refused: its scale per 256 elements does not follow FSDP2's rows, so moving
+it between topologies would re-quantise it.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -50,6 +53,7 @@ import torch.distributed as dist
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.ckpt_io import crc32_combine, range_crc, zeros_crc
 from zero_offload.server.errors import OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
@@ -126,6 +130,25 @@ class _Group:
         if self.world > 1:
             dist.barrier(group=self.group)
 
+    def all_rows(self, rows: list[tuple[int, ...]], width: int) -> list[tuple[int, ...]]:
+        """Every rank's rows of `width` int64s, on every rank (two all_gathers: the
+        counts, then the rows padded to the longest)."""
+        if self.world == 1:
+            return list(rows)
+        n = torch.tensor([len(rows)], dtype=torch.int64, device=self.device)
+        counts = [torch.zeros_like(n) for _ in range(self.world)]
+        dist.all_gather(counts, n, group=self.group)
+        counts = [int(c.item()) for c in counts]
+        if max(counts) == 0:
+            return []
+        mine = torch.zeros((max(counts), width), dtype=torch.int64)
+        if rows:
+            mine[:len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        mine = mine.to(self.device)
+        parts = [torch.empty_like(mine) for _ in range(self.world)]
+        dist.all_gather(parts, mine, group=self.group)
+        return [tuple(r) for part, k in zip(parts, counts) for r in part[:k].cpu().tolist()]
+
 
 def _arrays(man: dict) -> tuple[list, dict]:
     names, dtypes = list(man["arrays"]), C.saved_array_dtypes(man)
@@ -135,15 +158,37 @@ def _arrays(man: dict) -> tuple[list, dict]:
     return names, dtypes
 
 
-def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int) -> None:
-    """Each piece's elements from the local file into the shared one, CHUNK at a time."""
+def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int) -> list:
+    """Each piece's elements from the local file into the shared one, CHUNK at a time;
+    returns (byte offset, length, CRC-32) of what it wrote, for the file's checksum."""
+    crcs = []
     for a, b, n in pieces:  # (local_lo, flat_lo, n)
         for off in range(0, n, CHUNK):
             m = min(CHUNK, n - off)
             data = os.pread(src_fd, m * item, src_base + (a + off) * item)
             if len(data) != m * item:
                 raise OSError(f"short read of a checkpoint file ({len(data)} of {m * item} bytes)")
-            os.pwrite(dst_fd, data, dst_base + (b + off) * item)
+            at = dst_base + (b + off) * item
+            if os.pwrite(dst_fd, data, at) != len(data):
+                raise OSError(f"short write of a checkpoint file at byte {at}")
+            crcs.append((at, len(data), zlib.crc32(data)))
+    return crcs
+
+
+def _crc_of(pieces: list, size: int) -> int:
+    """The CRC-32 of a file of `size` bytes from the (offset, length, CRC) of the pieces
+    written into it; the bytes between them are the zeros ftruncate left.  Pieces that
+    overlap (two ranks writing one range) raise ValueError."""
+    crc, pos = 0, 0
+    for off, n, c in sorted(pieces):
+        if off < pos:
+            raise ValueError(f"two pieces overlap at byte {off} of a checkpoint file")
+        crc = crc32_combine(crc, zeros_crc(off - pos), off - pos)
+        crc = crc32_combine(crc, c, n)
+        pos = off + n
+    if pos > size:
+        raise ValueError(f"a piece ends at byte {pos}, past the file's {size} bytes")
+    return crc32_combine(crc, zeros_crc(size - pos), size - pos)
 
 
 def _create(path: Path, size: int) -> None:
@@ -202,21 +247,24 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
                 ok, err = False, e
         if not g.agree(ok):
             return _fail(tmp, err)
-        # 3. each rank its pieces
+        # 3. each rank its pieces, and the CRC of each piece as it is written (the shared
+        # files' checksums are combined from them: nobody reads the files back)
+        crcs: list[tuple[int, int, int, int]] = []  # (role index, offset, length, crc)
         try:
             n_local = int(man["numel"])
             lbase, _ = ShardStateArrays.file_layout(names, dtypes, n_local)
             gbase, _ = ShardStateArrays.file_layout(names, dtypes, N)
-            for role, path in files.items():
+            for r, (role, path) in enumerate(files.items()):
                 src = C.rank_file(local, role, 0, ONE, ".bin")
                 sfd, dfd = os.open(src, os.O_RDONLY), os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
                 try:
                     if role == C.SHARD:
                         for name in names:
                             item = ITEM_BYTES[dtypes.get(name, "fp32")]
-                            _copy_pieces(sfd, dfd, fmap.pieces, lbase[name], gbase[name], item)
+                            crcs += [(r, *c) for c in _copy_pieces(sfd, dfd, fmap.pieces, lbase[name],
+                                                                   gbase[name], item)]
                     else:
-                        _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2)
+                        crcs += [(r, *c) for c in _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2)]
                     os.fsync(dfd)
                 finally:
                     os.close(sfd)
@@ -225,10 +273,13 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
             ok, err = False, e
         if not g.agree(ok):
             return _fail(tmp, err)
+        every = g.all_rows(crcs, 4)
         # 4. rank 0: the manifests, with the shared files' checksums
         if g.rank == 0:
             try:
-                sums = {role: C.file_checksum(path) for role, path in files.items()}
+                sizes = {C.SHARD: shard_bytes, C.DEVICE16: 2 * N, C.PENDING16: 2 * N}
+                sums = {role: C.checksum_str(_crc_of([c[1:] for c in every if c[0] == r], sizes[role]))
+                        for r, role in enumerate(files)}
                 shard_man = dict(man, rank=0, world_size=ONE, numel=N, groups=[], checksum=sums.pop(C.SHARD))
                 atomic_write_bytes(C.rank_file(tmp, C.SHARD, 0, ONE, ".json"),
                                    json.dumps(shard_man, indent=1).encode())
@@ -237,7 +288,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
                     counts[j] = c
                 eng = dict(meta, rank=0, world_size=ONE, numel=N, param_updates=counts, checksums=sums)
                 atomic_write_bytes(C.rank_file(tmp, C.ENGINE, 0, ONE, ".json"), json.dumps(eng, indent=1).encode())
-            except OSError as e:
+            except (OSError, ValueError) as e:
                 ok, err = False, e
         expected = [C.rank_file(Path("."), p, 0, ONE, s) for p, s in
                     ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
@@ -257,8 +308,10 @@ def _fail(tmp: Path, err) -> NoReturn:
                                f"checkpoint is intact", code=E_CHECKPOINT)
 
 
-def load(engine, fmap: FlatMap, directory: str) -> None:
-    """Every rank: its pieces out of any checkpoint (module docstring), loaded by its engine."""
+def load(engine, fmap: FlatMap, directory: str, shards) -> None:
+    """Every rank of FSDP2's group (shards: the LocalShards whose group it is): its
+    pieces out of any checkpoint (module docstring), loaded by its engine."""
+    g = _Group(shards)
     d = C.resolve(directory)
     src = C.pick_world_size(d, C.SHARD, ONE)
     mans, metas = [], []
@@ -295,12 +348,11 @@ def load(engine, fmap: FlatMap, directory: str) -> None:
         size = path.stat().st_size if path.exists() else -1
         if size != expect:
             raise C.CheckpointError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
-        C.verify(path, mans[k].get("checksum"))
     roles = [C.DEVICE16] + ([C.PENDING16] if meta["stale"] else [])
     w16 = {role: [C.rank_file(d, role, k, src, ".bin") for k in range(src)] for role in roles}
-    for role, fs in w16.items():
-        for k, f in enumerate(fs):
-            C.verify(f, metas[k].get("checksums", {}).get(role))
+    _verify_together(g, [(path, mans[k].get("checksum")) for k, path in enumerate(bins)]
+                     + [(f, metas[k].get("checksums", {}).get(role)) for role, fs in w16.items()
+                        for k, f in enumerate(fs)])
     n_local = engine.flat.shard_numel
     local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
     try:
@@ -310,17 +362,16 @@ def load(engine, fmap: FlatMap, directory: str) -> None:
         gbase, _ = ShardStateArrays.file_layout(names, dtypes, per_file)
         out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
         _create(out, lsize)
-        _gather(bins, per_file, out, [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")]) for n in names],
-                fmap.pieces)
+        shard_crc = _crc_of(_gather(bins, per_file, out, [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")])
+                                                         for n in names], fmap.pieces), lsize)
         sums = {}
         for role, fs in w16.items():
             per16 = fs[0].stat().st_size // 2
             out16 = C.rank_file(local, role, 0, ONE, ".bin")
             _create(out16, 2 * n_local)
-            _gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces)
-            sums[role] = C.file_checksum(out16)
+            sums[role] = C.checksum_str(_crc_of(_gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces), 2 * n_local))
         atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(
-            dict(man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.file_checksum(out))).encode())
+            dict(man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
         counts = [meta["param_updates"][j] for j in fmap.span_of_local]
         atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
             dict(meta, rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts,
@@ -330,10 +381,12 @@ def load(engine, fmap: FlatMap, directory: str) -> None:
         shutil.rmtree(local_root, ignore_errors=True)
 
 
-def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int, int, int]], pieces) -> None:
+def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int, int, int]], pieces) -> list:
     """Into the local file `out`: each array's pieces (arrays: (local base, shared base,
-    item bytes)) read out of the shared flat space of `files` (read_range)."""
+    item bytes)) read out of the shared flat space of `files` (read_range); returns
+    (byte offset, length, CRC-32) of what it wrote, for the local file's checksum."""
     fd = os.open(out, os.O_WRONLY | os.O_NOFOLLOW)
+    crcs = []
     try:
         for lbase, gbase, item in arrays:
             dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
@@ -342,7 +395,40 @@ def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int,
                     m = min(CHUNK, n - off)
                     buf = np.empty(m, dt)
                     read_range(files, per_file, gbase, flat_lo + off, flat_lo + off + m, buf)
-                    os.pwrite(fd, memoryview(buf).cast("B"), lbase + (lo + off) * item)
+                    data = memoryview(buf).cast("B")
+                    at = lbase + (lo + off) * item
+                    if os.pwrite(fd, data, at) != len(data):
+                        raise OSError(f"short write of {out} at byte {at}")
+                    crcs.append((at, len(data), zlib.crc32(data)))
         os.fsync(fd)
     finally:
         os.close(fd)
+    return crcs
+
+
+def _verify_together(g: _Group, checks: list[tuple[Path, str | None]]) -> None:
+    """C.verify for each (file, expected checksum), the reading shared: each rank checks
+    its 1/world of every file's bytes and the ranks' CRCs are combined, so the group
+    reads the checkpoint once instead of once per rank.  Every rank raises the same
+    CheckpointError (a read that fails on one rank fails the check on all)."""
+    for path, expected in checks:
+        if not expected:
+            C.verify(path, expected)  # raises, naming the file (the same on every rank)
+    rows = []  # (file index, offset, length, crc); offset -1: this rank could not read it
+    for i, (path, _) in enumerate(checks):
+        size = path.stat().st_size
+        lo, hi = size * g.rank // g.world, size * (g.rank + 1) // g.world
+        try:
+            rows.append((i, lo, hi - lo, range_crc(path, lo, hi)[0]))
+        except OSError:
+            rows.append((i, -1, 0, 0))
+    every = g.all_rows(rows, 4)
+    for i, (path, expected) in enumerate(checks):
+        mine = [r[1:] for r in every if r[0] == i]
+        if any(off < 0 for off, _, _ in mine):
+            raise C.CheckpointError(f"checkpoint file {path} could not be read on every rank; load another "
+                                    f"checkpoint (an earlier step-N beside it)")
+        got = C.checksum_str(_crc_of(mine, path.stat().st_size))
+        if got != expected:
+            raise C.CheckpointError(f"checkpoint file {path} is corrupt: its checksum is {got}, the manifest says "
+                                    f"{expected}; load another checkpoint (an earlier step-N beside it)")

@@ -266,7 +266,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         """OffloadEngine.load_checkpoint: any checkpoint of this model's optimizer, saved at any
         world size, with FSDP2 or the built-in path (with FSDP2 a collective)."""
         if self._shards is not None:
-            fsdp2_checkpoint.load(self.engine, self._fsdp2_map(), directory)
+            fsdp2_checkpoint.load(self.engine, self._fsdp2_map(), directory, self._shards)
             self._shards.copy_back()  # the loaded device weights into the local shards
             return
         self.engine.load_checkpoint(directory)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zero_offload.server.ckpt_io import (ChunkState, Part, SaveJob, combine_pieces, crc32_combine, file_crc,
-                                      parallel_read)
+                                      parallel_read, range_crc, zeros_crc)
 
 pytestmark = pytest.mark.timeout(120)
 SEED = 1203
@@ -32,6 +32,27 @@ def test_crc32_combine_equals_zlib_on_random_splits():
     assert combine_pieces(pieces) == zlib.crc32(data)
     with pytest.raises(ValueError, match="do not tile"):
         combine_pieces(pieces[1:])
+
+
+def test_zeros_and_ranges_of_a_file(tmp_path):
+    """zeros_crc (a file's holes) against zlib over real zeros, across its 1 MiB step;
+    range_crc of any range, and the ranges that tile a file combined into file_crc's.
+    (Mutation: zeros_crc returning crc32 of one step for every step misses past 1 MiB.)"""
+    rng = random.Random(SEED)
+    print("seed", SEED)
+    for n in (0, 1, 4095, (1 << 20) - 1, 1 << 20, (1 << 20) + 3, 3 * (1 << 20) + 17):
+        assert zeros_crc(n) == zlib.crc32(bytes(n)), n
+    data = rng.randbytes(2_500_003)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    for _ in range(20):
+        lo = rng.randrange(len(data) + 1)
+        hi = rng.randrange(lo, len(data) + 1)
+        assert range_crc(path, lo, hi) == (zlib.crc32(data[lo:hi]), len(data))
+    thirds = [(len(data) * k // 3, len(data) * (k + 1) // 3) for k in range(3)]
+    assert combine_pieces([(a, b - a, range_crc(path, a, b)[0]) for a, b in thirds]) == file_crc(path)[0]
+    with pytest.raises(ValueError, match="not within"):
+        range_crc(path, 10, len(data) + 1)
 
 
 def _parts(arrays):

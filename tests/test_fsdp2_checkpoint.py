@@ -23,7 +23,8 @@ WORKER = ROOT / "tests" / "helpers" / "fsdp2_ckpt_worker.py"
 VARIANTS = ["sync-fp32", "dpu-bf16"]
 # (ranks, stages): each stage loads what the one before saved, and saves it again at once;
 # the last launch's two stages run in the same two processes, one after the other
-CHAIN = [(2, ["fsdp2", "train", "a"]), (3, ["fsdp2", "relay", "a", "b"]), (1, ["builtin", "relay", "b", "c"]),
+CHAIN = [(2, ["fsdp2", "train", "a"]), (3, ["fsdp2", "corrupt", "a", "then", "fsdp2", "relay", "a", "b"]),
+         (1, ["builtin", "relay", "b", "c"]),
          (2, ["builtin", "relay", "c", "d", "then", "fsdp2", "resume", "d"])]
 
 
@@ -123,6 +124,49 @@ def test_resumed_after_the_round_trip_is_the_uninterrupted_run(chain, variant):
     assert resumed["losses"] == whole["losses"]
     for k, v in whole["master"].items():
         assert torch.equal(resumed["master"][k], v), k
+
+
+def test_a_corrupt_byte_fails_the_load_on_every_rank(chain):
+    """FSDP2 on 3 ranks verifies a checkpoint's checksums together (each rank reads a third
+    of every file, the CRCs combined): a byte flipped in the last rank's third fails the
+    load on all three ranks alike, naming the file, and the same checkpoint, put back,
+    then loads (the chain's next stage relays it, so a wrong combination of the CRCs
+    fails the chain).  (Mutation: without the check, each rank builds its local
+    checkpoint from the corrupt bytes with fresh checksums and loads it.)"""
+    for r in range(3):
+        what = (chain / VARIANTS[0] / f"corrupt-r{r}.txt").read_text()
+        assert what.startswith("CheckpointError") and "is corrupt" in what and "shard-r0-of-1.bin" in what, what
+
+
+def test_a_files_checksum_from_the_pieces_written_into_it(tmp_path):
+    """fsdp2_checkpoint._crc_of, which the save and the load use instead of reading a file
+    back: pieces written at random places of an ftruncate'd file, in any order, give the
+    file's own CRC-32 with the holes counted as zeros (on a GPU, the parameter alignment
+    leaves such holes; the CPU device's layout has none); overlapping pieces raise.
+    (Mutation: a hole skipped instead of counted as zeros fails this.)"""
+    import random
+    import zlib
+
+    from zero_offload.fsdp2_checkpoint import _crc_of
+    rng = random.Random(1204)
+    print("seed", 1204)
+    size = 3_000_000
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.truncate(size)
+    cuts = sorted(rng.sample(range(size), 40))
+    pieces = []
+    fd = os.open(path, os.O_WRONLY)
+    for a, b in zip(cuts[0::2], cuts[1::2]):  # every other span written, the rest holes
+        data = rng.randbytes(b - a)
+        os.pwrite(fd, data, a)
+        pieces.append((a, b - a, zlib.crc32(data)))
+    os.close(fd)
+    rng.shuffle(pieces)
+    assert _crc_of(pieces, size) == zlib.crc32(path.read_bytes())
+    a, n, c = pieces[0]
+    with pytest.raises(ValueError, match="overlap"):
+        _crc_of(pieces + [(a + 1, n, c)], size)
 
 
 def test_a_checkpoint_of_another_model_or_int8_state_is_refused_naming_the_fix(tmp_path):

@@ -14,6 +14,9 @@ text and the optimizer's groups are tests/helpers/fsdp2_worker's.  For each VARI
               after the save and final masters in whole.pt)
   relay A B   load_checkpoint(A), then save_checkpoint(B) at once
   resume A    load_checkpoint(A), train the STEPS_B steps: resumed.pt as whole.pt
+  corrupt A   (the first variant only) rank 0 flips a byte near the end of A's shard
+              file, in the last rank's share of the load's checksum reading; every rank
+              loads A and writes what happened to corrupt-rRANK.txt; the byte is put back
 """
 import os
 import sys
@@ -76,7 +79,37 @@ def train(model, opt, first: int, n: int) -> list[float]:
     return losses
 
 
+def corrupt_stage(root: str, topology: str, name: str) -> None:
+    from zero_offload.server import checkpoint as C
+    d = os.path.join(root, VARIANTS[0][0])
+    path = C.rank_file(C.resolve(os.path.join(d, name)), C.SHARD, 0, 1, ".bin")
+    at = path.stat().st_size - 5
+    if dist.get_rank() == 0:
+        with open(path, "r+b") as f:
+            f.seek(at)
+            old = f.read(1)
+            f.seek(at)
+            f.write(bytes([old[0] ^ 0x40]))
+    dist.barrier()
+    model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
+    try:
+        opt.load_checkpoint(os.path.join(d, name))
+        what = "loaded"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
+        what = f"{type(e).__name__}: {e}"
+    opt.close()
+    with open(os.path.join(d, f"corrupt-r{dist.get_rank()}.txt"), "w") as f:
+        f.write(what)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(path, "r+b") as f:
+            f.seek(at)
+            f.write(old)
+
+
 def run_stage(root: str, topology: str, action: list[str]) -> None:
+    if action[0] == "corrupt":
+        return corrupt_stage(root, topology, action[1])
     for name, mode, state_dtype in VARIANTS:
         d = os.path.join(root, name)
         model, opt = build(topology, mode, state_dtype)
