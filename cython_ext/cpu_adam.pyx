@@ -143,7 +143,7 @@ cdef enum Kernel:
 cdef enum:
     # Elements per work item of the chunked sums (grad_sumsq): fixed, so their
     # order of addition, and the sum, do not depend on the thread count.  (The
-    # updates split a range into one piece per thread instead: _piece.)
+    # updates split a range into one part per thread instead: _thread_part.)
     CHUNK = 65536
     # Below this a second thread costs more to wake than it saves.
     MIN_PARALLEL = 262144
@@ -952,12 +952,12 @@ cdef void _run(Kernel which, zo_hparams *h, _Call c, const zo_state16 *s=NULL):
             b0 = b1
 
 
-cdef inline int64_t _piece(int64_t n, int nt, int64_t align) noexcept nogil:
-    """Elements per thread of a parallel range of n: one contiguous piece each, a
+cdef inline int64_t _thread_part(int64_t n, int nt, int64_t align) noexcept nogil:
+    """Elements per thread of a parallel range of n: one contiguous part each, a
     multiple of align.  Fixed-size chunks split a progress block (1M elements, 16
     chunks of 64K) 2:1 among 14 threads, so the block took two chunks' time where
     1.14 would do: the 1.48B model's update ran at 0.6x of the kernel's speed on a
-    16-core host (BENCHMARKS.md, the GPU run).  Equal pieces keep every thread
+    16-core host (BENCHMARKS.md, the GPU run).  Equal parts keep every thread
     busy to the block's end, and each thread's prefetch streams as long as they
     can be."""
     cdef int64_t k = (n + nt - 1) // nt
@@ -967,22 +967,22 @@ cdef inline int64_t _piece(int64_t n, int nt, int64_t align) noexcept nogil:
 cdef void _run_range(Kernel which, int level, float *p, float *s1, float *s2, const void *g, int gk,
                      void *o, int ok, int64_t b0, int64_t b1, int nt, const zo_hparams *h,
                      const zo_state16 *s=NULL) noexcept nogil:
-    cdef int64_t piece
-    cdef Py_ssize_t npieces
+    cdef int64_t part
+    cdef Py_ssize_t nparts
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
         _chunk(which, level, p, s1, s2, g, gk, o, ok, b0, b1, h, s)
         return
-    # One piece per thread (_piece), a multiple of 16 so only the last has a scalar
+    # One part per thread (_thread_part), a multiple of 16 so only the last has a scalar
     # tail.  Elementwise, so any thread count (and any block size) gives bitwise
     # identical results.  The parallel region's closing barrier orders every
     # thread's stores before the progress store.
-    piece = _piece(b1 - b0, nt, 16)
-    npieces = (b1 - b0 + piece - 1) // piece
-    for c in prange(npieces, num_threads=nt, schedule="static"):
-        lo = b0 + c * piece
-        hi = lo + piece
+    part = _thread_part(b1 - b0, nt, 16)
+    nparts = (b1 - b0 + part - 1) // part
+    for c in prange(nparts, num_threads=nt, schedule="static"):
+        lo = b0 + c * part
+        hi = lo + part
         if hi > b1:
             hi = b1
         _chunk(which, level, p, s1, s2, g, gk, o, ok, lo, hi, h, s)
@@ -1202,20 +1202,20 @@ cdef _step_int8(_Compact cp, _Buf bm, _Buf bv, _Buf bms, _Buf bvs, groups, int l
 
 cdef void _run8_range(int level, float *p, const void *g, int gk, void *o, int ok, int64_t b0, int64_t b1,
                       int nt, const zo_seg8 *segs, int nseg, const zo_state8 *s) noexcept nogil:
-    """_run_range for the int8 kernel: b0 starts a block and each thread's piece is a
-    multiple of QBLOCK, so every piece holds whole blocks and threads never share one."""
-    cdef int64_t piece
-    cdef Py_ssize_t npieces
+    """_run_range for the int8 kernel: b0 starts a block and each thread's part is a
+    multiple of QBLOCK, so every part holds whole blocks and threads never share one."""
+    cdef int64_t part
+    cdef Py_ssize_t nparts
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     if b1 - b0 < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
         zo_opt8_chunk(level, p, g, gk, o, ok, b0, b1, segs, nseg, s)
         return
-    piece = _piece(b1 - b0, nt, ZO_QBLOCK)
-    npieces = (b1 - b0 + piece - 1) // piece
-    for c in prange(npieces, num_threads=nt, schedule="static"):
-        lo = b0 + c * piece
-        hi = lo + piece
+    part = _thread_part(b1 - b0, nt, ZO_QBLOCK)
+    nparts = (b1 - b0 + part - 1) // part
+    for c in prange(nparts, num_threads=nt, schedule="static"):
+        lo = b0 + c * part
+        hi = lo + part
         if hi > b1:
             hi = b1
         zo_opt8_chunk(level, p, g, gk, o, ok, lo, hi, segs, nseg, s)

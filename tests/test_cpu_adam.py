@@ -174,7 +174,7 @@ def test_fp16_words_with_keyword_equal_float16_arrays():
 
 def test_threads_bitwise_identical():
     """Any thread count, and progress blocks that do not divide among the threads (each
-    range is split into one piece per thread), give the one-thread bits."""
+    range is split into one part per thread), give the one-thread bits."""
     if not ca.openmp_enabled():
         pytest.skip("built without OpenMP")
     rng = seeded_rng()

@@ -227,7 +227,7 @@ def test_threads_and_sharding_change_no_bit():
     gs = grads(rng, n, 3)
     one = run_bf16(p0, gs, exact=True, threads=1)
     two = run_bf16(p0, gs, exact=True, threads=2)
-    # threads that share a range unevenly: one piece each
+    # threads that share a range unevenly: one part each
     others = [run_bf16(p0, gs, exact=True, threads=t) for t in (3, 7)]
     a = run_bf16(p0[:cut], [g[:cut] for g in gs], exact=True, index_base=0)
     b = run_bf16(p0[cut:], [g[cut:] for g in gs], exact=True, index_base=cut)

@@ -187,7 +187,7 @@ def test_threads_and_sharding_change_no_bit():
     gs = spread_grads(rng, n, 3)
     one = run_int8(p0, gs, exact=True, threads=1)
     two = run_int8(p0, gs, exact=True, threads=2)
-    # threads that share a range unevenly: one piece each, whole blocks (a piece
+    # threads that share a range unevenly: one part each, whole blocks (a part
     # that split a block would give its two parts different scales)
     others = [run_int8(p0, gs, exact=True, threads=t) for t in (3, 7)]
     a = run_int8(p0[:cut], [g[:cut] for g in gs], exact=True, index_base=0)
