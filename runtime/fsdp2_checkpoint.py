@@ -411,9 +411,12 @@ def _verify_together(g: _Group, checks: list[tuple[Path, str | None]]) -> None:
     its 1/world of every file's bytes and the ranks' CRCs are combined, so the group
     reads the checkpoint once instead of once per rank.  Every rank raises the same
     CheckpointError (a read that fails on one rank fails the check on all)."""
-    for path, expected in checks:
+    for path, expected in checks:  # what every rank finds alike, before any reading
+        if not path.exists():
+            raise C.CheckpointError(f"checkpoint {path.parent} is incomplete: {path.name} is missing; load "
+                                    f"another checkpoint (an earlier step-N beside it)")
         if not expected:
-            C.verify(path, expected)  # raises, naming the file (the same on every rank)
+            C.verify(path, expected)  # raises, naming the file
     rows = []  # (file index, offset, length, crc); offset -1: this rank could not read it
     for i, (path, _) in enumerate(checks):
         size = path.stat().st_size
