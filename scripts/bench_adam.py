@@ -238,13 +238,18 @@ def main_lion_state(sizes, threads, reps, write) -> int:
                        f"{LION_BYTES['fp32'] / b:.2f}x |")
                 print(row, flush=True)
                 rows.append(row)
-    body = (f"## CPU Lion step by state dtype (scripts/bench_adam.py --state-dtypes --lion)\n\n{machine_line()}; "
-            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; bf16 gradients and weights; "
-            f"median of {reps} steps, 256 MiB cache flush before each, all variants interleaved in one run.\n\n"
-            + "\n".join(rows) + "\n")
-    if write:
-        update_section(section("bench_lion_state"), body)
+    write_table(rows, "CPU Lion step by state dtype (scripts/bench_adam.py --state-dtypes --lion)",
+                f"bf16 gradients and weights; median of {reps} steps, 256 MiB cache flush before each, all variants "
+                f"interleaved in one run.", "bench_lion_state", write)
     return 0
+
+
+def write_table(rows: list[str], title: str, note: str, name: str, write: bool) -> None:
+    """The section `name` (per SIMD level): a title, the machine and the run's note, the rows."""
+    body = (f"## {title}\n\n{machine_line()}; simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; "
+            f"{note}\n\n" + "\n".join(rows) + "\n")
+    if write:
+        update_section(section(name), body)
 
 
 def cpu_adam_words(x: np.ndarray) -> np.ndarray:
@@ -268,13 +273,10 @@ def main_state(sizes, threads, reps, write) -> int:
                        f"{r['fp32 bound'] / r[name + ' bound']:.2f}x |")
                 print(row, flush=True)
                 rows.append(row)
-    body = (f"## CPU Adam step by state dtype (scripts/bench_adam.py --state-dtypes)\n\n{machine_line()}; "
-            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; bf16 gradients and weights; "
-            f"median of {reps} steps, 256 MiB cache flush before each, all variants interleaved in one run. "
-            f"Each state's bound is a loop with its own access pattern and trivial arithmetic on the same "
-            f"buffers.\n\n" + "\n".join(rows) + "\n")
-    if write:
-        update_section(section("bench_adam_state"), body)
+    write_table(rows, "CPU Adam step by state dtype (scripts/bench_adam.py --state-dtypes)",
+                f"bf16 gradients and weights; median of {reps} steps, 256 MiB cache flush before each, all variants "
+                f"interleaved in one run. Each state's bound is a loop with its own access pattern and trivial "
+                f"arithmetic on the same buffers.", "bench_adam_state", write)
     return 0
 
 
@@ -302,12 +304,9 @@ def main_progress(sizes, threads, reps, write) -> int:
             row = f"| {size_label(n)} | {t} | {r['one']:.1f} | {r['blocks']:.1f} | {r['one'] / r['blocks']:.2f}x |"
             print(row, flush=True)
             rows.append(row)
-    body = (f"## CPU Adam step in progress blocks (scripts/bench_adam.py --progress)\n\n{machine_line()}; "
-            f"simd={cpu_adam.simd_level()}, openmp={cpu_adam.openmp_enabled()}; fp32 state, bf16 gradients and "
-            f"weights; median of {reps} steps, 256 MiB cache flush before each, interleaved.\n\n"
-            + "\n".join(rows) + "\n")
-    if write:
-        update_section(section("bench_adam_progress"), body)
+    write_table(rows, "CPU Adam step in progress blocks (scripts/bench_adam.py --progress)",
+                f"fp32 state, bf16 gradients and weights; median of {reps} steps, 256 MiB cache flush before each, "
+                f"interleaved.", "bench_adam_progress", write)
     return 0
 
 
