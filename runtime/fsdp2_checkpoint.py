@@ -308,10 +308,22 @@ def _fail(tmp: Path, err) -> NoReturn:
                                f"checkpoint is intact", code=E_CHECKPOINT)
 
 
-def load(engine, fmap: FlatMap, directory: str, shards) -> None:
-    """Every rank of FSDP2's group (shards: the LocalShards whose group it is): its
-    pieces out of any checkpoint (module docstring), loaded by its engine."""
-    g = _Group(shards)
+@dataclass
+class _Source:
+    """What a load reads: the checkpoint's shard and weights files and their manifests."""
+    dir: Path
+    mans: list
+    metas: list
+    names: list
+    dtypes: dict
+    per_file: int
+    bins: list
+    w16: dict
+
+
+def _source(engine, fmap: FlatMap, directory: str) -> _Source:
+    """The checkpoint's manifests read and checked against this model (CheckpointError
+    naming the fix otherwise); nothing is read into the state."""
     d = C.resolve(directory)
     src = C.pick_world_size(d, C.SHARD, ONE)
     mans, metas = [], []
@@ -350,35 +362,65 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
             raise C.CheckpointError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
     roles = [C.DEVICE16] + ([C.PENDING16] if meta["stale"] else [])
     w16 = {role: [C.rank_file(d, role, k, src, ".bin") for k in range(src)] for role in roles}
+    return _Source(d, mans, metas, names, dtypes, per_file, bins, w16)
+
+
+def load(engine, fmap: FlatMap, directory: str, shards) -> None:
+    """Every rank of FSDP2's group (shards: the LocalShards whose group it is): its
+    pieces out of any checkpoint (module docstring), loaded by its engine.  The ranks
+    agree after the checks and after the load, so a refusal on one rank is an error on
+    every rank (none waits in a collective for a rank that gave up)."""
+    g = _Group(shards)
+    try:
+        source, err = _source(engine, fmap, directory), None
+    except (OSError, ValueError) as e:
+        source, err = None, e
+    if not g.agree(err is None):
+        raise err if err is not None else C.CheckpointError(
+            f"checkpoint {directory} was refused on another rank (its error says why); nothing was loaded")
+    bins, w16, mans, metas = source.bins, source.w16, source.mans, source.metas
+    names, dtypes, per_file, meta, man = source.names, source.dtypes, source.per_file, metas[0], mans[0]
     _verify_together(g, [(path, mans[k].get("checksum")) for k, path in enumerate(bins)]
                      + [(f, metas[k].get("checksums", {}).get(role)) for role, fs in w16.items()
                         for k, f in enumerate(fs)])
     n_local = engine.flat.shard_numel
-    local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+    local_root = None
     try:
-        local = local_root / "state"
-        local.mkdir(mode=0o700)
-        lbase, lsize = ShardStateArrays.file_layout(names, dtypes, n_local)
-        gbase, _ = ShardStateArrays.file_layout(names, dtypes, per_file)
-        out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
-        _create(out, lsize)
-        shard_crc = _crc_of(_gather(bins, per_file, out, [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")])
-                                                         for n in names], fmap.pieces), lsize)
-        sums = {}
-        for role, fs in w16.items():
-            per16 = fs[0].stat().st_size // 2
-            out16 = C.rank_file(local, role, 0, ONE, ".bin")
-            _create(out16, 2 * n_local)
-            sums[role] = C.checksum_str(_crc_of(_gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces), 2 * n_local))
-        atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(
-            dict(man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
-        counts = [meta["param_updates"][j] for j in fmap.span_of_local]
-        atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
-            dict(meta, rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts,
-                 checksums=sums)).encode())
-        engine.load_checkpoint(str(local))
+        try:
+            local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+            local = local_root / "state"
+            local.mkdir(mode=0o700)
+            lbase, lsize = ShardStateArrays.file_layout(names, dtypes, n_local)
+            gbase, _ = ShardStateArrays.file_layout(names, dtypes, per_file)
+            out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
+            _create(out, lsize)
+            arrays = [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")]) for n in names]
+            shard_crc = _crc_of(_gather(bins, per_file, out, arrays, fmap.pieces), lsize)
+            sums = {}
+            for role, fs in w16.items():
+                per16 = fs[0].stat().st_size // 2
+                out16 = C.rank_file(local, role, 0, ONE, ".bin")
+                _create(out16, 2 * n_local)
+                crcs = _gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces)
+                sums[role] = C.checksum_str(_crc_of(crcs, 2 * n_local))
+            atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(dict(
+                man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
+            counts = [meta["param_updates"][j] for j in fmap.span_of_local]
+            atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
+                dict(meta, rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts,
+                     checksums=sums)).encode())
+            engine.load_checkpoint(str(local))
+        except (OSError, ValueError, OptimizerServerError) as e:
+            err = e
     finally:
-        shutil.rmtree(local_root, ignore_errors=True)
+        if local_root is not None:
+            shutil.rmtree(local_root, ignore_errors=True)
+    if not g.agree(err is None):
+        if err is not None:
+            raise err
+        raise OptimizerServerError(f"loading checkpoint {directory} failed on another rank (its error says why); "
+                                   f"this rank loaded it, so the ranks now differ: load a checkpoint again on "
+                                   f"every rank", code=E_CHECKPOINT)
 
 
 def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int, int, int]], pieces) -> list:

@@ -23,7 +23,8 @@ WORKER = ROOT / "tests" / "helpers" / "fsdp2_ckpt_worker.py"
 VARIANTS = ["sync-fp32", "dpu-bf16"]
 # (ranks, stages): each stage loads what the one before saved, and saves it again at once;
 # the last launch's two stages run in the same two processes, one after the other
-CHAIN = [(2, ["fsdp2", "train", "a"]), (3, ["fsdp2", "corrupt", "a", "then", "fsdp2", "relay", "a", "b"]),
+CHAIN = [(2, ["fsdp2", "train", "a"]),
+         (3, ["fsdp2", "corrupt", "a", "then", "fsdp2", "refuse", "a", "then", "fsdp2", "relay", "a", "b"]),
          (1, ["builtin", "relay", "b", "c"]),
          (2, ["builtin", "relay", "c", "d", "then", "fsdp2", "resume", "d"])]
 
@@ -136,6 +137,18 @@ def test_a_corrupt_byte_fails_the_load_on_every_rank(chain):
     for r in range(3):
         what = (chain / VARIANTS[0] / f"corrupt-r{r}.txt").read_text()
         assert what.startswith("CheckpointError") and "is corrupt" in what and "shard-r0-of-1.bin" in what, what
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank(chain):
+    """FSDP2 on 3 ranks, rank 1's load failing after the checks (its temporary directory
+    is missing): rank 1 raises its own error, ranks 0 and 2, which loaded, raise saying
+    another rank failed and the ranks now differ, instead of training on (or waiting in
+    the next collective) beside a rank that gave up.  (Mutation: without the agreement
+    after the load, ranks 0 and 2 report "loaded".)"""
+    what = [(chain / VARIANTS[0] / f"refuse-r{r}.txt").read_text() for r in range(3)]
+    assert what[1].startswith("FileNotFoundError"), what[1]
+    for r in (0, 2):
+        assert what[r].startswith("OptimizerServerError") and "failed on another rank" in what[r], what[r]
 
 
 def test_a_files_checksum_from_the_pieces_written_into_it(tmp_path):

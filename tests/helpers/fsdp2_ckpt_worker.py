@@ -17,6 +17,9 @@ text and the optimizer's groups are tests/helpers/fsdp2_worker's.  For each VARI
   corrupt A   (the first variant only) rank 0 flips a byte near the end of A's shard
               file, in the last rank's share of the load's checksum reading; every rank
               loads A and writes what happened to corrupt-rRANK.txt; the byte is put back
+  refuse A    (the first variant only) rank 1's temporary directory does not exist, so
+              its load fails after the checks; every rank writes what happened to
+              refuse-rRANK.txt
 """
 import os
 import sys
@@ -107,9 +110,30 @@ def corrupt_stage(root: str, topology: str, name: str) -> None:
             f.write(old)
 
 
+def refuse_stage(root: str, topology: str, name: str) -> None:
+    import tempfile
+    d = os.path.join(root, VARIANTS[0][0])
+    model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
+    saved = tempfile.tempdir
+    if dist.get_rank() == 1:
+        tempfile.tempdir = os.path.join(root, "no-such-dir")
+    try:
+        opt.load_checkpoint(os.path.join(d, name))
+        what = "loaded"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
+        what = f"{type(e).__name__}: {e}"
+    finally:
+        tempfile.tempdir = saved
+    opt.close()
+    with open(os.path.join(d, f"refuse-r{dist.get_rank()}.txt"), "w") as f:
+        f.write(what)
+
+
 def run_stage(root: str, topology: str, action: list[str]) -> None:
     if action[0] == "corrupt":
         return corrupt_stage(root, topology, action[1])
+    if action[0] == "refuse":
+        return refuse_stage(root, topology, action[1])
     for name, mode, state_dtype in VARIANTS:
         d = os.path.join(root, name)
         model, opt = build(topology, mode, state_dtype)
