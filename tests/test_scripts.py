@@ -34,6 +34,14 @@ def test_bench_adam_state_dtypes_tiny():
         assert any(line.startswith(f"| 64K | 1 | {state} |") for line in out.splitlines()), state
 
 
+def test_bench_adam_progress_tiny():
+    """--progress: the update in 1M progress blocks against one call (2M elements: two blocks)."""
+    out = run("bench_adam.py", "--progress", "--sizes", "2M", "--threads", "1,2", "--reps", "1", "--no-write")
+    for t in (1, 2):
+        row = next(line for line in out.splitlines() if line.startswith(f"| 2M | {t} |"))
+        assert row.count("|") == 6 and row.rstrip().endswith("x |"), row
+
+
 def test_bench_transport_tiny():
     out = run("bench_transport.py", "--n", "50", "--numel", "64K", "--no-write")
     assert "bare ZeroMQ echo" in out and "round trip STEP" in out
