@@ -104,15 +104,23 @@ def zeros_crc(n: int) -> int:
     return crc
 
 
-def combine_pieces(pieces: list[tuple[int, int, int]]) -> int:
-    """The CRC of a file from (offset, length, crc) pieces that tile it exactly."""
+def combine_pieces(pieces: list[tuple[int, int, int]], size: int | None = None) -> int:
+    """The CRC of a file from (offset, length, crc) pieces.  Without size they must tile
+    it exactly; with the file's size, the bytes no piece covers are zeros (the holes an
+    ftruncate'd file keeps where nobody wrote), and only an overlap (two writers of one
+    range) or a piece past the end raises."""
     crc, pos = 0, 0
     for off, n, c in sorted(pieces):
-        if off != pos:
+        if off < pos or (off > pos and size is None):
             raise ValueError(f"pieces do not tile the file: a gap or overlap at byte {pos}")
+        crc = crc32_combine(crc, zeros_crc(off - pos), off - pos)
         crc = crc32_combine(crc, c, n)
-        pos += n
-    return crc
+        pos = off + n
+    if size is None:
+        return crc
+    if pos > size:
+        raise ValueError(f"a piece ends at byte {pos}, past the file's {size} bytes")
+    return crc32_combine(crc, zeros_crc(size - pos), size - pos)
 
 
 # ----------------------------------------------------------------------------- reads

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
-from zero_offload.server.ckpt_io import crc32_combine, range_crc, zeros_crc
+from zero_offload.server.ckpt_io import combine_pieces, range_crc
 from zero_offload.server.errors import OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
@@ -168,27 +168,16 @@ def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int,
             data = os.pread(src_fd, m * item, src_base + (a + off) * item)
             if len(data) != m * item:
                 raise OSError(f"short read of a checkpoint file ({len(data)} of {m * item} bytes)")
-            at = dst_base + (b + off) * item
-            if os.pwrite(dst_fd, data, at) != len(data):
-                raise OSError(f"short write of a checkpoint file at byte {at}")
-            crcs.append((at, len(data), zlib.crc32(data)))
+            crcs.append(_pwrite_piece(dst_fd, data, dst_base + (b + off) * item, "a checkpoint file"))
     return crcs
 
 
-def _crc_of(pieces: list, size: int) -> int:
-    """The CRC-32 of a file of `size` bytes from the (offset, length, CRC) of the pieces
-    written into it; the bytes between them are the zeros ftruncate left.  Pieces that
-    overlap (two ranks writing one range) raise ValueError."""
-    crc, pos = 0, 0
-    for off, n, c in sorted(pieces):
-        if off < pos:
-            raise ValueError(f"two pieces overlap at byte {off} of a checkpoint file")
-        crc = crc32_combine(crc, zeros_crc(off - pos), off - pos)
-        crc = crc32_combine(crc, c, n)
-        pos = off + n
-    if pos > size:
-        raise ValueError(f"a piece ends at byte {pos}, past the file's {size} bytes")
-    return crc32_combine(crc, zeros_crc(size - pos), size - pos)
+def _pwrite_piece(fd: int, data, at: int, name) -> tuple[int, int, int]:
+    """data written at byte `at` (OSError on a short write); its (offset, length, CRC-32),
+    for the file's checksum (ckpt_io.combine_pieces)."""
+    if os.pwrite(fd, data, at) != len(data):
+        raise OSError(f"short write of {name} at byte {at}")
+    return at, len(data), zlib.crc32(data)
 
 
 def _create(path: Path, size: int) -> None:
@@ -278,7 +267,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
         if g.rank == 0:
             try:
                 sizes = {C.SHARD: shard_bytes, C.DEVICE16: 2 * N, C.PENDING16: 2 * N}
-                sums = {role: C.checksum_str(_crc_of([c[1:] for c in every if c[0] == r], sizes[role]))
+                sums = {role: C.checksum_str(combine_pieces([c[1:] for c in every if c[0] == r], sizes[role]))
                         for r, role in enumerate(files)}
                 shard_man = dict(man, rank=0, world_size=ONE, numel=N, groups=[], checksum=sums.pop(C.SHARD))
                 atomic_write_bytes(C.rank_file(tmp, C.SHARD, 0, ONE, ".json"),
@@ -311,7 +300,6 @@ def _fail(tmp: Path, err) -> NoReturn:
 @dataclass
 class _Source:
     """What a load reads: the checkpoint's shard and weights files and their manifests."""
-    dir: Path
     mans: list
     metas: list
     names: list
@@ -362,7 +350,7 @@ def _source(engine, fmap: FlatMap, directory: str) -> _Source:
             raise C.CheckpointError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
     roles = [C.DEVICE16] + ([C.PENDING16] if meta["stale"] else [])
     w16 = {role: [C.rank_file(d, role, k, src, ".bin") for k in range(src)] for role in roles}
-    return _Source(d, mans, metas, names, dtypes, per_file, bins, w16)
+    return _Source(mans, metas, names, dtypes, per_file, bins, w16)
 
 
 def load(engine, fmap: FlatMap, directory: str, shards) -> None:
@@ -395,14 +383,14 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
             out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
             _create(out, lsize)
             arrays = [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")]) for n in names]
-            shard_crc = _crc_of(_gather(bins, per_file, out, arrays, fmap.pieces), lsize)
+            shard_crc = combine_pieces(_gather(bins, per_file, out, arrays, fmap.pieces), lsize)
             sums = {}
             for role, fs in w16.items():
                 per16 = fs[0].stat().st_size // 2
                 out16 = C.rank_file(local, role, 0, ONE, ".bin")
                 _create(out16, 2 * n_local)
                 crcs = _gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces)
-                sums[role] = C.checksum_str(_crc_of(crcs, 2 * n_local))
+                sums[role] = C.checksum_str(combine_pieces(crcs, 2 * n_local))
             atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(dict(
                 man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
             counts = [meta["param_updates"][j] for j in fmap.span_of_local]
@@ -437,11 +425,7 @@ def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int,
                     m = min(CHUNK, n - off)
                     buf = np.empty(m, dt)
                     read_range(files, per_file, gbase, flat_lo + off, flat_lo + off + m, buf)
-                    data = memoryview(buf).cast("B")
-                    at = lbase + (lo + off) * item
-                    if os.pwrite(fd, data, at) != len(data):
-                        raise OSError(f"short write of {out} at byte {at}")
-                    crcs.append((at, len(data), zlib.crc32(data)))
+                    crcs.append(_pwrite_piece(fd, memoryview(buf).cast("B"), lbase + (lo + off) * item, out))
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -473,7 +457,7 @@ def _verify_together(g: _Group, checks: list[tuple[Path, str | None]]) -> None:
         if any(off < 0 for off, _, _ in mine):
             raise C.CheckpointError(f"checkpoint file {path} could not be read on every rank; load another "
                                     f"checkpoint (an earlier step-N beside it)")
-        got = C.checksum_str(_crc_of(mine, path.stat().st_size))
+        got = C.checksum_str(combine_pieces(mine, path.stat().st_size))
         if got != expected:
             raise C.CheckpointError(f"checkpoint file {path} is corrupt: its checksum is {got}, the manifest says "
                                     f"{expected}; load another checkpoint (an earlier step-N beside it)")

@@ -151,37 +151,6 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank(chain):
         assert what[r].startswith("OptimizerServerError") and "failed on another rank" in what[r], what[r]
 
 
-def test_a_files_checksum_from_the_pieces_written_into_it(tmp_path):
-    """fsdp2_checkpoint._crc_of, which the save and the load use instead of reading a file
-    back: pieces written at random places of an ftruncate'd file, in any order, give the
-    file's own CRC-32 with the holes counted as zeros (on a GPU, the parameter alignment
-    leaves such holes; the CPU device's layout has none); overlapping pieces raise.
-    (Mutation: a hole skipped instead of counted as zeros fails this.)"""
-    import random
-    import zlib
-
-    from zero_offload.fsdp2_checkpoint import _crc_of
-    rng = random.Random(1204)
-    print("seed", 1204)
-    size = 3_000_000
-    path = tmp_path / "f.bin"
-    with open(path, "wb") as f:
-        f.truncate(size)
-    cuts = sorted(rng.sample(range(size), 40))
-    pieces = []
-    fd = os.open(path, os.O_WRONLY)
-    for a, b in zip(cuts[0::2], cuts[1::2]):  # every other span written, the rest holes
-        data = rng.randbytes(b - a)
-        os.pwrite(fd, data, a)
-        pieces.append((a, b - a, zlib.crc32(data)))
-    os.close(fd)
-    rng.shuffle(pieces)
-    assert _crc_of(pieces, size) == zlib.crc32(path.read_bytes())
-    a, n, c = pieces[0]
-    with pytest.raises(ValueError, match="overlap"):
-        _crc_of(pieces + [(a + 1, n, c)], size)
-
-
 def test_a_checkpoint_of_another_model_or_int8_state_is_refused_naming_the_fix(tmp_path):
     """One FSDP2 rank in this process (gloo): a checkpoint of another model is refused
     naming the model it came from, and the optimizer that refused it trains on as before

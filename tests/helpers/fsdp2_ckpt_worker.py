@@ -94,15 +94,7 @@ def corrupt_stage(root: str, topology: str, name: str) -> None:
             f.seek(at)
             f.write(bytes([old[0] ^ 0x40]))
     dist.barrier()
-    model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
-    try:
-        opt.load_checkpoint(os.path.join(d, name))
-        what = "loaded"
-    except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
-        what = f"{type(e).__name__}: {e}"
-    opt.close()
-    with open(os.path.join(d, f"corrupt-r{dist.get_rank()}.txt"), "w") as f:
-        f.write(what)
+    load_and_record(d, topology, name, "corrupt")
     dist.barrier()
     if dist.get_rank() == 0:
         with open(path, "r+b") as f:
@@ -112,20 +104,26 @@ def corrupt_stage(root: str, topology: str, name: str) -> None:
 
 def refuse_stage(root: str, topology: str, name: str) -> None:
     import tempfile
-    d = os.path.join(root, VARIANTS[0][0])
-    model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
     saved = tempfile.tempdir
     if dist.get_rank() == 1:
         tempfile.tempdir = os.path.join(root, "no-such-dir")
+    try:
+        load_and_record(os.path.join(root, VARIANTS[0][0]), topology, name, "refuse")
+    finally:
+        tempfile.tempdir = saved
+
+
+def load_and_record(d: str, topology: str, name: str, tag: str) -> None:
+    """The first variant's optimizer loads d/name; what happened ("loaded", or the error's
+    type and message) goes to d/TAG-rRANK.txt for the test to read."""
+    model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
     try:
         opt.load_checkpoint(os.path.join(d, name))
         what = "loaded"
     except Exception as e:  # noqa: BLE001 - the test reads what each rank saw
         what = f"{type(e).__name__}: {e}"
-    finally:
-        tempfile.tempdir = saved
     opt.close()
-    with open(os.path.join(d, f"refuse-r{dist.get_rank()}.txt"), "w") as f:
+    with open(os.path.join(d, f"{tag}-r{dist.get_rank()}.txt"), "w") as f:
         f.write(what)
 
 
