@@ -695,11 +695,9 @@ static void zo8_encode_block(int level, const float *mb, const float *vb, int64_
  * cycles in a row), and deferred, that latency hides behind the next update instead
  * of stalling every block (BENCHMARKS.md, after bench_adam_state).  The bytes are the
  * same: every block gets the same operations, only later.
- * The vector parts call their scalar loops only for a tail (i < be): GCC ends a vector
- * function with that call, as a jump, without the vzeroupper it puts before a return,
- * so the scalar (SSE-encoded) code and this loop ran with the vector registers' upper
- * halves dirty.  On Intel cores that cost hundreds of cycles a block, even with an
- * empty tail: the kernel ran at half its speed (BENCHMARKS.md, "vzeroupper"). */
+ * The vector parts call their scalar loops only for a tail (i < be), as every vector
+ * body does (_kernels.h says why): called once per block, an empty tail's call cost
+ * this loop half its speed on Intel cores (BENCHMARKS.md, "vzeroupper"). */
 static void zo_opt8_chunk(int level, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi,
                           const zo_seg8 *segs, int nseg, const zo_state8 *s) {
     float buf[2][2][ZO_QBLOCK] __attribute__((aligned(64)));  /* [which buffer][m, v] */

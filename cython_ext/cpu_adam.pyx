@@ -1272,14 +1272,18 @@ def stream_probe_int8(param, exp_avg, exp_avg_sq, grad, param_out, *, master_hi=
     cdef unsigned short *o = <unsigned short *>cp.o.view.buf
     cdef int nt = _threads(num_threads)
     cdef int level = _level
-    cdef Py_ssize_t nchunks = (n + CHUNK - 1) // CHUNK
+    cdef int64_t part
+    cdef Py_ssize_t nparts
     cdef Py_ssize_t c
     cdef int64_t lo, hi
     if n < MIN_PARALLEL or nt <= 1 or not zo_openmp_enabled():
         with nogil:
             zo8_stream_chunk(level, p, rem, hi16, m, v, g, o, 0, n)
         return
-    for c in prange(nchunks, nogil=True, num_threads=nt, schedule="static"):
-        lo = c * CHUNK
-        hi = lo + CHUNK if lo + CHUNK < n else n
+    # split as the update it bounds is (_run8_range): one part per thread
+    part = _thread_part(n, nt, ZO_QBLOCK)
+    nparts = (n + part - 1) // part
+    for c in prange(nparts, nogil=True, num_threads=nt, schedule="static"):
+        lo = c * part
+        hi = lo + part if lo + part < n else n
         zo8_stream_chunk(level, p, rem, hi16, m, v, g, o, lo, hi)
