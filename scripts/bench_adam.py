@@ -288,9 +288,7 @@ def main_progress(sizes, threads, reps, write) -> int:
     print(f"simd={cpu_adam.simd_level()} openmp={cpu_adam.openmp_enabled()}")
     rows = ["| N | threads | one call ms | 1M progress blocks ms | blocks vs one call |", "|" + "---|" * 5]
     for n in sizes:
-        p = rng.standard_normal(n, dtype=np.float32)
-        m = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
-        v = np.abs(rng.standard_normal(n, dtype=np.float32)) * np.float32(1e-6)
+        p, m, v, _, _ = make_state(n, rng)
         g = (rng.standard_normal(n, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)  # bf16 words
         out = np.empty(n, np.uint16)
         word = np.zeros(1, np.uint64)
