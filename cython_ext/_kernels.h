@@ -738,17 +738,27 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_load_master(
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_slli_epi32(h16, 16), r16));
 }
 /* the new master pi stored: split into its low halves and the weights (zo_split_master),
- * or as fp32 with the weights w (pi, or DPU's prediction) in the out slot */
+ * or as fp32 with the weights w (pi, or DPU's prediction) in the out slot.
+ * The split from one sum: y = x + 0x8000 has the weights (x rounded) as its high half
+ * and x's low half with bit 15 flipped as its low one, so one byte shuffle and one
+ * 64-bit permute sort all 16 halves and an xor mends the low ones: 4 operations where
+ * shifting and packing each half took 8 (the int8 kernel is bound by its operations). */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_store_master(
         float *p, uint16_t *rem, void *out, int ok, int64_t i, __m256 pi, __m256 w, const int exact) {
-    __m256i x = _mm256_castps_si256(pi);
+    /* in each 128-bit lane: the low halves to its low 8 bytes, the high halves to its high 8 */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i flip = _mm256_setr_epi32(0x80008000, 0x80008000, 0x80008000, 0x80008000, 0, 0, 0, 0);
+    __m256i y;
     if (!exact) {
         _mm256_storeu_ps(p + i, pi);
         zo256_store_out(out, ok, i, w);
         return;
     }
-    zo256_store_u16(rem, i, _mm256_srli_epi32(_mm256_slli_epi32(x, 16), 16));
-    zo256_store_u16((uint16_t *)out, i, _mm256_srli_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x8000)), 16));
+    y = _mm256_shuffle_epi8(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), split);
+    y = _mm256_xor_si256(_mm256_permute4x64_epi64(y, 0xd8), flip);  /* low halves 0-7 | high halves 0-7 */
+    _mm_storeu_si128((__m128i *)(rem + i), _mm256_castsi256_si128(y));
+    _mm_storeu_si128((__m128i *)((uint16_t *)out + i), _mm256_extracti128_si256(y, 1));
 }
 static inline ZO_T256 __m256i zo256_isnan(__m256i x) {
     return _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));

@@ -257,13 +257,15 @@ static void zo8_encode_scalar(const float *mb, const float *vb, int64_t from, in
 /* 8 codes decoded (times the scale).  m's code is an fp16 bit pattern cut short: its
  * sign | e4 | f3 placed at fp16's sign, exponent (bias 15, as m's) and top mantissa
  * bits is exactly m's unit value, subnormals (e = 0: 2^-14 f/8) included, so the F16C
- * conversion decodes it (zo8_unit_m's value, signed) in 6 operations instead of 12.
+ * conversion decodes it (zo8_unit_m's value, signed).  Sign-extended to 16 bits and
+ * shifted by 7, the code's sign lands on fp16's (bit 15, from the extension) and on
+ * bit 14 (cleared by the mask): 4 operations instead of 12.  The kernel is bound by
+ * its vector operations, not by memory (BENCHMARKS.md), so each one saved counts.
  * v's e5 has one binade more than fp16's exponent holds (e = 31 would be inf), so v
  * is rebuilt from its fields as zo8_unit_v does. */
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_m(const uint8_t *c, __m256 scale) {
-    __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)c));
-    __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(q, 8), _mm_set1_epi16((short)0x8000)),
-                             _mm_and_si128(_mm_slli_epi16(q, 7), _mm_set1_epi16(0x3f80)));
+    __m128i q = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)c));
+    __m128i h = _mm_and_si128(_mm_slli_epi16(q, 7), _mm_set1_epi16((short)0xbf80));
     return _mm256_mul_ps(_mm256_cvtph_ps(h), scale);
 }
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_v(const uint8_t *c, __m256 scale) {
@@ -421,25 +423,28 @@ static ZO_T256 void zo8_256_lion_span(float *p, const void *g, int gk, void *out
         zo8_256_lion_span_body(p, g, gk, out, ok, lo, hi, b0, h, s, mb, am, s->rem != NULL, h->grad_scale != 1.0f);
 }
 
-/* the codes of 8 lanes, m's and v's, as i32 (zo8_encode_m / zo8_encode_v) */
+/* the codes of 8 lanes, m's without its sign and v's, as i32 (zo8_encode_m / zo8_encode_v).
+ * x: the lanes' Weyl words before zo_rand32's fold; folded, x ^ (x >> 16) keeps x's high
+ * half, so v's 16 random bits are x >> 16 and only m's need the fold. */
 static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode8(
-        __m256 mi, __m256 vi, __m256i r, __m256 im, __m256 iv, const int sr, __m256i *qm, __m256i *qv) {
+        __m256 mi, __m256 vi, __m256i x, __m256 im, __m256 iv, const int sr, __m256i *qm, __m256i *qv) {
     const __m256i half = _mm256_set1_epi32((int)ZO8_HALF);
+    const __m256i xh = _mm256_srli_epi32(x, 16);
     __m256i tm, tv;
     tm = zo8_256_rebias(_mm256_mul_ps(_mm256_and_ps(mi, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), im),
                         _mm256_set1_ps(ZO8_M_TINY), (int)ZO8_M_BIAS);
     /* 16 random bits each, at bits 4..19 (zo8_rbits_m / zo8_rbits_v) */
-    tm = _mm256_srli_epi32(_mm256_add_epi32(tm, sr ? _mm256_srli_epi32(_mm256_slli_epi32(r, 16), 12) : half),
-                           ZO8_SHIFT);
-    *qm = _mm256_or_si256(tm, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(mi), 31), 7));
+    *qm = _mm256_srli_epi32(_mm256_add_epi32(tm, sr ? _mm256_srli_epi32(_mm256_slli_epi32(_mm256_xor_si256(x, xh), 16), 12)
+                                                    : half), ZO8_SHIFT);
     tv = zo8_256_rebias(_mm256_mul_ps(vi, iv), _mm256_set1_ps(ZO8_V_TINY), (int)ZO8_V_BIAS);
-    *qv = _mm256_max_epu32(_mm256_srli_epi32(_mm256_add_epi32(tv, sr ? _mm256_slli_epi32(_mm256_srli_epi32(r, 16), 4)
-                                                                       : half), ZO8_SHIFT),
+    *qv = _mm256_max_epu32(_mm256_srli_epi32(_mm256_add_epi32(tv, sr ? _mm256_slli_epi32(xh, 4) : half), ZO8_SHIFT),
                            _mm256_min_epu32(tv, _mm256_set1_epi32(1)));
 }
 
-/* 16 elements a turn: their 32 codes (each < 256) packed in three operations and stored
- * as two 16-byte runs, m's and v's */
+/* 16 elements a turn: their 32 codes (each < 256) packed in three operations, m's signs
+ * put in with two more packs (signed saturation keeps a float's sign in its byte's top
+ * bit, for two operations fewer than each lane's shifts), and stored as two 16-byte
+ * runs, m's and v's */
 static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
         const float *mb, const float *vb, int64_t n, int64_t e0, float im_, float iv_, const zo_state8 *s,
         const int sr, const int lion) {
@@ -449,22 +454,27 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
     /* packus_epi32 then packus_epi16 leave the bytes as m0-3 m8-11 v0-3 v8-11 | m4-7 m12-15 v4-7 v12-15
      * (in 32-bit groups); this puts m0-15 in the low half and v0-15 in the high one */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    /* the sign bits' mask: m's bytes only (the v bytes' packs are against zero anyway) */
+    const __m256i sbit = _mm256_set1_epi8((char)0x80);
     __m256i weyl = _mm256_add_epi32(_mm256_mullo_epi32(
         _mm256_add_epi32(_mm256_set1_epi32((int)(s->index_base + (uint32_t)e0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
         _mm256_set1_epi32((int)0x9e3779b9u)), _mm256_set1_epi32((int)s->key));
     uint8_t *mc = s->m + e0, *vc = s->v + e0;
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        __m256i qm0, qv0, qm1, qv1, b;
+        __m256i qm0, qv0, qm1, qv1, b, sg;
+        __m256 m0 = _mm256_loadu_ps(mb + k), m1 = _mm256_loadu_ps(mb + k + 8);
         /* Lion: no v (its lanes read m, and are dropped) */
-        zo8_256_encode8(_mm256_loadu_ps(mb + k), _mm256_loadu_ps((lion ? mb : vb) + k), zo256_fold(weyl), im, iv, sr,
-                        &qm0, &qv0);
+        zo8_256_encode8(m0, _mm256_loadu_ps((lion ? mb : vb) + k), weyl, im, iv, sr, &qm0, &qv0);
         weyl = _mm256_add_epi32(weyl, step8);
-        zo8_256_encode8(_mm256_loadu_ps(mb + k + 8), _mm256_loadu_ps((lion ? mb : vb) + k + 8), zo256_fold(weyl), im,
-                        iv, sr, &qm1, &qv1);
+        zo8_256_encode8(m1, _mm256_loadu_ps((lion ? mb : vb) + k + 8), weyl, im, iv, sr, &qm1, &qv1);
         weyl = _mm256_add_epi32(weyl, step8);
         if (lion) qv0 = qv1 = _mm256_setzero_si256();  /* so the compiler drops v's arithmetic */
         b = _mm256_packus_epi16(_mm256_packus_epi32(qm0, qm1), _mm256_packus_epi32(qv0, qv1));
+        /* the same packs' order: a negative float (-0 too) saturates to 0x8000, then 0x80 */
+        sg = _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(m0), _mm256_castps_si256(m1)),
+                                _mm256_setzero_si256());
+        b = _mm256_or_si256(b, _mm256_and_si256(sg, sbit));
         b = _mm256_permutevar8x32_epi32(b, order);
         _mm_storeu_si128((__m128i *)(mc + k), _mm256_castsi256_si128(b));
         if (!lion) _mm_storeu_si128((__m128i *)(vc + k), _mm256_extracti128_si256(b, 1));
@@ -485,12 +495,12 @@ static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, 
 
 /* ---------------------------------------------------------------- AVX-512 block parts */
 /* The AVX2 parts above at 16 lanes, op for op (so the paths agree bitwise): masks in
- * place of blends, vpmov* truncations in place of the pack-and-permute stores. */
+ * place of blends, vpmov* truncations in place of the pack-and-permute stores, m's
+ * sign put in by a ternary-logic operation in place of the sign packs. */
 /* zo8_256_decode_m (m's code as an fp16 bit pattern) and _v, 16 lanes */
 static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_m(const uint8_t *c, __m512 scale) {
-    __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
-    __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(q, 8), _mm256_set1_epi16((short)0x8000)),
-                                _mm256_and_si256(_mm256_slli_epi16(q, 7), _mm256_set1_epi16(0x3f80)));
+    __m256i q = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(q, 7), _mm256_set1_epi16((short)0xbf80));
     return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
 }
 static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_v(const uint8_t *c, __m512 scale) {
@@ -635,7 +645,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
     const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_);
     const __m512 mtiny = _mm512_set1_ps(ZO8_M_TINY), vtiny = _mm512_set1_ps(ZO8_V_TINY);
     const __m512i half = _mm512_set1_epi32((int)ZO8_HALF), one = _mm512_set1_epi32(1);
-    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u)), sbit = _mm512_set1_epi32(0x80);
     __m512i weyl = _mm512_add_epi32(_mm512_mullo_epi32(
         _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)e0)),
                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
@@ -644,19 +654,21 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
         __m512 mi = _mm512_loadu_ps(mb + k), vi;
-        __m512i r = zo512_fold(weyl), tm, tv, qm, qv;
-        weyl = _mm512_add_epi32(weyl, step16);
+        __m512i xh = _mm512_srli_epi32(weyl, 16), tm, tv, qm, qv;  /* as zo8_256_encode8's */
         tm = zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
-        tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(r, 16), 12) : half),
+        tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(
+                                                             _mm512_xor_si512(weyl, xh), 16), 12) : half),
                                ZO8_SHIFT);
-        qm = _mm512_or_si512(tm, _mm512_slli_epi32(_mm512_srli_epi32(_mm512_castps_si512(mi), 31), 7));
+        weyl = _mm512_add_epi32(weyl, step16);
+        /* tm | (bits(mi) >> 24 & 0x80): the sign at bit 7, in one operation (0xf8: a | (b & c)) */
+        qm = _mm512_ternarylogic_epi32(tm, _mm512_srli_epi32(_mm512_castps_si512(mi), 24), sbit, 0xf8);
         if (lion) {  /* no v */
             _mm_storeu_si128((__m128i *)(mc + k), _mm512_cvtusepi32_epi8(qm));
             continue;
         }
         vi = _mm512_loadu_ps(vb + k);
         tv = zo8_512_rebias(_mm512_mul_ps(vi, iv), vtiny, (int)ZO8_V_BIAS);
-        qv = _mm512_max_epu32(_mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(_mm512_srli_epi32(r, 16), 4)
+        qv = _mm512_max_epu32(_mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(xh, 4)
                                                                          : half), ZO8_SHIFT),
                               _mm512_min_epu32(tv, one));
         _mm_storeu_si128((__m128i *)(mc + k), _mm512_cvtusepi32_epi8(qm));
