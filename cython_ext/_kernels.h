@@ -593,6 +593,9 @@ static inline ZO_T256 void zo256_store_out(void *o, int ok, int64_t i, __m256 v)
  * arithmetic, so without this the hardware prefetchers left the loop at ~70% of its
  * access pattern's bound at one thread; with it, ~90% (BENCHMARKS.md, bench_adam).
  * The results are unchanged: a prefetch only warms the cache. */
+#ifndef ZO_ADAM_WINDOW
+#define ZO_ADAM_WINDOW 128  /* elements in zo256_adam_body's two loops */
+#endif
 #ifndef ZO_PREFETCH_AHEAD
 #define ZO_PREFETCH_AHEAD 256
 #endif
@@ -634,40 +637,63 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
         /* a local, not h->: a vector store may alias *h, which would make every turn reload it */
         const float predict = h->predict;
         const __m256 pr = _mm256_set1_ps(predict);
-#define ZO256_ADAM8(J) do {                                                                        \
+        /* In windows of up to ZO_ADAM_WINDOW elements, two loops each: the moments and
+         * the denominators (the square roots), parked in L1, then the divisions and the
+         * weights.  In one loop Adam's long chain (square root, multiply, add, division)
+         * was in flight for every element and the scheduler filled with operations
+         * waiting on the one divider; on a Zen 1 core (a slow divider) the split made the
+         * loop ~18% faster in cache (BENCHMARKS.md).  Each element's operations are the
+         * same, in the same order, so are the bits. */
+        float mq[ZO_ADAM_WINDOW] __attribute__((aligned(32))), dq[ZO_ADAM_WINDOW] __attribute__((aligned(32)));
+#define ZO256_MOMENTS8(J, Q) do {                                                                  \
             const int64_t j_ = (J);                                                             \
-            __m256 gi, pi, mi, vi, denom, p0;                                                  \
+            __m256 gi, mi, vi;                                                                  \
             gi = zo256_load_grad(g, gk, j_);                                                    \
-            pi = _mm256_loadu_ps(rp + j_);                                                      \
             if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);                             \
-            if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));             \
+            if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, _mm256_loadu_ps(rp + j_))); \
             mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(rm + j_)), _mm256_mul_ps(omb1, gi)); \
             vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(rv + j_)),                    \
                                _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));                     \
-            denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);               \
-            p0 = pi;                                                                            \
-            if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, dec);                            \
-            pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));               \
+            _mm256_store_ps(mq + (Q), mi);                                                      \
+            _mm256_store_ps(dq + (Q), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps)); \
             if (nt) {                                                                           \
                 _mm256_stream_ps(m + j_, mi);                                                   \
                 _mm256_stream_ps(v + j_, vi);                                                   \
-                _mm256_stream_ps(p + j_, pi);                                                   \
             } else {                                                                            \
                 _mm256_storeu_ps(m + j_, mi);                                                   \
                 _mm256_storeu_ps(v + j_, vi);                                                   \
-                _mm256_storeu_ps(p + j_, pi);                                                   \
             }                                                                                   \
+        } while (0)
+#define ZO256_WEIGHTS8(J, Q) do {                                                                  \
+            const int64_t j_ = (J);                                                             \
+            __m256 pi = _mm256_loadu_ps(rp + j_), p0 = pi;                                      \
+            if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, dec);                            \
+            pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_load_ps(mq + (Q)),   \
+                                                                   _mm256_load_ps(dq + (Q))))); \
+            if (nt) _mm256_stream_ps(p + j_, pi);                                               \
+            else _mm256_storeu_ps(p + j_, pi);                                                  \
             zo256_store_out(out, ok, j_, predict != 0.0f                                        \
                             ? _mm256_add_ps(pi, _mm256_mul_ps(pr, _mm256_sub_ps(pi, p0))) : pi); \
         } while (0)
-        /* 16 elements a turn: one prefetch per 64-byte line of each fp32 stream */
-        for (; i + 16 <= hi; i += 16) {
-            zo256_adam_prefetch(rp, rm, rv, g, gk, i, lo);
-            ZO256_ADAM8(i);
-            ZO256_ADAM8(i + 8);
+        while (i + 8 <= hi) {
+            int64_t w = (hi - i) & ~(int64_t)7, j;
+            if (w > ZO_ADAM_WINDOW) w = ZO_ADAM_WINDOW;
+            /* 16 elements a turn: one prefetch per 64-byte line of each fp32 stream */
+            for (j = 0; j + 16 <= w; j += 16) {
+                zo256_adam_prefetch(rp, rm, rv, g, gk, i + j, lo);
+                ZO256_MOMENTS8(i + j, j);
+                ZO256_MOMENTS8(i + j + 8, j + 8);
+            }
+            if (j < w) ZO256_MOMENTS8(i + j, j);
+            for (j = 0; j + 16 <= w; j += 16) {
+                ZO256_WEIGHTS8(i + j, j);
+                ZO256_WEIGHTS8(i + j + 8, j + 8);
+            }
+            if (j < w) ZO256_WEIGHTS8(i + j, j);
+            i += w;
         }
-        for (; i + 8 <= hi; i += 8) ZO256_ADAM8(i);
-#undef ZO256_ADAM8
+#undef ZO256_MOMENTS8
+#undef ZO256_WEIGHTS8
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     if (i < hi) zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
@@ -981,15 +1007,134 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
+/* Adam with the exact master and bf16 gradients, AVX2, in windows of up to
+ * ZO16_WINDOW elements, each in two loops: the moments and the denominators (the
+ * square roots), parked in L1, then the divisions and the master.  One loop with
+ * both left Adam's long chain (square root, multiply, add, division) in flight for
+ * every element, and the core's scheduler filled with operations waiting on the one
+ * divider: on a Zen 1 core, whose divider is slow, the split took the update loop
+ * from ~2.1 to ~1.9 ns/element in cache (BENCHMARKS.md).  Each element's operations
+ * are the same, in the same order, so are the bits (zo256_adam16x_body's lane layout). */
+#define ZO16_WINDOW 128
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_body(
+        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+        int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;  /* a private copy: zo256_adam16x_body says why */
+    const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
+    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
+    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi32(0xffff);
+    const __m256i half = _mm256_set1_epi32(0x8000);
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
+    const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m256i key = _mm256_set1_epi32((int)s->key);
+    float mq[ZO16_WINDOW] __attribute__((aligned(32))), dq[ZO16_WINDOW] __attribute__((aligned(32)));
+    int64_t i = lo;
+    int nt = 0;
+    if (s->src_m != NULL) {
+        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        if (a >= 0) {
+            zo_opt16_scalar(0, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            i = a;
+            nt = 1;
+        }
+    }
+    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)i));
+    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
+                                                      gold), key);
+    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
+                                                      gold), key);
+/* the master of 8 lanes from unpacked (rem, hi) words: zo256_adam16x_half's join */
+#define ZO16_JOIN(X) _mm256_castsi256_ps(_mm256_sub_epi32((X), _mm256_slli_epi32(_mm256_and_si256((X), half), 1)))
+/* one half's moments: m and v rounded to bf16 (u32 lanes) into MO, VO; m and the denominator parked at Q */
+#define ZO16_MOMENTS(G32, M32, V32, X32, RND, MO, VO, Q) do {                                              \
+            __m256 gi_ = _mm256_castsi256_ps(G32), mi_, vi_;                                              \
+            if (ZO_FLAG(h, ZO_F_SCALE)) gi_ = _mm256_mul_ps(gi_, gs);                                     \
+            if (ZO_FLAG(h, ZO_F_L2)) gi_ = _mm256_add_ps(gi_, _mm256_mul_ps(l2, ZO16_JOIN(X32)));        \
+            mi_ = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(M32)), _mm256_mul_ps(omb1, gi_));   \
+            vi_ = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(V32)),                              \
+                                _mm256_mul_ps(omb2, _mm256_mul_ps(gi_, gi_)));                            \
+            _mm256_store_ps(mq + (Q), mi_);                                                               \
+            _mm256_store_ps(dq + (Q), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi_), ibc2), eps));      \
+            if (sr) {                                                                                     \
+                MO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi_), _mm256_and_si256(RND, low)), 16); \
+                VO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi_), _mm256_srli_epi32(RND, 16)), 16); \
+            } else {                                                                                      \
+                MO = zo256_quiet_round(mi_, zo256_rne_add(_mm256_castps_si256(mi_)));                     \
+                VO = zo256_quiet_round(vi_, zo256_rne_add(_mm256_castps_si256(vi_)));                     \
+            }                                                                                             \
+        } while (0)
+/* one half's master: the new one's high half into HO, its low half into RO */
+#define ZO16_MASTER(X32, Q, HO, RO) do {                                                                  \
+            __m256 pi_ = ZO16_JOIN(X32);                                                                  \
+            if (ZO_FLAG(h, ZO_F_DECAY)) pi_ = _mm256_mul_ps(pi_, dec);                                    \
+            pi_ = _mm256_sub_ps(pi_, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_load_ps(mq + (Q)),            \
+                                                                     _mm256_load_ps(dq + (Q)))));         \
+            HO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi_), half), 16);                 \
+            RO = _mm256_and_si256(_mm256_castps_si256(pi_), low);                                         \
+        } while (0)
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15, j;
+        if (w > ZO16_WINDOW) w = ZO16_WINDOW;
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m256i G = _mm256_loadu_si256((const __m256i *)(gw + e));
+            __m256i M = _mm256_loadu_si256((const __m256i *)(rm + e));
+            __m256i V = _mm256_loadu_si256((const __m256i *)(rv + e));
+            __m256i R = zero, H = zero, m0, v0, m1, v1;
+            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
+            if (ZO_FLAG(h, ZO_F_L2)) {
+                R = _mm256_loadu_si256((const __m256i *)(rr + e));
+                H = _mm256_loadu_si256((const __m256i *)(hw + e));
+            }
+            ZO16_MOMENTS(_mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V),
+                         _mm256_unpacklo_epi16(R, H), rl, m0, v0, j);
+            ZO16_MOMENTS(_mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V),
+                         _mm256_unpackhi_epi16(R, H), rh, m1, v1, j + 8);
+            if (nt) {
+                _mm256_stream_si256((__m256i *)(m + e), _mm256_packus_epi32(m0, m1));
+                _mm256_stream_si256((__m256i *)(v + e), _mm256_packus_epi32(v0, v1));
+            } else {
+                _mm256_storeu_si256((__m256i *)(m + e), _mm256_packus_epi32(m0, m1));
+                _mm256_storeu_si256((__m256i *)(v + e), _mm256_packus_epi32(v0, v1));
+            }
+            klo = _mm256_add_epi32(klo, step16);
+            khi = _mm256_add_epi32(khi, step16);
+        }
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m256i R = _mm256_loadu_si256((const __m256i *)(rr + e));
+            __m256i H = _mm256_loadu_si256((const __m256i *)(hw + e));
+            __m256i h0, r0, h1, r1;
+            ZO16_MASTER(_mm256_unpacklo_epi16(R, H), j, h0, r0);
+            ZO16_MASTER(_mm256_unpackhi_epi16(R, H), j + 8, h1, r1);
+            if (nt) _mm256_stream_si256((__m256i *)(rem + e), _mm256_packus_epi32(r0, r1));
+            else _mm256_storeu_si256((__m256i *)(rem + e), _mm256_packus_epi32(r0, r1));
+            _mm256_storeu_si256((__m256i *)(o + e), _mm256_packus_epi32(h0, h1));
+        }
+        i += w;
+    }
+#undef ZO16_JOIN
+#undef ZO16_MOMENTS
+#undef ZO16_MASTER
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
+    if (i < hi) zo_opt16_scalar(0, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+}
+
 static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
                                   const zo_state16 *s) {
     int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
     /* constant flags for the common cases: AdamW (decay, no L2) with and without a scale */
-    if (!lion && sr && f == ZO_F_DECAY) zo256_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY);
+    if (!lion && sr && f == ZO_F_DECAY) zo256_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY);
     else if (!lion && sr && f == (ZO_F_DECAY | ZO_F_SCALE))
-        zo256_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
+        zo256_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
     else if (lion) zo256_adam16x_body(1, g, lo, hi, out, h, s, sr, f);
-    else zo256_adam16x_body(0, g, lo, hi, out, h, s, sr, f);
+    else zo256_adam16x_split_body(g, lo, hi, out, h, s, sr, f);
 }
 
 
@@ -1055,17 +1200,123 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
     if (i < hi) zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
 }
 
+/* Adam with the fp32 master and bf16 moments, AVX2, in the two loops of
+ * zo256_adam16x_split_body (which says why), in zo256_adam16p_body's lane layout */
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
+        const zo_state16 *s, int sr, int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
+    uint16_t *m = s->m, *v = s->v;
+    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi32(0xffff);
+    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
+    const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
+    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
+    const __m256i key = _mm256_set1_epi32((int)s->key);
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
+    const __m256 pr = _mm256_set1_ps(h->predict);
+    const int predict = h->predict != 0.0f;
+    float mq[ZO16_WINDOW] __attribute__((aligned(32))), dq[ZO16_WINDOW] __attribute__((aligned(32)));
+    int64_t i = lo;
+    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
+                                                      gold), key);
+    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
+                                                      gold), key);
+#define ZO16P_MOMENTS(GI, PI, M32, V32, RND, MO, VO, Q) do {                                              \
+            __m256 gi_ = (GI), mi_, vi_;                                                                  \
+            if (ZO_FLAG(h, ZO_F_SCALE)) gi_ = _mm256_mul_ps(gi_, gs);                                     \
+            if (ZO_FLAG(h, ZO_F_L2)) gi_ = _mm256_add_ps(gi_, _mm256_mul_ps(l2, (PI)));                  \
+            mi_ = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(M32)), _mm256_mul_ps(omb1, gi_));   \
+            vi_ = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(V32)),                              \
+                                _mm256_mul_ps(omb2, _mm256_mul_ps(gi_, gi_)));                            \
+            _mm256_store_ps(mq + (Q), mi_);                                                               \
+            _mm256_store_ps(dq + (Q), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi_), ibc2), eps));      \
+            if (sr) {                                                                                     \
+                MO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi_), _mm256_and_si256(RND, low)), 16); \
+                VO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi_), _mm256_srli_epi32(RND, 16)), 16); \
+            } else {                                                                                      \
+                MO = zo256_quiet_round(mi_, zo256_rne_add(_mm256_castps_si256(mi_)));                     \
+                VO = zo256_quiet_round(vi_, zo256_rne_add(_mm256_castps_si256(vi_)));                     \
+            }                                                                                             \
+        } while (0)
+#define ZO16P_MASTER(PI, Q, QO) do {                                                                      \
+            __m256 pi_ = (PI);                                                                            \
+            if (ZO_FLAG(h, ZO_F_DECAY)) pi_ = _mm256_mul_ps(pi_, dec);                                    \
+            QO = _mm256_sub_ps(pi_, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_load_ps(mq + (Q)),             \
+                                                                    _mm256_load_ps(dq + (Q)))));          \
+        } while (0)
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15, j;
+        if (w > ZO16_WINDOW) w = ZO16_WINDOW;
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m256 glo, ghi, plo = _mm256_setzero_ps(), phi = _mm256_setzero_ps();
+            __m256i M = _mm256_loadu_si256((const __m256i *)(m + e));
+            __m256i V = _mm256_loadu_si256((const __m256i *)(v + e));
+            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
+            __m256i m0, v0, m1, v1;
+            if (gk == ZO_BF16) {
+                __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e));
+                glo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G));
+                ghi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, G));
+            } else {
+                __m256 g0 = zo256_load_grad(g, gk, e), g1 = zo256_load_grad(g, gk, e + 8);
+                glo = _mm256_permute2f128_ps(g0, g1, 0x20);
+                ghi = _mm256_permute2f128_ps(g0, g1, 0x31);
+            }
+            if (ZO_FLAG(h, ZO_F_L2)) {
+                __m256 a = _mm256_loadu_ps(p + e), b = _mm256_loadu_ps(p + e + 8);
+                plo = _mm256_permute2f128_ps(a, b, 0x20);
+                phi = _mm256_permute2f128_ps(a, b, 0x31);
+            }
+            ZO16P_MOMENTS(glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl, m0, v0, j);
+            ZO16P_MOMENTS(ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh, m1, v1, j + 8);
+            _mm256_storeu_si256((__m256i *)(m + e), _mm256_packus_epi32(m0, m1));
+            _mm256_storeu_si256((__m256i *)(v + e), _mm256_packus_epi32(v0, v1));
+            klo = _mm256_add_epi32(klo, step16);
+            khi = _mm256_add_epi32(khi, step16);
+        }
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m256 a = _mm256_loadu_ps(p + e), b = _mm256_loadu_ps(p + e + 8);
+            __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
+            __m256 qlo, qhi, olo, ohi;
+            ZO16P_MASTER(plo, j, qlo);
+            ZO16P_MASTER(phi, j + 8, qhi);
+            _mm256_storeu_ps(p + e, _mm256_permute2f128_ps(qlo, qhi, 0x20));
+            _mm256_storeu_ps(p + e + 8, _mm256_permute2f128_ps(qlo, qhi, 0x31));
+            olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
+            ohi = predict ? _mm256_add_ps(qhi, _mm256_mul_ps(pr, _mm256_sub_ps(qhi, phi))) : qhi;
+            if (ok == ZO_BF16) {
+                __m256i xl = zo256_quiet_round(olo, zo256_rne_add(_mm256_castps_si256(olo)));
+                __m256i xh = zo256_quiet_round(ohi, zo256_rne_add(_mm256_castps_si256(ohi)));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + e), _mm256_packus_epi32(xl, xh));
+            } else {
+                zo256_store_out(out, ok, e, _mm256_permute2f128_ps(olo, ohi, 0x20));
+                zo256_store_out(out, ok, e + 8, _mm256_permute2f128_ps(olo, ohi, 0x31));
+            }
+        }
+        i += w;
+    }
+#undef ZO16P_MOMENTS
+#undef ZO16P_MASTER
+    if (i < hi) zo_opt16_scalar(0, p, g, gk, out, ok, i, hi, h, s);
+}
+
 static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo,
                                   int64_t hi, const zo_hparams *h, const zo_state16 *s) {
     int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
     if (lion) {  /* Lion is rarer: only its loop invariants are constant */
         zo256_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr, f);
     } else if (gk == ZO_BF16 && ok == ZO_BF16 && sr) {
-        zo256_adam16p_body(0, p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1, f);
+        zo256_adam16p_split_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1, f);
     } else if (gk == ZO_F16 && ok == ZO_F16 && sr) {
-        zo256_adam16p_body(0, p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1, f);
+        zo256_adam16p_split_body(p, g, ZO_F16, out, ZO_F16, lo, hi, h, s, 1, f);
     } else {
-        zo256_adam16p_body(0, p, g, gk, out, ok, lo, hi, h, s, sr, f);
+        zo256_adam16p_split_body(p, g, gk, out, ok, lo, hi, h, s, sr, f);
     }
 }
 

@@ -320,28 +320,32 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_adam_span_body
     const uint16_t *hi16 = s->hi;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 ma = _mm256_setzero_ps(), va = _mm256_setzero_ps();  /* the span's largest |m|, v */
+    /* the denominators, between the square roots' loop and the divisions' (in L1) */
+    float db[ZO_QBLOCK] __attribute__((aligned(32)));
     float ta[8], tv[8], a, b;
-    int64_t i = lo;
+    int64_t i = lo, k;
     int j;
     for (; i + 8 <= hi; i += 8) {
         __m256 gi = zo256_load_grad(g, gk, i);
-        __m256 pi, mi, vi, denom, p0;
+        __m256 mi, vi;
         if (scale) gi = _mm256_mul_ps(gi, gs);
-        pi = zo256_load_master(p, rem, hi16, i, exact);
-        if (has_l2) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+        if (has_l2) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, zo256_load_master(p, rem, hi16, i, exact)));
         mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_loadu_ps(mb + (i - b0))), _mm256_mul_ps(omb1, gi));
         vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_loadu_ps(vb + (i - b0))),
                            _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
-        denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
-        p0 = pi;
-        if (decoupled) pi = _mm256_mul_ps(pi, dec);
-        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
+        _mm256_store_ps(db + (i - lo), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps));
         _mm256_storeu_ps(mb + (i - b0), mi);
         _mm256_storeu_ps(vb + (i - b0), vi);
         /* max_ps(x, a) returns a for a NaN x, as the scalar x > a ? x : a does */
         ma = _mm256_max_ps(_mm256_and_ps(mi, absmask), ma);
         va = _mm256_max_ps(vi, va);
-        zo256_store_master(p, rem, out, ok, i, pi,
+    }
+    for (k = lo; k < i; k += 8) {
+        __m256 pi = zo256_load_master(p, rem, hi16, k, exact), p0 = pi;
+        if (decoupled) pi = _mm256_mul_ps(pi, dec);
+        pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_loadu_ps(mb + (k - b0)),
+                                                               _mm256_load_ps(db + (k - lo)))));
+        zo256_store_master(p, rem, out, ok, k, pi,
                              predict ? _mm256_add_ps(pi, _mm256_mul_ps(pr, _mm256_sub_ps(pi, p0))) : pi, exact);
     }
     _mm256_storeu_ps(ta, ma);
