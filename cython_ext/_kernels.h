@@ -1007,15 +1007,58 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
-/* Adam with the exact master and bf16 gradients, AVX2, in windows of up to
- * ZO16_WINDOW elements, each in two loops: the moments and the denominators (the
- * square roots), parked in L1, then the divisions and the master.  One loop with
- * both left Adam's long chain (square root, multiply, add, division) in flight for
- * every element, and the core's scheduler filled with operations waiting on the one
- * divider: on a Zen 1 core, whose divider is slow, the split took the update loop
- * from ~2.1 to ~1.9 ns/element in cache (BENCHMARKS.md).  Each element's operations
- * are the same, in the same order, so are the bits (zo256_adam16x_body's lane layout). */
+/* The split Adam bodies below, AVX2, in windows of up to ZO16_WINDOW elements, each
+ * in two loops: the moments and the denominators (the square roots), parked in L1,
+ * then the divisions and the master.  One loop with both left Adam's long chain
+ * (square root, multiply, add, division) in flight for every element, and the core's
+ * scheduler filled with operations waiting on the one divider: on a Zen 1 core, whose
+ * divider is slow, the split took the update loop from ~2.1 to ~1.9 ns/element in
+ * cache (BENCHMARKS.md).  Each element's operations are zo256_adam16_core's, in its
+ * order, so are the bits. */
 #define ZO16_WINDOW 128
+
+/* the first loop's 8 lanes: m and v rounded to bf16 (u32 lanes) into *m_out, *v_out;
+ * the new m and the denominator parked at mq, dq (pi: the master, read for L2 only) */
+static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_moments(
+        __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
+        float *mq, float *dq, const zo_hparams *h, int sr, int zo_flags_) {
+    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
+    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
+    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
+    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
+    const __m256i low = _mm256_set1_epi32(0xffff);
+    __m256 mi, vi;
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);
+    if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
+    mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(m32)), _mm256_mul_ps(omb1, gi));
+    vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(v32)), _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
+    _mm256_store_ps(mq, mi);
+    _mm256_store_ps(dq, _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps));
+    if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
+        *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi), _mm256_and_si256(rnd, low)), 16);
+        *v_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi), _mm256_srli_epi32(rnd, 16)), 16);
+    } else {
+        *m_out = zo256_quiet_round(mi, zo256_rne_add(_mm256_castps_si256(mi)));
+        *v_out = zo256_quiet_round(vi, zo256_rne_add(_mm256_castps_si256(vi)));
+    }
+}
+
+/* the second loop's 8 lanes: the new master from the old one and the parked m and denominator */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_step(
+        __m256 pi, const float *mq, const float *dq, const zo_hparams *h, int zo_flags_) {
+    if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, _mm256_set1_ps(h->decay));
+    return _mm256_sub_ps(pi, _mm256_mul_ps(_mm256_set1_ps(h->step_size),
+                                           _mm256_div_ps(_mm256_load_ps(mq), _mm256_load_ps(dq))));
+}
+
+/* the exact master of 8 lanes from unpacked (rem, hi) words: hi << 16 | rem, minus one
+ * in the high half where rem >= 0x8000 */
+static inline ZO_T256 __m256 zo256_join16(__m256i x) {
+    return _mm256_castsi256_ps(_mm256_sub_epi32(x, _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x8000)), 1)));
+}
+
+/* Adam with the exact master and bf16 gradients in two loops a window, in
+ * zo256_adam16x_body's lane layout */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_body(
         const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
         int zo_flags_) {
@@ -1025,11 +1068,6 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
     const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi32(0xffff);
     const __m256i half = _mm256_set1_epi32(0x8000);
-    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
-    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
-    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
-    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
-    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
     const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
     const __m256i key = _mm256_set1_epi32((int)s->key);
@@ -1049,35 +1087,6 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
                                                       gold), key);
     __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
                                                       gold), key);
-/* the master of 8 lanes from unpacked (rem, hi) words: zo256_adam16x_half's join */
-#define ZO16_JOIN(X) _mm256_castsi256_ps(_mm256_sub_epi32((X), _mm256_slli_epi32(_mm256_and_si256((X), half), 1)))
-/* one half's moments: m and v rounded to bf16 (u32 lanes) into MO, VO; m and the denominator parked at Q */
-#define ZO16_MOMENTS(G32, M32, V32, X32, RND, MO, VO, Q) do {                                              \
-            __m256 gi_ = _mm256_castsi256_ps(G32), mi_, vi_;                                              \
-            if (ZO_FLAG(h, ZO_F_SCALE)) gi_ = _mm256_mul_ps(gi_, gs);                                     \
-            if (ZO_FLAG(h, ZO_F_L2)) gi_ = _mm256_add_ps(gi_, _mm256_mul_ps(l2, ZO16_JOIN(X32)));        \
-            mi_ = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(M32)), _mm256_mul_ps(omb1, gi_));   \
-            vi_ = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(V32)),                              \
-                                _mm256_mul_ps(omb2, _mm256_mul_ps(gi_, gi_)));                            \
-            _mm256_store_ps(mq + (Q), mi_);                                                               \
-            _mm256_store_ps(dq + (Q), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi_), ibc2), eps));      \
-            if (sr) {                                                                                     \
-                MO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi_), _mm256_and_si256(RND, low)), 16); \
-                VO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi_), _mm256_srli_epi32(RND, 16)), 16); \
-            } else {                                                                                      \
-                MO = zo256_quiet_round(mi_, zo256_rne_add(_mm256_castps_si256(mi_)));                     \
-                VO = zo256_quiet_round(vi_, zo256_rne_add(_mm256_castps_si256(vi_)));                     \
-            }                                                                                             \
-        } while (0)
-/* one half's master: the new one's high half into HO, its low half into RO */
-#define ZO16_MASTER(X32, Q, HO, RO) do {                                                                  \
-            __m256 pi_ = ZO16_JOIN(X32);                                                                  \
-            if (ZO_FLAG(h, ZO_F_DECAY)) pi_ = _mm256_mul_ps(pi_, dec);                                    \
-            pi_ = _mm256_sub_ps(pi_, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_load_ps(mq + (Q)),            \
-                                                                     _mm256_load_ps(dq + (Q)))));         \
-            HO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi_), half), 16);                 \
-            RO = _mm256_and_si256(_mm256_castps_si256(pi_), low);                                         \
-        } while (0)
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
@@ -1086,16 +1095,20 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
             __m256i G = _mm256_loadu_si256((const __m256i *)(gw + e));
             __m256i M = _mm256_loadu_si256((const __m256i *)(rm + e));
             __m256i V = _mm256_loadu_si256((const __m256i *)(rv + e));
-            __m256i R = zero, H = zero, m0, v0, m1, v1;
-            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
+            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero, m0, v0, m1, v1;
+            __m256 plo = _mm256_setzero_ps(), phi = _mm256_setzero_ps();
             if (ZO_FLAG(h, ZO_F_L2)) {
-                R = _mm256_loadu_si256((const __m256i *)(rr + e));
-                H = _mm256_loadu_si256((const __m256i *)(hw + e));
+                __m256i R = _mm256_loadu_si256((const __m256i *)(rr + e));
+                __m256i H = _mm256_loadu_si256((const __m256i *)(hw + e));
+                plo = zo256_join16(_mm256_unpacklo_epi16(R, H));
+                phi = zo256_join16(_mm256_unpackhi_epi16(R, H));
             }
-            ZO16_MOMENTS(_mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V),
-                         _mm256_unpacklo_epi16(R, H), rl, m0, v0, j);
-            ZO16_MOMENTS(_mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V),
-                         _mm256_unpackhi_epi16(R, H), rh, m1, v1, j + 8);
+            zo256_adam16_moments(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G)), plo,
+                                 _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl, &m0, &v0,
+                                 mq + j, dq + j, h, sr, zo_flags_);
+            zo256_adam16_moments(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, G)), phi,
+                                 _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh, &m1, &v1,
+                                 mq + j + 8, dq + j + 8, h, sr, zo_flags_);
             if (nt) {
                 _mm256_stream_si256((__m256i *)(m + e), _mm256_packus_epi32(m0, m1));
                 _mm256_stream_si256((__m256i *)(v + e), _mm256_packus_epi32(v0, v1));
@@ -1110,18 +1123,19 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
             const int64_t e = i + j;
             __m256i R = _mm256_loadu_si256((const __m256i *)(rr + e));
             __m256i H = _mm256_loadu_si256((const __m256i *)(hw + e));
-            __m256i h0, r0, h1, r1;
-            ZO16_MASTER(_mm256_unpacklo_epi16(R, H), j, h0, r0);
-            ZO16_MASTER(_mm256_unpackhi_epi16(R, H), j + 8, h1, r1);
+            __m256i q0 = _mm256_castps_si256(zo256_adam16_step(zo256_join16(_mm256_unpacklo_epi16(R, H)), mq + j,
+                                                               dq + j, h, zo_flags_));
+            __m256i q1 = _mm256_castps_si256(zo256_adam16_step(zo256_join16(_mm256_unpackhi_epi16(R, H)), mq + j + 8,
+                                                               dq + j + 8, h, zo_flags_));
+            /* the high halves rounded (zo_split_master), the low halves as they are */
+            __m256i h0 = _mm256_srli_epi32(_mm256_add_epi32(q0, half), 16), r0 = _mm256_and_si256(q0, low);
+            __m256i h1 = _mm256_srli_epi32(_mm256_add_epi32(q1, half), 16), r1 = _mm256_and_si256(q1, low);
             if (nt) _mm256_stream_si256((__m256i *)(rem + e), _mm256_packus_epi32(r0, r1));
             else _mm256_storeu_si256((__m256i *)(rem + e), _mm256_packus_epi32(r0, r1));
             _mm256_storeu_si256((__m256i *)(o + e), _mm256_packus_epi32(h0, h1));
         }
         i += w;
     }
-#undef ZO16_JOIN
-#undef ZO16_MOMENTS
-#undef ZO16_MASTER
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     if (i < hi) zo_opt16_scalar(0, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
@@ -1200,23 +1214,18 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
     if (i < hi) zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
 }
 
-/* Adam with the fp32 master and bf16 moments, AVX2, in the two loops of
- * zo256_adam16x_split_body (which says why), in zo256_adam16p_body's lane layout */
+/* Adam with the fp32 master and bf16 moments in two loops a window (zo256_adam16x_split_body's
+ * comment says why), in zo256_adam16p_body's lane layout */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_body(
         float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
         const zo_state16 *s, int sr, int zo_flags_) {
     const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
     uint16_t *m = s->m, *v = s->v;
-    const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi32(0xffff);
+    const __m256i zero = _mm256_setzero_si256();
     const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
     const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
     const __m256i key = _mm256_set1_epi32((int)s->key);
-    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
-    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
-    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
-    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
-    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
     const __m256 pr = _mm256_set1_ps(h->predict);
     const int predict = h->predict != 0.0f;
     float mq[ZO16_WINDOW] __attribute__((aligned(32))), dq[ZO16_WINDOW] __attribute__((aligned(32)));
@@ -1225,29 +1234,6 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
                                                       gold), key);
     __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
                                                       gold), key);
-#define ZO16P_MOMENTS(GI, PI, M32, V32, RND, MO, VO, Q) do {                                              \
-            __m256 gi_ = (GI), mi_, vi_;                                                                  \
-            if (ZO_FLAG(h, ZO_F_SCALE)) gi_ = _mm256_mul_ps(gi_, gs);                                     \
-            if (ZO_FLAG(h, ZO_F_L2)) gi_ = _mm256_add_ps(gi_, _mm256_mul_ps(l2, (PI)));                  \
-            mi_ = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(M32)), _mm256_mul_ps(omb1, gi_));   \
-            vi_ = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(V32)),                              \
-                                _mm256_mul_ps(omb2, _mm256_mul_ps(gi_, gi_)));                            \
-            _mm256_store_ps(mq + (Q), mi_);                                                               \
-            _mm256_store_ps(dq + (Q), _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi_), ibc2), eps));      \
-            if (sr) {                                                                                     \
-                MO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi_), _mm256_and_si256(RND, low)), 16); \
-                VO = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi_), _mm256_srli_epi32(RND, 16)), 16); \
-            } else {                                                                                      \
-                MO = zo256_quiet_round(mi_, zo256_rne_add(_mm256_castps_si256(mi_)));                     \
-                VO = zo256_quiet_round(vi_, zo256_rne_add(_mm256_castps_si256(vi_)));                     \
-            }                                                                                             \
-        } while (0)
-#define ZO16P_MASTER(PI, Q, QO) do {                                                                      \
-            __m256 pi_ = (PI);                                                                            \
-            if (ZO_FLAG(h, ZO_F_DECAY)) pi_ = _mm256_mul_ps(pi_, dec);                                    \
-            QO = _mm256_sub_ps(pi_, _mm256_mul_ps(ss, _mm256_div_ps(_mm256_load_ps(mq + (Q)),             \
-                                                                    _mm256_load_ps(dq + (Q)))));          \
-        } while (0)
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
@@ -1256,8 +1242,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
             __m256 glo, ghi, plo = _mm256_setzero_ps(), phi = _mm256_setzero_ps();
             __m256i M = _mm256_loadu_si256((const __m256i *)(m + e));
             __m256i V = _mm256_loadu_si256((const __m256i *)(v + e));
-            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
-            __m256i m0, v0, m1, v1;
+            __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero, m0, v0, m1, v1;
             if (gk == ZO_BF16) {
                 __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + e));
                 glo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G));
@@ -1272,8 +1257,10 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
                 plo = _mm256_permute2f128_ps(a, b, 0x20);
                 phi = _mm256_permute2f128_ps(a, b, 0x31);
             }
-            ZO16P_MOMENTS(glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl, m0, v0, j);
-            ZO16P_MOMENTS(ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh, m1, v1, j + 8);
+            zo256_adam16_moments(glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl, &m0,
+                                 &v0, mq + j, dq + j, h, sr, zo_flags_);
+            zo256_adam16_moments(ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh, &m1,
+                                 &v1, mq + j + 8, dq + j + 8, h, sr, zo_flags_);
             _mm256_storeu_si256((__m256i *)(m + e), _mm256_packus_epi32(m0, m1));
             _mm256_storeu_si256((__m256i *)(v + e), _mm256_packus_epi32(v0, v1));
             klo = _mm256_add_epi32(klo, step16);
@@ -1283,13 +1270,12 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
             const int64_t e = i + j;
             __m256 a = _mm256_loadu_ps(p + e), b = _mm256_loadu_ps(p + e + 8);
             __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
-            __m256 qlo, qhi, olo, ohi;
-            ZO16P_MASTER(plo, j, qlo);
-            ZO16P_MASTER(phi, j + 8, qhi);
+            __m256 qlo = zo256_adam16_step(plo, mq + j, dq + j, h, zo_flags_);
+            __m256 qhi = zo256_adam16_step(phi, mq + j + 8, dq + j + 8, h, zo_flags_);
+            __m256 olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
+            __m256 ohi = predict ? _mm256_add_ps(qhi, _mm256_mul_ps(pr, _mm256_sub_ps(qhi, phi))) : qhi;
             _mm256_storeu_ps(p + e, _mm256_permute2f128_ps(qlo, qhi, 0x20));
             _mm256_storeu_ps(p + e + 8, _mm256_permute2f128_ps(qlo, qhi, 0x31));
-            olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
-            ohi = predict ? _mm256_add_ps(qhi, _mm256_mul_ps(pr, _mm256_sub_ps(qhi, phi))) : qhi;
             if (ok == ZO_BF16) {
                 __m256i xl = zo256_quiet_round(olo, zo256_rne_add(_mm256_castps_si256(olo)));
                 __m256i xh = zo256_quiet_round(ohi, zo256_rne_add(_mm256_castps_si256(ohi)));
@@ -1301,8 +1287,6 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
         }
         i += w;
     }
-#undef ZO16P_MOMENTS
-#undef ZO16P_MASTER
     if (i < hi) zo_opt16_scalar(0, p, g, gk, out, ok, i, hi, h, s);
 }
 
