@@ -935,6 +935,16 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_opt16_core(
     return zo256_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
 }
 
+/* zo_rand32's Weyl words (idx * phi + key) of a 16-element turn from element index
+ * `first`, in the unpacked lane layout: lanes {0-3, 8-11} into *klo, {4-7, 12-15} into *khi */
+static inline ZO_T256 void zo256_weyl16(uint32_t first, uint32_t key, __m256i *klo, __m256i *khi) {
+    const __m256i base = _mm256_set1_epi32((int)first), gold = _mm256_set1_epi32((int)0x9e3779b9u);
+    *klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)), gold),
+                            _mm256_set1_epi32((int)key));
+    *khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)), gold),
+                            _mm256_set1_epi32((int)key));
+}
+
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
         int lion, __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
         __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr, int zo_flags_) {
@@ -956,10 +966,8 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
     const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m256i zero = _mm256_setzero_si256();
-    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
-    /* idx * gold + key for the lanes' elements, advanced by 16 * gold a turn */
+    /* zo256_weyl16's words advance by 16 phi a turn */
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
-    const __m256i key = _mm256_set1_epi32((int)s->key);
     int64_t i = lo;
     /* out of place (the twin): streaming stores of the new state, as zo512_adam_body */
     int nt = 0;
@@ -971,11 +979,8 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
             nt = 1;
         }
     }
-    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)i));
-    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
-                                                      gold), key);
-    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
-                                                      gold), key);
+    __m256i klo, khi;
+    zo256_weyl16(s->index_base + (uint32_t)i, s->key, &klo, &khi);
     for (; i + 16 <= hi; i += 16) {
         __m256i G = _mm256_loadu_si256((const __m256i *)(gw + i));
         __m256i M = _mm256_loadu_si256((const __m256i *)(rm + i));
@@ -1068,9 +1073,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
     const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m256i zero = _mm256_setzero_si256(), low = _mm256_set1_epi32(0xffff);
     const __m256i half = _mm256_set1_epi32(0x8000);
-    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
-    const __m256i key = _mm256_set1_epi32((int)s->key);
     float mq[ZO16_WINDOW] __attribute__((aligned(32))), dq[ZO16_WINDOW] __attribute__((aligned(32)));
     int64_t i = lo;
     int nt = 0;
@@ -1082,11 +1085,8 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
             nt = 1;
         }
     }
-    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)i));
-    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
-                                                      gold), key);
-    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
-                                                      gold), key);
+    __m256i klo, khi;
+    zo256_weyl16(s->index_base + (uint32_t)i, s->key, &klo, &khi);
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
@@ -1162,17 +1162,12 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
     const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
     uint16_t *m = s->m, *v = s->v;
     const __m256i zero = _mm256_setzero_si256();
-    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
-    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
-    const __m256i key = _mm256_set1_epi32((int)s->key);
     const __m256 pr = _mm256_set1_ps(h->predict);
     const int predict = h->predict != 0.0f;
     int64_t i = lo;
-    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
-                                                      gold), key);
-    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
-                                                      gold), key);
+    __m256i klo, khi;
+    zo256_weyl16(s->index_base + (uint32_t)lo, s->key, &klo, &khi);
     for (; i + 16 <= hi; i += 16) {
         __m256 a = _mm256_loadu_ps(p + i), b = _mm256_loadu_ps(p + i + 8);
         __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
@@ -1222,18 +1217,13 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
     const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
     uint16_t *m = s->m, *v = s->v;
     const __m256i zero = _mm256_setzero_si256();
-    const __m256i gold = _mm256_set1_epi32((int)0x9e3779b9u);
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
-    const __m256i base = _mm256_set1_epi32((int)(s->index_base + (uint32_t)lo));
-    const __m256i key = _mm256_set1_epi32((int)s->key);
     const __m256 pr = _mm256_set1_ps(h->predict);
     const int predict = h->predict != 0.0f;
     float mq[ZO16_WINDOW] __attribute__((aligned(32))), dq[ZO16_WINDOW] __attribute__((aligned(32)));
     int64_t i = lo;
-    __m256i klo = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11)),
-                                                      gold), key);
-    __m256i khi = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_add_epi32(base, _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15)),
-                                                      gold), key);
+    __m256i klo, khi;
+    zo256_weyl16(s->index_base + (uint32_t)lo, s->key, &klo, &khi);
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
