@@ -1,8 +1,8 @@
 """A worker for the collectives tests, run under the launcher with 2 ranks (gloo).
 
-    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/collective_worker.py OUT_DIR MODE
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/collective_worker.py OUT_DIR MODE[,MODE]
 
-MODE gloo: the CPU ranks' path (asynchronous fp32 all-reduces).  MODE owner: the
+Each MODE runs in turn in the same ranks (a launch costs ~15 s of 2 cores).  MODE gloo: the CPU ranks' path (asynchronous fp32 all-reduces).  MODE owner: the
 NCCL-style path (an fp32 reduce to each shard's owner, DeviceBucketStep) run over
 gloo on the CPU, so the code a GPU job runs is exercised here.  Either way the model
 has an odd number of parameters (the last shard is padded), a branch that only
@@ -40,8 +40,15 @@ class Model(torch.nn.Module):
 
 
 def main():
-    out, mode = sys.argv[1], sys.argv[2]
+    out, modes = sys.argv[1], sys.argv[2].split(",")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # a mismatch fails, not hangs
+    for mode in modes:
+        run_mode(out, mode)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_mode(out: str, mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Model()
     cfg = OffloadConfig(lr=1e-3, dtype="fp16", loss_scaling={"scale": 1.0}, server={"threads": 1},
@@ -83,7 +90,6 @@ def main():
     torch.save(flat, os.path.join(out, f"{mode}-master-r{rank}.pt"))
     with open(os.path.join(out, f"{mode}-r{rank}.json"), "w") as f:
         json.dump(res, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
