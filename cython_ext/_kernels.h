@@ -875,35 +875,6 @@ static inline ZO_T256 __m256i zo256_quiet_round(__m256 xf, __m256i add) {
 }
 
 
-/* Adam on 8 lanes in any order: p and g in, the new p out, m and v rounded to bf16
- * (in u32 lanes; rnd: 16 random bits for m low, 16 for v high) */
-static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_adam16_core(
-        __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
-        const zo_hparams *h, int sr, int zo_flags_) {
-    const __m256 gs = _mm256_set1_ps(h->grad_scale), l2 = _mm256_set1_ps(h->l2);
-    const __m256 b1 = _mm256_set1_ps(h->beta1), omb1 = _mm256_set1_ps(h->one_minus_beta1);
-    const __m256 b2 = _mm256_set1_ps(h->beta2), omb2 = _mm256_set1_ps(h->one_minus_beta2);
-    const __m256 ibc2 = _mm256_set1_ps(h->inv_sqrt_bc2), eps = _mm256_set1_ps(h->eps);
-    const __m256 dec = _mm256_set1_ps(h->decay), ss = _mm256_set1_ps(h->step_size);
-    const __m256i low = _mm256_set1_epi32(0xffff);
-    __m256 mi, vi, denom;
-    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm256_mul_ps(gi, gs);
-    if (ZO_FLAG(h, ZO_F_L2)) gi = _mm256_add_ps(gi, _mm256_mul_ps(l2, pi));
-    mi = _mm256_add_ps(_mm256_mul_ps(b1, _mm256_castsi256_ps(m32)), _mm256_mul_ps(omb1, gi));
-    vi = _mm256_add_ps(_mm256_mul_ps(b2, _mm256_castsi256_ps(v32)), _mm256_mul_ps(omb2, _mm256_mul_ps(gi, gi)));
-    denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(vi), ibc2), eps);
-    if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm256_mul_ps(pi, dec);
-    pi = _mm256_sub_ps(pi, _mm256_mul_ps(ss, _mm256_div_ps(mi, denom)));
-    if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
-        *m_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mi), _mm256_and_si256(rnd, low)), 16);
-        *v_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vi), _mm256_srli_epi32(rnd, 16)), 16);
-    } else {
-        *m_out = zo256_quiet_round(mi, zo256_rne_add(_mm256_castps_si256(mi)));
-        *v_out = zo256_quiet_round(vi, zo256_rne_add(_mm256_castps_si256(vi)));
-    }
-    return pi;
-}
-
 /* Lion on 8 lanes in any order (zo_lion16_scalar); m out as bf16 in u32 lanes */
 static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_lion16_core(
         __m256 gi, __m256 pi, __m256i m32, __m256i rnd, __m256i *m_out, const zo_hparams *h, int sr, int zo_flags_) {
@@ -927,14 +898,6 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_lion16_core(
     return pi;
 }
 
-/* one optimizer's update of 8 lanes: Adam (m, v) or Lion (m only; v_out untouched) */
-static inline ZO_T256 __attribute__((always_inline)) __m256 zo256_opt16_core(
-        int lion, __m256 gi, __m256 pi, __m256i m32, __m256i v32, __m256i rnd, __m256i *m_out, __m256i *v_out,
-        const zo_hparams *h, int sr, int zo_flags_) {
-    if (lion) return zo256_lion16_core(gi, pi, m32, rnd, m_out, h, sr, zo_flags_);
-    return zo256_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
-}
-
 /* zo_rand32's Weyl words (idx * phi + key) of a 16-element turn from element index
  * `first`, in the unpacked lane layout: lanes {0-3, 8-11} into *klo, {4-7, 12-15} into *khi */
 static inline ZO_T256 void zo256_weyl16(uint32_t first, uint32_t key, __m256i *klo, __m256i *khi) {
@@ -945,26 +908,27 @@ static inline ZO_T256 void zo256_weyl16(uint32_t first, uint32_t key, __m256i *k
                             _mm256_set1_epi32((int)key));
 }
 
-static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_half(
-        int lion, __m256i g32, __m256i m32, __m256i v32, __m256i x32, __m256i rnd,
-        __m256i *m_out, __m256i *v_out, __m256i *hi_out, __m256i *rem_out, const zo_hparams *h, int sr, int zo_flags_) {
+/* Lion on 8 lanes of the exact master: g, m and the unpacked (rem, hi) words in; m, the
+ * new master's high halves and its low halves out (u32 lanes) */
+static inline ZO_T256 __attribute__((always_inline)) void zo256_lion16x_half(
+        __m256i g32, __m256i m32, __m256i x32, __m256i rnd, __m256i *m_out, __m256i *hi_out, __m256i *rem_out,
+        const zo_hparams *h, int sr, int zo_flags_) {
     /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
     __m256i xb = _mm256_sub_epi32(x32, _mm256_slli_epi32(_mm256_and_si256(x32, _mm256_set1_epi32(0x8000)), 1));
-    __m256 pi = zo256_opt16_core(lion, _mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, v32, rnd, m_out,
-                                 v_out, h, sr, zo_flags_);
+    __m256 pi = zo256_lion16_core(_mm256_castsi256_ps(g32), _mm256_castsi256_ps(xb), m32, rnd, m_out, h, sr, zo_flags_);
     *hi_out = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(pi), _mm256_set1_epi32(0x8000)), 16);
     *rem_out = _mm256_and_si256(_mm256_castps_si256(pi), _mm256_set1_epi32(0xffff));
 }
 
-static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
-        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+static inline ZO_T256 __attribute__((always_inline)) void zo256_lion16x_body(
+        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
         int zo_flags_) {
     /* a private copy: vector stores may alias anything (__m256i is may_alias), so
      * through hp every constant would be reloaded and re-broadcast each turn */
     const zo_hparams hh = *hp, *h = &hh;
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
-    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
-    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
+    uint16_t *m = s->m, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rr = zo16_rd(s->src_rem, rem);
     const __m256i zero = _mm256_setzero_si256();
     /* zo256_weyl16's words advance by 16 phi a turn */
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
@@ -972,9 +936,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     /* out of place (the twin): streaming stores of the new state, as zo512_adam_body */
     int nt = 0;
     if (s->src_m != NULL) {
-        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        int64_t a = zo_stream_start16(m, NULL, rem, lo, hi);
         if (a >= 0) {
-            zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            zo_opt16_scalar(1, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
             i = a;
             nt = 1;
         }
@@ -984,24 +948,19 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
     for (; i + 16 <= hi; i += 16) {
         __m256i G = _mm256_loadu_si256((const __m256i *)(gw + i));
         __m256i M = _mm256_loadu_si256((const __m256i *)(rm + i));
-        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(rv + i));
         __m256i R = _mm256_loadu_si256((const __m256i *)(rr + i));
         __m256i H = _mm256_loadu_si256((const __m256i *)(hw + i));
         __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
-        __m256i m0, v0 = zero, h0, r0, m1, v1 = zero, h1, r1;
-        zo256_adam16x_half(lion, _mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M),
-                           _mm256_unpacklo_epi16(zero, V), _mm256_unpacklo_epi16(R, H), rl, &m0, &v0, &h0, &r0, h, sr,
-                           zo_flags_);
-        zo256_adam16x_half(lion, _mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M),
-                           _mm256_unpackhi_epi16(zero, V), _mm256_unpackhi_epi16(R, H), rh, &m1, &v1, &h1, &r1, h, sr,
-                           zo_flags_);
+        __m256i m0, h0, r0, m1, h1, r1;
+        zo256_lion16x_half(_mm256_unpacklo_epi16(zero, G), _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(R, H),
+                           rl, &m0, &h0, &r0, h, sr, zo_flags_);
+        zo256_lion16x_half(_mm256_unpackhi_epi16(zero, G), _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(R, H),
+                           rh, &m1, &h1, &r1, h, sr, zo_flags_);
         if (nt) {
             _mm256_stream_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-            if (!lion) _mm256_stream_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
             _mm256_stream_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
         } else {
             _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-            if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
             _mm256_storeu_si256((__m256i *)(rem + i), _mm256_packus_epi32(r0, r1));
         }
         _mm256_storeu_si256((__m256i *)(o + i), _mm256_packus_epi32(h0, h1));
@@ -1009,7 +968,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
         khi = _mm256_add_epi32(khi, step16);
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(1, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
 /* The split Adam bodies below, AVX2, in windows of up to ZO16_WINDOW elements, each
@@ -1018,7 +977,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_body(
  * (square root, multiply, add, division) in flight for every element, and the core's
  * scheduler filled with operations waiting on the one divider: on a Zen 1 core, whose
  * divider is slow, the split took the update loop from ~2.1 to ~1.9 ns/element in
- * cache (BENCHMARKS.md).  Each element's operations are zo256_adam16_core's, in its
+ * cache (BENCHMARKS.md).  Each element's operations are zo_adam16_scalar's, in its
  * order, so are the bits. */
 #define ZO16_WINDOW 128
 
@@ -1063,11 +1022,11 @@ static inline ZO_T256 __m256 zo256_join16(__m256i x) {
 }
 
 /* Adam with the exact master and bf16 gradients in two loops a window, in
- * zo256_adam16x_body's lane layout */
+ * zo256_lion16x_body's lane layout */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_body(
         const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
         int zo_flags_) {
-    const zo_hparams hh = *hp, *h = &hh;  /* a private copy: zo256_adam16x_body says why */
+    const zo_hparams hh = *hp, *h = &hh;  /* a private copy: zo256_lion16x_body says why */
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
     const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
@@ -1147,7 +1106,7 @@ static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t h
     if (!lion && sr && f == ZO_F_DECAY) zo256_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY);
     else if (!lion && sr && f == (ZO_F_DECAY | ZO_F_SCALE))
         zo256_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
-    else if (lion) zo256_adam16x_body(1, g, lo, hi, out, h, s, sr, f);
+    else if (lion) zo256_lion16x_body(g, lo, hi, out, h, s, sr, f);
     else zo256_adam16x_split_body(g, lo, hi, out, h, s, sr, f);
 }
 
@@ -1156,11 +1115,11 @@ static ZO_T256 void zo256_adam16x(int lion, const void *g, int64_t lo, int64_t h
  * elements a turn in the same lane layout as the exact body: the 16-bit arrays
  * unpack, and the fp32 master and fp16 values are regrouped with 128-bit permutes
  * (lanes {0-3, 8-11} and {4-7, 12-15}). */
-static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
-        int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
+static inline ZO_T256 __attribute__((always_inline)) void zo256_lion16p_body(
+        float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
         const zo_state16 *s, int sr, int zo_flags_) {
-    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
-    uint16_t *m = s->m, *v = s->v;
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_lion16x_body */
+    uint16_t *m = s->m;
     const __m256i zero = _mm256_setzero_si256();
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
     const __m256 pr = _mm256_set1_ps(h->predict);
@@ -1173,9 +1132,8 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         __m256 plo = _mm256_permute2f128_ps(a, b, 0x20), phi = _mm256_permute2f128_ps(a, b, 0x31);
         __m256 glo, ghi, qlo, qhi, olo, ohi;
         __m256i M = _mm256_loadu_si256((const __m256i *)(m + i));
-        __m256i V = lion ? zero : _mm256_loadu_si256((const __m256i *)(v + i));
         __m256i rl = sr ? zo256_fold(klo) : zero, rh = sr ? zo256_fold(khi) : zero;
-        __m256i m0, v0 = zero, m1, v1 = zero;
+        __m256i m0, m1;
         if (gk == ZO_BF16) {
             __m256i G = _mm256_loadu_si256((const __m256i *)((const uint16_t *)g + i));
             glo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, G));
@@ -1185,12 +1143,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
             glo = _mm256_permute2f128_ps(g0, g1, 0x20);
             ghi = _mm256_permute2f128_ps(g0, g1, 0x31);
         }
-        qlo = zo256_opt16_core(lion, glo, plo, _mm256_unpacklo_epi16(zero, M), _mm256_unpacklo_epi16(zero, V), rl,
-                               &m0, &v0, h, sr, zo_flags_);
-        qhi = zo256_opt16_core(lion, ghi, phi, _mm256_unpackhi_epi16(zero, M), _mm256_unpackhi_epi16(zero, V), rh,
-                               &m1, &v1, h, sr, zo_flags_);
+        qlo = zo256_lion16_core(glo, plo, _mm256_unpacklo_epi16(zero, M), rl, &m0, h, sr, zo_flags_);
+        qhi = zo256_lion16_core(ghi, phi, _mm256_unpackhi_epi16(zero, M), rh, &m1, h, sr, zo_flags_);
         _mm256_storeu_si256((__m256i *)(m + i), _mm256_packus_epi32(m0, m1));
-        if (!lion) _mm256_storeu_si256((__m256i *)(v + i), _mm256_packus_epi32(v0, v1));
         _mm256_storeu_ps(p + i, _mm256_permute2f128_ps(qlo, qhi, 0x20));
         _mm256_storeu_ps(p + i + 8, _mm256_permute2f128_ps(qlo, qhi, 0x31));
         olo = predict ? _mm256_add_ps(qlo, _mm256_mul_ps(pr, _mm256_sub_ps(qlo, plo))) : qlo;
@@ -1206,15 +1161,15 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_body(
         klo = _mm256_add_epi32(klo, step16);
         khi = _mm256_add_epi32(khi, step16);
     }
-    if (i < hi) zo_opt16_scalar(lion, p, g, gk, out, ok, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(1, p, g, gk, out, ok, i, hi, h, s);
 }
 
 /* Adam with the fp32 master and bf16 moments in two loops a window (zo256_adam16x_split_body's
- * comment says why), in zo256_adam16p_body's lane layout */
+ * comment says why), in zo256_lion16p_body's lane layout */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_body(
         float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
         const zo_state16 *s, int sr, int zo_flags_) {
-    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_lion16x_body */
     uint16_t *m = s->m, *v = s->v;
     const __m256i zero = _mm256_setzero_si256();
     const __m256i step16 = _mm256_set1_epi32((int)(16u * 0x9e3779b9u));
@@ -1284,7 +1239,7 @@ static ZO_T256 void zo256_adam16p(int lion, float *p, const void *g, int gk, voi
                                   int64_t hi, const zo_hparams *h, const zo_state16 *s) {
     int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
     if (lion) {  /* Lion is rarer: only its loop invariants are constant */
-        zo256_adam16p_body(1, p, g, gk, out, ok, lo, hi, h, s, sr, f);
+        zo256_lion16p_body(p, g, gk, out, ok, lo, hi, h, s, sr, f);
     } else if (gk == ZO_BF16 && ok == ZO_BF16 && sr) {
         zo256_adam16p_split_body(p, g, ZO_BF16, out, ZO_BF16, lo, hi, h, s, 1, f);
     } else if (gk == ZO_F16 && ok == ZO_F16 && sr) {
@@ -1339,7 +1294,7 @@ static inline ZO_T512 __m512i zo512_fold(__m512i x) {  /* zo_rand32's fold */
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
-/* zo256_adam16_core, 16 lanes */
+/* Adam on 16 lanes in one loop: zo256_adam16_moments then zo256_adam16_step, op for op */
 static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_adam16_core(
         __m512 gi, __m512 pi, __m512i m32, __m512i v32, __m512i rnd, __m512i *m_out, __m512i *v_out,
         const zo_hparams *h, int sr, int zo_flags_) {
@@ -1397,18 +1352,18 @@ static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_opt16_core(
     return zo512_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
 }
 
-/* zo256_adam16x_body, 16 lanes: the exact master with bf16 gradients */
+/* zo256_adam16x_split_body and zo256_lion16x_body in one loop, 16 lanes: the exact master with bf16 gradients */
 static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
         int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
         int zo_flags_) {
-    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_adam16x_body */
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_lion16x_body */
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
     uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
     const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
     const __m512i zero = _mm512_setzero_si512();
     const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
     int64_t i = lo;
-    int nt = 0;  /* out of place (the twin): streaming stores, as in zo256_adam16x_body */
+    int nt = 0;  /* out of place (the twin): streaming stores, as in zo256_lion16x_body */
     if (s->src_m != NULL) {
         int64_t a = zo_stream_start16(m, v, rem, lo, hi);
         if (a >= 0) {
@@ -1457,7 +1412,7 @@ static ZO_T512 void zo512_adam16x(int lion, const void *g, int64_t lo, int64_t h
     else zo512_adam16x_body(0, g, lo, hi, out, h, s, sr, f);
 }
 
-/* zo256_adam16p_body, 16 lanes: the fp32 master with bf16 moments */
+/* zo256_adam16p_split_body and zo256_lion16p_body in one loop, 16 lanes: the fp32 master with bf16 moments */
 static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16p_body(
         int lion, float *p, const void *g, int gk, void *out, int ok, int64_t lo, int64_t hi, const zo_hparams *hp,
         const zo_state16 *s, int sr, int zo_flags_) {
