@@ -1352,22 +1352,23 @@ static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_opt16_core(
     return zo512_adam16_core(gi, pi, m32, v32, rnd, m_out, v_out, h, sr, zo_flags_);
 }
 
-/* zo256_adam16x_split_body and zo256_lion16x_body in one loop, 16 lanes: the exact master with bf16 gradients */
-static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
-        int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+/* zo256_lion16x_body, 16 lanes: Lion with the exact master and bf16 gradients (Adam's
+ * is zo512_adam16x_split_body below) */
+static inline ZO_T512 __attribute__((always_inline)) void zo512_lion16x_body(
+        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
         int zo_flags_) {
     const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_lion16x_body */
     const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
-    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
-    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
+    uint16_t *m = s->m, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rr = zo16_rd(s->src_rem, rem);
     const __m512i zero = _mm512_setzero_si512();
     const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
     int64_t i = lo;
     int nt = 0;  /* out of place (the twin): streaming stores, as in zo256_lion16x_body */
     if (s->src_m != NULL) {
-        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        int64_t a = zo_stream_start16(m, s->v, rem, lo, hi);
         if (a >= 0) {
-            zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            zo_opt16_scalar(1, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
             i = a;
             nt = 1;
         }
@@ -1379,37 +1380,131 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_body(
     for (; i + 16 <= hi; i += 16) {
         __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, i), 16);
         __m512i m32 = _mm512_slli_epi32(zo512_load_u16(rm, i), 16);
-        __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(rv, i), 16);
         __m512i x32 = _mm512_or_si512(_mm512_slli_epi32(zo512_load_u16(hw, i), 16), zo512_load_u16(rr, i));
-        __m512i rnd = sr ? zo512_fold(kw) : zero, m0, v0 = zero;
+        __m512i rnd = sr ? zo512_fold(kw) : zero, m0;
         /* join: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
         __m512i xb = _mm512_sub_epi32(x32, _mm512_slli_epi32(_mm512_and_si512(x32, _mm512_set1_epi32(0x8000)), 1));
-        __m512 pi = zo512_opt16_core(lion, _mm512_castsi512_ps(g32), _mm512_castsi512_ps(xb), m32, v32, rnd, &m0, &v0,
-                                     h, sr, zo_flags_);
+        __m512 pi = zo512_lion16_core(_mm512_castsi512_ps(g32), _mm512_castsi512_ps(xb), m32, rnd, &m0, h, sr,
+                                      zo_flags_);
         if (nt) {
             _mm256_stream_si256((__m256i *)(m + i), _mm512_cvtepi32_epi16(m0));
-            if (!lion) _mm256_stream_si256((__m256i *)(v + i), _mm512_cvtepi32_epi16(v0));
             _mm256_stream_si256((__m256i *)(rem + i), _mm512_cvtepi32_epi16(_mm512_castps_si512(pi)));
         } else {
             zo512_store_u16(m, i, m0);
-            if (!lion) zo512_store_u16(v, i, v0);
             zo512_store_u16(rem, i, _mm512_castps_si512(pi));
         }
         zo512_store_u16(o, i, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(pi), _mm512_set1_epi32(0x8000)), 16));
         kw = _mm512_add_epi32(kw, step16);
     }
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
-    if (i < hi) zo_opt16_scalar(lion, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+    if (i < hi) zo_opt16_scalar(1, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
+}
+
+/* the first loop's 16 lanes of zo512_adam16x_split_body: zo256_adam16_moments */
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16_moments(
+        __m512 gi, __m512 pi, __m512i m32, __m512i v32, __m512i rnd, __m512i *m_out, __m512i *v_out,
+        float *mq, float *dq, const zo_hparams *h, int sr, int zo_flags_) {
+    const __m512 gs = _mm512_set1_ps(h->grad_scale), l2 = _mm512_set1_ps(h->l2);
+    const __m512 b1 = _mm512_set1_ps(h->beta1), omb1 = _mm512_set1_ps(h->one_minus_beta1);
+    const __m512 b2 = _mm512_set1_ps(h->beta2), omb2 = _mm512_set1_ps(h->one_minus_beta2);
+    const __m512 ibc2 = _mm512_set1_ps(h->inv_sqrt_bc2), eps = _mm512_set1_ps(h->eps);
+    const __m512i low = _mm512_set1_epi32(0xffff);
+    __m512 mi, vi;
+    if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);
+    if (ZO_FLAG(h, ZO_F_L2)) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
+    mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_castsi512_ps(m32)), _mm512_mul_ps(omb1, gi));
+    vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_castsi512_ps(v32)), _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
+    _mm512_store_ps(mq, mi);
+    _mm512_store_ps(dq, _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps));
+    if (sr) {  /* zo_f32_to_bf16_sr: no NaN case */
+        *m_out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(mi), _mm512_and_si512(rnd, low)), 16);
+        *v_out = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(vi), _mm512_srli_epi32(rnd, 16)), 16);
+    } else {
+        *m_out = zo512_quiet_round(mi, zo512_rne_add(_mm512_castps_si512(mi)));
+        *v_out = zo512_quiet_round(vi, zo512_rne_add(_mm512_castps_si512(vi)));
+    }
+}
+
+/* the exact master of 16 lanes: (hi << 16 | rem), minus one in the high half where rem >= 0x8000 */
+static inline ZO_T512 __m512 zo512_join16(const uint16_t *hw, const uint16_t *rr, int64_t i) {
+    __m512i x32 = _mm512_or_si512(_mm512_slli_epi32(zo512_load_u16(hw, i), 16), zo512_load_u16(rr, i));
+    return _mm512_castsi512_ps(_mm512_sub_epi32(x32, _mm512_slli_epi32(_mm512_and_si512(x32, _mm512_set1_epi32(0x8000)), 1)));
+}
+
+/* Adam with the exact master and bf16 gradients, zo256_adam16x_split_body at 16 lanes:
+ * two loops a window, the moments and the denominators (parked in L1), then the
+ * divisions and the master.  On an Intel core with AVX-512 the one-loop body ran at
+ * ~85% of its access pattern's bound, the split at more (BENCHMARKS.md). */
+static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_split_body(
+        const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *hp, const zo_state16 *s, int sr,
+        int zo_flags_) {
+    const zo_hparams hh = *hp, *h = &hh;  /* as in zo256_lion16x_body */
+    const uint16_t *gw = (const uint16_t *)g, *hw = s->hi;
+    uint16_t *m = s->m, *v = s->v, *rem = s->rem, *o = (uint16_t *)out;
+    const uint16_t *rm = zo16_rd(s->src_m, m), *rv = zo16_rd(s->src_v, v), *rr = zo16_rd(s->src_rem, rem);
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
+    float mq[ZO16_WINDOW] __attribute__((aligned(64))), dq[ZO16_WINDOW] __attribute__((aligned(64)));
+    int64_t i = lo;
+    int nt = 0;  /* out of place (the twin): streaming stores, as in zo256_lion16x_body */
+    if (s->src_m != NULL) {
+        int64_t a = zo_stream_start16(m, v, rem, lo, hi);
+        if (a >= 0) {
+            zo_opt16_scalar(0, NULL, g, ZO_BF16, out, ZO_BF16, lo, a, h, s);
+            i = a;
+            nt = 1;
+        }
+    }
+    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15, j;
+        if (w > ZO16_WINDOW) w = ZO16_WINDOW;
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, e), 16);
+            __m512i m32 = _mm512_slli_epi32(zo512_load_u16(rm, e), 16);
+            __m512i v32 = _mm512_slli_epi32(zo512_load_u16(rv, e), 16);
+            __m512i rnd = sr ? zo512_fold(kw) : zero, m0, v0;
+            __m512 pi = ZO_FLAG(h, ZO_F_L2) ? zo512_join16(hw, rr, e) : _mm512_setzero_ps();
+            zo512_adam16_moments(_mm512_castsi512_ps(g32), pi, m32, v32, rnd, &m0, &v0, mq + j, dq + j, h, sr,
+                                 zo_flags_);
+            if (nt) {
+                _mm256_stream_si256((__m256i *)(m + e), _mm512_cvtepi32_epi16(m0));
+                _mm256_stream_si256((__m256i *)(v + e), _mm512_cvtepi32_epi16(v0));
+            } else {
+                zo512_store_u16(m, e, m0);
+                zo512_store_u16(v, e, v0);
+            }
+            kw = _mm512_add_epi32(kw, step16);
+        }
+        for (j = 0; j < w; j += 16) {
+            const int64_t e = i + j;
+            __m512 pi = zo512_join16(hw, rr, e);
+            if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm512_mul_ps(pi, _mm512_set1_ps(h->decay));
+            pi = _mm512_sub_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->step_size),
+                                                 _mm512_div_ps(_mm512_load_ps(mq + j), _mm512_load_ps(dq + j))));
+            if (nt) _mm256_stream_si256((__m256i *)(rem + e), _mm512_cvtepi32_epi16(_mm512_castps_si512(pi)));
+            else zo512_store_u16(rem, e, _mm512_castps_si512(pi));
+            zo512_store_u16(o, e, _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(pi),
+                                                                     _mm512_set1_epi32(0x8000)), 16));
+        }
+        i += w;
+    }
+    if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
+    if (i < hi) zo_opt16_scalar(0, NULL, g, ZO_BF16, out, ZO_BF16, i, hi, h, s);
 }
 
 static ZO_T512 void zo512_adam16x(int lion, const void *g, int64_t lo, int64_t hi, void *out, const zo_hparams *h,
                                   const zo_state16 *s) {
     int sr = s->rounding == ZO_ROUND_STOCHASTIC, f = zo_flags_of(h);
-    if (!lion && sr && f == ZO_F_DECAY) zo512_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY);
+    if (!lion && sr && f == ZO_F_DECAY) zo512_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY);
     else if (!lion && sr && f == (ZO_F_DECAY | ZO_F_SCALE))
-        zo512_adam16x_body(0, g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
-    else if (lion) zo512_adam16x_body(1, g, lo, hi, out, h, s, sr, f);
-    else zo512_adam16x_body(0, g, lo, hi, out, h, s, sr, f);
+        zo512_adam16x_split_body(g, lo, hi, out, h, s, 1, ZO_F_DECAY | ZO_F_SCALE);
+    else if (lion) zo512_lion16x_body(g, lo, hi, out, h, s, sr, f);
+    else zo512_adam16x_split_body(g, lo, hi, out, h, s, sr, f);
 }
 
 /* zo256_adam16p_split_body and zo256_lion16p_body in one loop, 16 lanes: the fp32 master with bf16 moments */
