@@ -413,6 +413,60 @@ static void zo_join_chunk(const uint16_t *hi16, const uint16_t *rem, float *dst,
 #define ZO_HAVE_X86 1
 #include <immintrin.h>
 
+/* Software prefetch ZO_PREFETCH_AHEAD elements ahead on each read stream, once per
+ * 64-byte line of the fp32 arrays (every 16 elements; the 16-bit gradient every 32).
+ * One core spends as long on Adam's arithmetic (the square root and division share
+ * one unit) as on memory, and its out-of-order window fills with that arithmetic, so
+ * without this the hardware prefetchers left the AVX2 loop at ~70% of its access
+ * pattern's bound at one thread on Zen 1; with it, ~90% (BENCHMARKS.md, bench_adam).
+ * The AVX-512 body makes the same prefetches.  The results are unchanged: a
+ * prefetch only warms the cache. */
+#ifndef ZO_ADAM_WINDOW
+#define ZO_ADAM_WINDOW 128  /* elements in zo256_adam_body's two loops */
+#endif
+#ifndef ZO_PREFETCH_AHEAD
+#define ZO_PREFETCH_AHEAD 256
+#endif
+static inline __attribute__((always_inline)) void zo_adam_prefetch(
+        const float *p, const float *m, const float *v, const void *g, int gk, int64_t i, int64_t lo) {
+    _mm_prefetch((const char *)(p + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(m + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    _mm_prefetch((const char *)(v + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    if (gk == ZO_F32)
+        _mm_prefetch((const char *)((const float *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+    else if (((i - lo) & 16) == 0)
+        _mm_prefetch((const char *)((const uint16_t *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
+}
+
+/* The same for the 16-bit state bodies: every stream ZO_PREFETCH16_AHEAD elements
+ * ahead, the 16-bit ones every other turn of 16 elements (one 64-byte line), the fp32
+ * master every turn.  On a Zen 4 core this made the bf16-exact update 1.26-1.44x
+ * faster at both levels (BENCHMARKS.md). */
+#ifndef ZO_PREFETCH16_AHEAD
+#define ZO_PREFETCH16_AHEAD 512
+#endif
+#define ZO_PF16(a, e) _mm_prefetch((const char *)((a) + (e) + ZO_PREFETCH16_AHEAD), _MM_HINT_T0)
+/* the exact master's body: g, m, v, rem and hi; call every other turn of 16 */
+static inline __attribute__((always_inline)) void zo16_prefetch(
+        const uint16_t *g, const uint16_t *m, const uint16_t *v, const uint16_t *rem, const uint16_t *hi, int64_t e) {
+    ZO_PF16(g, e);
+    ZO_PF16(m, e);
+    ZO_PF16(v, e);
+    ZO_PF16(rem, e);
+    ZO_PF16(hi, e);
+}
+/* the fp32 master's body: p every turn of 16; g (by its kind), m and v on even turns */
+static inline __attribute__((always_inline)) void zo16p_prefetch(
+        const float *p, const void *g, int gk, const uint16_t *m, const uint16_t *v, int64_t e, int even) {
+    ZO_PF16(p, e);
+    if (gk == ZO_F32) ZO_PF16((const float *)g, e);
+    if (even) {
+        if (gk != ZO_F32) ZO_PF16((const uint16_t *)g, e);
+        ZO_PF16(m, e);
+        ZO_PF16(v, e);
+    }
+}
+
 #define ZO_T512 __attribute__((target("avx512f,avx2,f16c,fma")))
 #define ZO_T256 __attribute__((target("avx2,f16c,fma")))
 /* A vector body calls its scalar loop only when there is a tail (if (i < hi)): GCC
@@ -481,31 +535,53 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam_body(
         }
     }
     const int zo_flags_ = zo_flags_of(h);  /* the scalar loop's decisions */
-    for (; i + 16 <= hi; i += 16) {
-        __m512 gi = zo512_load_grad(g, gk, i);
-        __m512 pi = _mm512_loadu_ps(rp + i);
-        __m512 mi, vi, denom;
-        if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);
-        if (ZO_FLAG(h, ZO_F_L2)) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, pi));
-        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(rm + i)), _mm512_mul_ps(omb1, gi));
-        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(rv + i)),
-                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));
-        denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);
-        __m512 p0 = pi;
-        if (h->decoupled) pi = _mm512_mul_ps(pi, dec);
-        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(mi, denom)));
-        if (nt) {
-            _mm512_stream_ps(m + i, mi);
-            _mm512_stream_ps(v + i, vi);
-            _mm512_stream_ps(p + i, pi);
-        } else {
-            _mm512_storeu_ps(m + i, mi);
-            _mm512_storeu_ps(v + i, vi);
-            _mm512_storeu_ps(p + i, pi);
+    const float predict = h->predict;  /* a local: a vector store may alias *h */
+    const __m512 pr = _mm512_set1_ps(predict);
+    /* zo256_adam_body's two loops a window (its comment says why): on a Zen 4 core the
+     * one-loop body, with every stream in flight at once, ran at ~1.2x the time of the
+     * AVX2 split body from DRAM (BENCHMARKS.md) */
+    float mq[ZO_ADAM_WINDOW] __attribute__((aligned(64))), dq[ZO_ADAM_WINDOW] __attribute__((aligned(64)));
+#define ZO512_MOMENTS16(J, Q) do {                                                                 \
+        const int64_t j_ = (J);                                                                 \
+        __m512 gi = zo512_load_grad(g, gk, j_), mi, vi;                                          \
+        if (ZO_FLAG(h, ZO_F_SCALE)) gi = _mm512_mul_ps(gi, gs);                                  \
+        if (ZO_FLAG(h, ZO_F_L2)) gi = _mm512_add_ps(gi, _mm512_mul_ps(l2, _mm512_loadu_ps(rp + j_))); \
+        mi = _mm512_add_ps(_mm512_mul_ps(b1, _mm512_loadu_ps(rm + j_)), _mm512_mul_ps(omb1, gi));  \
+        vi = _mm512_add_ps(_mm512_mul_ps(b2, _mm512_loadu_ps(rv + j_)),                         \
+                           _mm512_mul_ps(omb2, _mm512_mul_ps(gi, gi)));                          \
+        _mm512_store_ps(mq + (Q), mi);                                                           \
+        _mm512_store_ps(dq + (Q), _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps));  \
+        if (nt) {                                                                                \
+            _mm512_stream_ps(m + j_, mi);                                                        \
+            _mm512_stream_ps(v + j_, vi);                                                        \
+        } else {                                                                                 \
+            _mm512_storeu_ps(m + j_, mi);                                                        \
+            _mm512_storeu_ps(v + j_, vi);                                                        \
+        }                                                                                        \
+    } while (0)
+#define ZO512_WEIGHTS16(J, Q) do {                                                                 \
+        const int64_t j_ = (J);                                                                 \
+        __m512 pi = _mm512_loadu_ps(rp + j_), p0 = pi;                                           \
+        if (ZO_FLAG(h, ZO_F_DECAY)) pi = _mm512_mul_ps(pi, dec);                                 \
+        pi = _mm512_sub_ps(pi, _mm512_mul_ps(ss, _mm512_div_ps(_mm512_load_ps(mq + (Q)),        \
+                                                               _mm512_load_ps(dq + (Q)))));      \
+        if (nt) _mm512_stream_ps(p + j_, pi);                                                    \
+        else _mm512_storeu_ps(p + j_, pi);                                                       \
+        zo512_store_out(out, ok, j_, predict != 0.0f                                             \
+                        ? _mm512_add_ps(pi, _mm512_mul_ps(pr, _mm512_sub_ps(pi, p0))) : pi);     \
+    } while (0)
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15, j;
+        if (w > ZO_ADAM_WINDOW) w = ZO_ADAM_WINDOW;
+        for (j = 0; j < w; j += 16) {
+            zo_adam_prefetch(rp, rm, rv, g, gk, i + j, lo);  /* one 64-byte line of each fp32 stream */
+            ZO512_MOMENTS16(i + j, j);
         }
-        zo512_store_out(out, ok, i, h->predict != 0.0f
-                        ? _mm512_add_ps(pi, _mm512_mul_ps(_mm512_set1_ps(h->predict), _mm512_sub_ps(pi, p0))) : pi);
+        for (j = 0; j < w; j += 16) ZO512_WEIGHTS16(i + j, j);
+        i += w;
     }
+#undef ZO512_MOMENTS16
+#undef ZO512_WEIGHTS16
     if (nt) _mm_sfence();  /* weakly ordered: visible before the progress word's release store */
     if (i < hi) zo_adam_scalar(p, m, v, g, gk, out, ok, i, hi, h);
 }
@@ -586,30 +662,6 @@ static inline ZO_T256 void zo256_store_out(void *o, int ok, int64_t i, __m256 v)
     }
 }
 
-/* Software prefetch ZO_PREFETCH_AHEAD elements ahead on each read stream, once per
- * 64-byte line of the fp32 arrays (every 16 elements; the 16-bit gradient every 32).
- * One AVX2 core spends as long on Adam's arithmetic (the square root and division
- * share one unit) as on memory, and its out-of-order window fills with that
- * arithmetic, so without this the hardware prefetchers left the loop at ~70% of its
- * access pattern's bound at one thread; with it, ~90% (BENCHMARKS.md, bench_adam).
- * The results are unchanged: a prefetch only warms the cache. */
-#ifndef ZO_ADAM_WINDOW
-#define ZO_ADAM_WINDOW 128  /* elements in zo256_adam_body's two loops */
-#endif
-#ifndef ZO_PREFETCH_AHEAD
-#define ZO_PREFETCH_AHEAD 256
-#endif
-static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_prefetch(
-        const float *p, const float *m, const float *v, const void *g, int gk, int64_t i, int64_t lo) {
-    _mm_prefetch((const char *)(p + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(m + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(v + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
-    if (gk == ZO_F32)
-        _mm_prefetch((const char *)((const float *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
-    else if (((i - lo) & 16) == 0)
-        _mm_prefetch((const char *)((const uint16_t *)g + i + ZO_PREFETCH_AHEAD), _MM_HINT_T0);
-}
-
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
         float *p, float *m, float *v, const void *g, int gk, void *out, int ok,
         int64_t lo, int64_t hi, const zo_hparams *h, const int zo_flags_) {
@@ -680,7 +732,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam_body(
             if (w > ZO_ADAM_WINDOW) w = ZO_ADAM_WINDOW;
             /* 16 elements a turn: one prefetch per 64-byte line of each fp32 stream */
             for (j = 0; j + 16 <= w; j += 16) {
-                zo256_adam_prefetch(rp, rm, rv, g, gk, i + j, lo);
+                zo_adam_prefetch(rp, rm, rv, g, gk, i + j, lo);
                 ZO256_MOMENTS8(i + j, j);
                 ZO256_MOMENTS8(i + j + 8, j + 8);
             }
@@ -981,6 +1033,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_lion16x_body(
  * order, so are the bits. */
 #define ZO16_WINDOW 128
 
+
 /* the first loop's 8 lanes: m and v rounded to bf16 (u32 lanes) into *m_out, *v_out;
  * the new m and the denominator parked at mq, dq (pi: the master, read for L2 only) */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_moments(
@@ -1051,6 +1104,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16x_split_bo
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
         for (j = 0; j < w; j += 16) {
             const int64_t e = i + j;
+            if ((j & 16) == 0) zo16_prefetch(gw, rm, rv, rr, hw, e);
             __m256i G = _mm256_loadu_si256((const __m256i *)(gw + e));
             __m256i M = _mm256_loadu_si256((const __m256i *)(rm + e));
             __m256i V = _mm256_loadu_si256((const __m256i *)(rv + e));
@@ -1184,6 +1238,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16p_split_bo
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
         for (j = 0; j < w; j += 16) {
             const int64_t e = i + j;
+            zo16p_prefetch(p, g, gk, m, v, e, (j & 16) == 0);
             __m256 glo, ghi, plo = _mm256_setzero_ps(), phi = _mm256_setzero_ps();
             __m256i M = _mm256_loadu_si256((const __m256i *)(m + e));
             __m256i V = _mm256_loadu_si256((const __m256i *)(v + e));
@@ -1464,6 +1519,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_split_bo
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
         for (j = 0; j < w; j += 16) {
             const int64_t e = i + j;
+            if ((j & 16) == 0) zo16_prefetch(gw, rm, rv, rr, hw, e);
             __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, e), 16);
             __m512i m32 = _mm512_slli_epi32(zo512_load_u16(rm, e), 16);
             __m512i v32 = _mm512_slli_epi32(zo512_load_u16(rv, e), 16);
@@ -1523,6 +1579,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16p_body(
         _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
     int64_t i = lo;
     for (; i + 16 <= hi; i += 16) {
+        zo16p_prefetch(p, g, gk, m, v, i, ((i - lo) & 16) == 0);
         __m512 p0 = _mm512_loadu_ps(p + i), q;
         __m512i m32 = _mm512_slli_epi32(zo512_load_u16(m, i), 16);
         __m512i v32 = lion ? zero : _mm512_slli_epi32(zo512_load_u16(v, i), 16);
@@ -1634,29 +1691,54 @@ static void zo_stream_scalar(float *p, float *m, float *v, const uint16_t *g, ui
     }
 }
 #if ZO_HAVE_X86
+/* In the kernels' windows (zo256_adam_body): the moments' streams (g, m, v) in one
+ * loop, the weights' (p, out) in a second.  On a Zen 4 core the loop that touched all
+ * five streams each turn ran at 0.6-0.9x the kernel's own speed from DRAM, so it was
+ * no bound (BENCHMARKS.md). */
 static ZO_T512 void zo512_stream(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
                                  int64_t lo, int64_t hi) {
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        __m512 gi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + i)));
-        __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), gi);
-        _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), gi));
-        _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), _mm512_mul_ps(gi, gi)));
-        _mm512_storeu_ps(p + i, pi);
-        _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    int64_t i = lo, j;
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15;
+        if (w > ZO_ADAM_WINDOW) w = ZO_ADAM_WINDOW;
+        for (j = i; j < i + w; j += 16) {
+            zo_adam_prefetch(p, m, v, g, ZO_F16, j, lo);  /* as the kernel does */
+            __m512 gi = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + j)));
+            __m512 mi = _mm512_add_ps(_mm512_loadu_ps(m + j), gi);
+            __m512 vi = _mm512_add_ps(_mm512_loadu_ps(v + j), _mm512_mul_ps(gi, gi));
+            _mm512_storeu_ps(m + j, mi);
+            _mm512_storeu_ps(v + j, vi);
+        }
+        for (j = i; j < i + w; j += 16) {
+            __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + j),
+                                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + j))));
+            _mm512_storeu_ps(p + j, pi);
+            _mm256_storeu_si256((__m256i *)(out + j), _mm512_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        i += w;
     }
     if (i < hi) zo_stream_scalar(p, m, v, g, out, i, hi);
 }
 static ZO_T256 void zo256_stream(float *p, float *m, float *v, const uint16_t *g, uint16_t *out,
                                  int64_t lo, int64_t hi) {
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-        __m256 gi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + i)));
-        __m256 pi = _mm256_add_ps(_mm256_loadu_ps(p + i), gi);
-        _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
-        _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), _mm256_mul_ps(gi, gi)));
-        _mm256_storeu_ps(p + i, pi);
-        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    int64_t i = lo, j;
+    while (i + 16 <= hi) {  /* as zo512_stream */
+        int64_t w = (hi - i) & ~(int64_t)15;
+        if (w > ZO_ADAM_WINDOW) w = ZO_ADAM_WINDOW;
+        for (j = i; j < i + w; j += 8) {
+            if (((j - i) & 8) == 0) zo_adam_prefetch(p, m, v, g, ZO_F16, j, lo);
+            __m256 gi = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + j)));
+            __m256 mi = _mm256_add_ps(_mm256_loadu_ps(m + j), gi);
+            __m256 vi = _mm256_add_ps(_mm256_loadu_ps(v + j), _mm256_mul_ps(gi, gi));
+            _mm256_storeu_ps(m + j, mi);
+            _mm256_storeu_ps(v + j, vi);
+        }
+        for (j = i; j < i + w; j += 8) {
+            __m256 pi = _mm256_add_ps(_mm256_loadu_ps(p + j), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + j))));
+            _mm256_storeu_ps(p + j, pi);
+            _mm_storeu_si128((__m128i *)(out + j), _mm256_cvtps_ph(pi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        i += w;
     }
     if (i < hi) zo_stream_scalar(p, m, v, g, out, i, hi);
 }
@@ -1695,24 +1777,44 @@ static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint1
                             const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi)
 static void zo_stream16_scalar ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
 #if ZO_HAVE_X86
-/* out may be hi16 itself (one weights slot), which stops the compiler from
- * vectorising the exact pattern: that loop is written out */
-static ZO_T256 void zo256_stream16_exact(uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v,
-                                         const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
-    int64_t i = lo;
-    for (; i + 16 <= hi; i += 16) {
-        __m256i gi = _mm256_loadu_si256((const __m256i *)(g + i));
-        __m256i h = _mm256_loadu_si256((const __m256i *)(hi16 + i));
-        _mm256_storeu_si256((__m256i *)(rem + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(rem + i)), gi));
-        _mm256_storeu_si256((__m256i *)(m + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(m + i)), gi));
-        _mm256_storeu_si256((__m256i *)(v + i), _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(v + i)), gi));
-        _mm256_storeu_si256((__m256i *)(out + i), _mm256_add_epi16(h, gi));
+/* In the kernels' windows, as zo512_stream: g, m and v in one loop, the master and
+ * out in a second.  out may be hi16 itself (one weights slot), which stops the
+ * compiler from vectorising the exact pattern: those loops are written out. */
+static ZO_T256 void zo256_stream16(uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v,
+                                   const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
+    int64_t i = lo, j;
+    while (i + 16 <= hi) {
+        int64_t w = (hi - i) & ~(int64_t)15;
+        if (w > ZO16_WINDOW) w = ZO16_WINDOW;
+        for (j = i; j < i + w; j += 16) {
+            __m256i gi = _mm256_loadu_si256((const __m256i *)(g + j));
+            __m256i mi = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(m + j)), gi);
+            __m256i vi = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(v + j)), gi);
+            /* the kernels' prefetches */
+            if (rem && ((j - i) & 16) == 0) zo16_prefetch(g, m, v, rem, hi16, j);
+            else if (!rem) zo16p_prefetch((const float *)p, g, ZO_BF16, m, v, j, ((j - i) & 16) == 0);
+            _mm256_storeu_si256((__m256i *)(m + j), mi);
+            _mm256_storeu_si256((__m256i *)(v + j), vi);
+        }
+        if (rem) {
+            for (j = i; j < i + w; j += 16) {
+                __m256i gi = _mm256_loadu_si256((const __m256i *)(g + j));
+                __m256i ri = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(rem + j)), gi);
+                __m256i oi = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(hi16 + j)), gi);
+                _mm256_storeu_si256((__m256i *)(rem + j), ri);
+                _mm256_storeu_si256((__m256i *)(out + j), oi);
+            }
+        } else {
+            for (j = i; j < i + w; j += 8) {
+                __m256i pi = _mm256_add_epi32(_mm256_loadu_si256((const __m256i *)(p + j)),
+                                              _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g + j))));
+                _mm256_storeu_si256((__m256i *)(p + j), pi);
+                zo256_store_u16(out, j, _mm256_srli_epi32(pi, 16));
+            }
+        }
+        i += w;
     }
-    if (i < hi) zo_stream16_scalar(NULL, rem, hi16, m, v, g, out, i, hi);
-}
-static ZO_T256 void zo256_stream16 ZO_STREAM16_PARAMS {
-    if (rem) { zo256_stream16_exact(rem, hi16, m, v, g, out, lo, hi); return; }
-    ZO_STREAM16_BODY
+    if (i < hi) zo_stream16_scalar(p, rem, hi16, m, v, g, out, i, hi);
 }
 #endif
 static void zo_stream16_chunk(int level, uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m,

@@ -577,3 +577,18 @@ def test_out_of_place_update_threads_bitwise_identical():
         outs.append([a[5:].view(np.uint32).copy() for a in dst] + [o[5:].view(np.uint16).copy()])
     for a, b in zip(*outs):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", [1000, 4099])
+def test_stream_probe_computes_its_pattern(level, n):
+    """The bandwidth probe at each level is the documented trivial arithmetic (p += g,
+    m += g, v += g * g, out = fp16(p)) on every element, its windows and tails
+    included: a bound that skipped elements would flatter the kernel it bounds."""
+    rng = seeded_rng()
+    g = rng.standard_normal(n).astype(np.float16)
+    p0, m0, v0 = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    p, m, v, out = p0.copy(), m0.copy(), v0.copy(), np.empty(n, np.float16)
+    ca.stream_probe(p, m, v, g, out, num_threads=1)
+    gf = g.astype(np.float32)
+    assert np.array_equal(p, p0 + gf) and np.array_equal(m, m0 + gf) and np.array_equal(v, v0 + gf * gf)
+    assert np.array_equal(out, (p0 + gf).astype(np.float16))

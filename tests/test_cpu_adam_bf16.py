@@ -361,3 +361,22 @@ def test_exact_master_out_of_place_is_bitwise_in_place(level, shift, threads):
         ca.adam_step_bf16(np.zeros(n, np.float32), *dst[1:], g, out, read_from=tuple(src), **kw)
     with pytest.raises(ValueError, match="overlaps"):
         ca.adam_step_bf16(*src, g, out, master_hi=hi, read_from=(src[0], dst[1], dst[2]), **kw)
+
+
+@pytest.mark.parametrize("n", [1000, 4099])
+def test_stream_probe_bf16_computes_its_pattern(level, n):
+    """The compact-state probe at each level: 16-bit wrap-around adds of g to m, v and
+    the remainder (out = hi + g), or the fp32 master's words (p += g, out = p >> 16),
+    on every element of its windows and tail."""
+    rng = seeded_rng()
+    g, m0, v0, r0, h0 = (rng.integers(0, 1 << 16, n, dtype=np.uint16) for _ in range(5))
+    m, v, rem, hi = m0.copy(), v0.copy(), r0.copy(), h0.copy()
+    ca.stream_probe_bf16(rem, m, v, g, hi, master_hi=hi, num_threads=1)
+    for a, b in ((m, m0 + g), (v, v0 + g), (rem, r0 + g), (hi, h0 + g)):
+        assert np.array_equal(a, b)
+    p0 = rng.integers(0, 1 << 31, n, dtype=np.uint32)
+    p, m, v, out = p0.view(np.float32).copy(), m0.copy(), v0.copy(), np.empty(n, np.uint16)
+    ca.stream_probe_bf16(p, m, v, g, out, num_threads=1)
+    pw = p0 + g.astype(np.uint32)
+    assert np.array_equal(p.view(np.uint32), pw) and np.array_equal(out, (pw >> 16).astype(np.uint16))
+    assert np.array_equal(m, m0 + g) and np.array_equal(v, v0 + g)
