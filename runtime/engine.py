@@ -120,6 +120,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         self.phase = StepPhase.IDLE  # runtime.step_state: where the step is
         self._step_grads: GradStep | None = None  # the step whose gradients backward is producing
         self._bound = False  # the parameters view flat16 (set-up got that far)
+        self._server_kernels: dict = {}  # server_simd, server_threads: asked once at set-up (stats())
         self._micro = 0
         self._clip_now: float | None = None  # clip_grad_norm_'s max_norm for the coming step
         try:
@@ -241,7 +242,8 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                 "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
                 "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
                 "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size,
-                "mode": self.cfg.mode, **(self.picker.report() if self.picker is not None else {})}
+                "mode": self.cfg.mode, **self._server_kernels,
+                **(self.picker.report() if self.picker is not None else {})}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)
     def _agree(self, ok: bool) -> bool:

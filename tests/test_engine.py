@@ -396,3 +396,19 @@ def test_close_stops_the_server_even_if_a_release_raises():
         eng.close()
     assert srv.proc.wait(30) is not None  # stopped
     assert seg not in our_segments()
+
+
+def test_stats_name_the_servers_kernels(monkeypatch):
+    """stats() names the SIMD level and threads of the server's update kernels as the server
+    runs them: by default this CPU's best level; with ZERO_OFFLOAD_SIMD=scalar in the
+    server's environment, scalar.  (Mutation: reporting the worker's own level, which was
+    picked before the variable was set, fails the forced case.)"""
+    from zero_offload.kernels import cpu_adam
+    for forced, want in ((None, cpu_adam.best_simd_level()), ("scalar", "scalar")):
+        if forced is not None:
+            monkeypatch.setenv("ZERO_OFFLOAD_SIMD", forced)
+        cfg = OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})
+        with OffloadEngine(mlp(), cfg) as eng:
+            train_engine(eng, mlp_batch, 1, "bf16")
+            st = eng.stats()
+        assert st["server_simd"] == want and st["server_threads"] == 1, st
