@@ -422,7 +422,7 @@ static void zo_join_chunk(const uint16_t *hi16, const uint16_t *rem, float *dst,
  * The AVX-512 body makes the same prefetches.  The results are unchanged: a
  * prefetch only warms the cache. */
 #ifndef ZO_ADAM_WINDOW
-#define ZO_ADAM_WINDOW 128  /* elements in zo256_adam_body's two loops */
+#define ZO_ADAM_WINDOW 128  /* elements in the fp32 Adam bodies' two loops (and their probes') */
 #endif
 #ifndef ZO_PREFETCH_AHEAD
 #define ZO_PREFETCH_AHEAD 256
@@ -1033,7 +1033,6 @@ static inline ZO_T256 __attribute__((always_inline)) void zo256_lion16x_body(
  * order, so are the bits. */
 #define ZO16_WINDOW 128
 
-
 /* the first loop's 8 lanes: m and v rounded to bf16 (u32 lanes) into *m_out, *v_out;
  * the new m and the denominator parked at mq, dq (pi: the master, read for L2 only) */
 static inline ZO_T256 __attribute__((always_inline)) void zo256_adam16_moments(
@@ -1349,6 +1348,15 @@ static inline ZO_T512 __m512i zo512_fold(__m512i x) {  /* zo_rand32's fold */
     return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 
+/* zo_rand32's Weyl words idx * phi + key of the 16 elements from first, in lane order
+ * (zo256_weyl16's, without its split into two halves) */
+static inline ZO_T512 __m512i zo512_weyl16(uint32_t first, uint32_t key) {
+    return _mm512_add_epi32(_mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32((int)first),
+                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)key));
+}
+
 /* zo256_lion16_core, 16 lanes */
 static inline ZO_T512 __attribute__((always_inline)) __m512 zo512_lion16_core(
         __m512 gi, __m512 pi, __m512i m32, __m512i rnd, __m512i *m_out, const zo_hparams *h, int sr, int zo_flags_) {
@@ -1393,10 +1401,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_lion16x_body(
             nt = 1;
         }
     }
-    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)),
-                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    __m512i kw = zo512_weyl16(s->index_base + (uint32_t)i, s->key);
     for (; i + 16 <= hi; i += 16) {
         __m512i g32 = _mm512_slli_epi32(zo512_load_u16(gw, i), 16);
         __m512i m32 = _mm512_slli_epi32(zo512_load_u16(rm, i), 16);
@@ -1475,10 +1480,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16x_split_bo
             nt = 1;
         }
     }
-    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)i)),
-                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    __m512i kw = zo512_weyl16(s->index_base + (uint32_t)i, s->key);
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
         if (w > ZO16_WINDOW) w = ZO16_WINDOW;
@@ -1539,10 +1541,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_lion16p_body(
     const __m512i step16 = _mm512_set1_epi32((int)(16u * 0x9e3779b9u));
     const __m512 pr = _mm512_set1_ps(h->predict);
     const int predict = h->predict != 0.0f;
-    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)lo)),
-                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    __m512i kw = zo512_weyl16(s->index_base + (uint32_t)lo, s->key);
     int64_t i = lo;
     for (; i + 16 <= hi; i += 16) {
         __m512 p0 = _mm512_loadu_ps(p + i), q;
@@ -1570,10 +1569,7 @@ static inline ZO_T512 __attribute__((always_inline)) void zo512_adam16p_split_bo
     const __m512 pr = _mm512_set1_ps(h->predict), dec = _mm512_set1_ps(h->decay), ss = _mm512_set1_ps(h->step_size);
     const int predict = h->predict != 0.0f;
     float mq[ZO16_WINDOW] __attribute__((aligned(64))), dq[ZO16_WINDOW] __attribute__((aligned(64)));
-    __m512i kw = _mm512_add_epi32(_mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32((int)(s->index_base + (uint32_t)lo)),
-                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32((int)0x9e3779b9u)), _mm512_set1_epi32((int)s->key));
+    __m512i kw = zo512_weyl16(s->index_base + (uint32_t)lo, s->key);
     int64_t i = lo;
     while (i + 16 <= hi) {
         int64_t w = (hi - i) & ~(int64_t)15, j;
@@ -1765,27 +1761,25 @@ static void zo_stream_chunk(int level, float *p, float *m, float *v, const uint1
 /* The compact-state access pattern with trivial (integer) arithmetic: read g 2 B,
  * m and v 2 + 2 B read and written, and either the exact master (read hi 2,
  * read+write rem 2, write out 2: 18 B/element) or the fp32 master (read+write 4,
- * write out 2: 20 B/element).  Plain loops: the compiler vectorises each copy
- * for the target its attribute names. */
-#define ZO_STREAM16_BODY                                                                  \
-    int64_t i;                                                                            \
-    if (rem) {                                                                            \
-        for (i = lo; i < hi; i++) {                                                       \
-            uint16_t gi = g[i];                                                           \
-            rem[i] = (uint16_t)(rem[i] + gi); m[i] = (uint16_t)(m[i] + gi);               \
-            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(hi16[i] + gi);              \
-        }                                                                                 \
-    } else {                                                                              \
-        for (i = lo; i < hi; i++) {                                                       \
-            uint16_t gi = g[i];                                                           \
-            uint32_t pi = p[i] + gi;                                                      \
-            p[i] = pi; m[i] = (uint16_t)(m[i] + gi);                                      \
-            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(pi >> 16);                  \
-        }                                                                                 \
+ * write out 2: 20 B/element). */
+static void zo_stream16_scalar(uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v,
+                               const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi) {
+    int64_t i;
+    if (rem) {
+        for (i = lo; i < hi; i++) {
+            uint16_t gi = g[i];
+            rem[i] = (uint16_t)(rem[i] + gi); m[i] = (uint16_t)(m[i] + gi);
+            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(hi16[i] + gi);
+        }
+    } else {
+        for (i = lo; i < hi; i++) {
+            uint16_t gi = g[i];
+            uint32_t pi = p[i] + gi;
+            p[i] = pi; m[i] = (uint16_t)(m[i] + gi);
+            v[i] = (uint16_t)(v[i] + gi); out[i] = (uint16_t)(pi >> 16);
+        }
     }
-#define ZO_STREAM16_PARAMS (uint32_t *p, uint16_t *rem, const uint16_t *hi16, uint16_t *m, uint16_t *v, \
-                            const uint16_t *g, uint16_t *out, int64_t lo, int64_t hi)
-static void zo_stream16_scalar ZO_STREAM16_PARAMS { ZO_STREAM16_BODY }
+}
 #if ZO_HAVE_X86
 /* In the kernels' windows, as zo512_stream: g, m and v in one loop, the master and
  * out in a second.  out may be hi16 itself (one weights slot), which stops the
@@ -1800,9 +1794,8 @@ static ZO_T256 void zo256_stream16(uint32_t *p, uint16_t *rem, const uint16_t *h
             __m256i gi = _mm256_loadu_si256((const __m256i *)(g + j));
             __m256i mi = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(m + j)), gi);
             __m256i vi = _mm256_add_epi16(_mm256_loadu_si256((const __m256i *)(v + j)), gi);
-            /* the kernels' prefetches */
-            if (rem && ((j - i) & 16) == 0) zo16_prefetch(g, m, v, rem, hi16, j);
-            else if (!rem) zo16p_prefetch((const float *)p, g, ZO_BF16, m, v, j, ((j - i) & 16) == 0);
+            if (!rem) zo16p_prefetch((const float *)p, g, ZO_BF16, m, v, j, ((j - i) & 16) == 0);  /* the kernels' */
+            else if (((j - i) & 16) == 0) zo16_prefetch(g, m, v, rem, hi16, j);
             _mm256_storeu_si256((__m256i *)(m + j), mi);
             _mm256_storeu_si256((__m256i *)(v + j), vi);
         }
