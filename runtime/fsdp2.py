@@ -42,6 +42,8 @@ Choices (docs/fsdp2.md has the why):
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -59,7 +61,15 @@ def dtensor_class():
     return DTensor
 
 
+# where torch defines DTensor (the second before torch 2.4)
+DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")
+
+
 def is_dtensor(p: torch.Tensor) -> bool:
+    # No DTensor exists in a process that has not imported its module, and importing it
+    # costs ~1.3 s of every engine's start where nothing else does (BENCHMARKS.md)
+    if not any(m in sys.modules for m in DTENSOR_MODULES):
+        return False
     cls = dtensor_class()
     return cls is not None and isinstance(p, cls)
 

@@ -47,6 +47,7 @@ import torch
 from . import fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
 from .engine import OffloadEngine
+from .optimizer_proxy import optim_method
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
 
 _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
@@ -168,7 +169,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if getattr(self, "_constructed", False):
             raise ValueError(f"{type(self).__name__} lays its parameters out in the optimizer server when it is "
                              f"built: pass every param group to the constructor")
-        super().add_param_group(param_group)
+        optim_method("add_param_group")(self, param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -182,6 +183,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         if self._shards is not None:
             self._shards.copy_back()  # before the next forward's all-gather
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch.optim's: every parameter's grad set to None (or zeroed)."""
+        optim_method("zero_grad")(self, set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """The global L2 norm of this step's gradients (all ranks) as a tensor, and
@@ -200,7 +205,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         with fp32 state); state_dir avoids it.  One rank (several: state_dir), or each rank
         of an FSDP2 model (its own shards; it loads at the same world size)."""
         refuse_dcp("OffloadAdamW.state_dict()")
-        sd = super().state_dict()
+        sd = optim_method("state_dict")(self)
         sd["state"] = {}
         if self.state_dir is not None:
             path = self.save_checkpoint(self.state_dir)

@@ -11,10 +11,21 @@ fixed at construction: add_param_group raises rather than ignore a group.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+def optim_method(name: str):
+    """torch.optim.Optimizer's method `name` (add_param_group, zero_grad, state_dict), without
+    the torch._disable_dynamo wrapper while torch._dynamo is not imported: the wrapper's first
+    call imports it, ~1 s of every process's start where nothing else does (BENCHMARKS.md).
+    The wrapper only keeps torch.compile from tracing the method, so once torch.compile is in
+    use (it has imported torch._dynamo) the wrapped method is returned."""
+    fn = getattr(torch.optim.Optimizer, name)
+    return fn if "torch._dynamo" in sys.modules else getattr(fn, "__wrapped__", fn)
 
 
 class ServerOptimizer(torch.optim.Optimizer):
@@ -75,7 +86,7 @@ class ServerOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadEngine's optimizer has the param groups it was built with (OffloadEngine's "
                              "param_groups argument); adding one would be ignored, so it is refused: pass every "
                              "group when the engine is created")
-        super().add_param_group(param_group)
+        optim_method("add_param_group")(self, param_group)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -214,3 +214,52 @@ def test_refusals_name_the_fix(tmp_path):
             opt.load_state_dict(sd)  # a step later: it holds no master, m and v to go back to
         with pytest.raises(ValueError, match="not an OffloadAdamW"):
             opt.load_state_dict(torch.optim.AdamW(gpt().parameters()).state_dict())
+
+
+START_SCRIPT = """
+import sys
+import torch
+from zero_offload import OffloadAdamW
+from zero_offload.optimizer_proxy import optim_method
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+with OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1}) as opt:
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    for t in range(2):
+        model(torch.randn(8, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    for p in model.parameters():  # torch.optim's zero_grad on grads the hooks did not take
+        p.grad = torch.ones_like(p)
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    sd = opt.state_dict()
+    assert sd["param_groups"][0]["lr"] == 0.5e-3, sd["param_groups"]
+    heavy = [m for m in ("torch._dynamo", "torch.distributed.tensor") if m in sys.modules]
+    assert not heavy, f"imported at start: {heavy}"
+    import torch._dynamo  # torch.compile in use: torch.optim's own (wrapped) methods again
+    assert optim_method("zero_grad") is torch.optim.Optimizer.zero_grad
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+print("ok")
+"""
+
+
+def test_start_imports_neither_dynamo_nor_dtensor():
+    """An OffloadAdamW's start, steps under a scheduler, zero_grad and state_dict import
+    neither torch._dynamo (torch.optim's wrapper of add_param_group and zero_grad does, on
+    its first call) nor DTensor's module (~2.4 s of every process's start): in a fresh
+    process, with torch.optim's semantics kept (grads None, or zeroed; the groups' lr)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", START_SCRIPT], capture_output=True, text=True, timeout=120, cwd=root,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
