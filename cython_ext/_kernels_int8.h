@@ -276,6 +276,52 @@ static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_v(con
     __m256 x = _mm256_blendv_ps(nrm, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), q)));
     return _mm256_mul_ps(x, scale);
 }
+/* v's 8 codes decoded where none is subnormal (c >= 8): zo8_256_decode_v's normal half alone */
+static inline ZO_T256 __attribute__((always_inline)) __m256 zo8_256_decode_v_normal(const uint8_t *c, __m256 scale) {
+    __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(q, ZO8_SHIFT),
+                                                              _mm256_set1_epi32((int)ZO8_V_BIAS))), scale);
+}
+/* Whether a whole block's v codes are all normal (>= 8), so its decode can skip the
+ * subnormal half (5 of 9 operations a lane group), and whether its moments' codes will be
+ * (zo8_256_codes_normal), so its encode can skip the subnormal sums and v's floor at one
+ * code (8 of 23).  A subnormal code is a moment below 2^-14 (m) or 2^-30 (v) of its
+ * block's largest: most blocks have none, and the checks cost ~3 operations per 8
+ * elements against ~13 saved on a kernel bound by its operations (BENCHMARKS.md).  Both
+ * paths give the same bits: each is the general one where it is taken. */
+static inline ZO_T256 int zo8_256_vcodes_normal(const uint8_t *c) {
+    __m256i mn = _mm256_loadu_si256((const __m256i *)c);
+    int j;
+    for (j = 32; j < ZO_QBLOCK; j += 32) mn = _mm256_min_epu8(mn, _mm256_loadu_si256((const __m256i *)(c + j)));
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_max_epu8(mn, _mm256_set1_epi8(8)), mn)) == -1;
+}
+/* Whether every m of mb[0, n) times im (and v of vb times iv) is at least ZO8_M_TINY
+ * (ZO8_V_TINY) or NaN, where zo8_rebias is its normal half (the larger one there: see
+ * zo8_rebias) and a v's code is at least 8 (no floor needed).  The smallest |m| (v) by
+ * its bits (non-negative floats order as their bits; a NaN's are above every number's,
+ * a v with its sign set is below them all and fails), times the factor: the product is
+ * monotonic, so the smallest product is the smallest moment's. */
+static inline ZO_T256 int zo8_256_codes_normal(const float *mb, const float *vb, int64_t n, float im, float iv,
+                                               const int lion) {
+    const __m256i abs = _mm256_set1_epi32(0x7fffffff);
+    __m256i am = abs, av = abs;
+    int32_t ta[8], tv[8], a = INT32_MAX, b = INT32_MAX;
+    int64_t k;
+    int j;
+    if (n % 8) return 0;
+    for (k = 0; k < n; k += 8) {
+        am = _mm256_min_epi32(am, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(mb + k)), abs));
+        if (!lion) av = _mm256_min_epi32(av, _mm256_loadu_si256((const __m256i *)(vb + k)));
+    }
+    _mm256_storeu_si256((__m256i *)ta, am);
+    _mm256_storeu_si256((__m256i *)tv, av);
+    for (j = 0; j < 8; j++) {
+        a = ta[j] < a ? ta[j] : a;
+        b = tv[j] < b ? tv[j] : b;
+    }
+    if (!(zo_f32_of((uint32_t)a) * im >= ZO8_M_TINY)) return 0;
+    return lion || (b >= 0 && zo_f32_of((uint32_t)b) * iv >= ZO8_V_TINY);
+}
 /* zo8_rebias, 8 lanes */
 static inline ZO_T256 __attribute__((always_inline)) __m256i zo8_256_rebias(__m256 x, __m256 tiny, int bias) {
     __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(x, tiny)), _mm256_castps_si256(tiny));
@@ -289,6 +335,12 @@ static ZO_T256 void zo8_256_decode(const zo_state8 *s, int64_t b0, int64_t be, f
     int64_t i = b0;
     if (s->lion) {
         for (; i + 8 <= be; i += 8) _mm256_storeu_ps(mb + (i - b0), zo8_256_decode_m(mc + i, msc));
+    } else if (be - b0 == ZO_QBLOCK && zo8_256_vcodes_normal(vc + b0)) {
+        const __m256 vsc = _mm256_set1_ps(s->vs[b0 / ZO_QBLOCK]);
+        for (; i + 8 <= be; i += 8) {
+            _mm256_storeu_ps(mb + (i - b0), zo8_256_decode_m(mc + i, msc));
+            _mm256_storeu_ps(vb + (i - b0), zo8_256_decode_v_normal(vc + i, vsc));
+        }
     } else {
         const __m256 vsc = _mm256_set1_ps(s->vs[b0 / ZO_QBLOCK]);
         for (; i + 8 <= be; i += 8) {
@@ -431,15 +483,23 @@ static ZO_T256 void zo8_256_lion_span(float *p, const void *g, int gk, void *out
  * x: the lanes' Weyl words before zo_rand32's fold; folded, x ^ (x >> 16) keeps x's high
  * half, so v's 16 random bits are x >> 16 and only m's need the fold. */
 static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode8(
-        __m256 mi, __m256 vi, __m256i x, __m256 im, __m256 iv, const int sr, __m256i *qm, __m256i *qv) {
+        __m256 mi, __m256 vi, __m256i x, __m256 im, __m256 iv, const int sr, const int normal,
+        __m256i *qm, __m256i *qv) {
     const __m256i half = _mm256_set1_epi32((int)ZO8_HALF);
     const __m256i xh = _mm256_srli_epi32(x, 16);
     __m256i tm, tv;
-    tm = zo8_256_rebias(_mm256_mul_ps(_mm256_and_ps(mi, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), im),
-                        _mm256_set1_ps(ZO8_M_TINY), (int)ZO8_M_BIAS);
+    __m256 xm = _mm256_mul_ps(_mm256_and_ps(mi, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))), im);
+    /* normal (zo8_256_codes_normal): zo8_rebias's normal half alone, v's code floor dropped */
+    tm = normal ? _mm256_sub_epi32(_mm256_castps_si256(xm), _mm256_set1_epi32((int)ZO8_M_BIAS))
+                : zo8_256_rebias(xm, _mm256_set1_ps(ZO8_M_TINY), (int)ZO8_M_BIAS);
     /* 16 random bits each, at bits 4..19 (zo8_rbits_m / zo8_rbits_v) */
     *qm = _mm256_srli_epi32(_mm256_add_epi32(tm, sr ? _mm256_srli_epi32(_mm256_slli_epi32(_mm256_xor_si256(x, xh), 16), 12)
                                                     : half), ZO8_SHIFT);
+    if (normal) {
+        tv = _mm256_sub_epi32(_mm256_castps_si256(_mm256_mul_ps(vi, iv)), _mm256_set1_epi32((int)ZO8_V_BIAS));
+        *qv = _mm256_srli_epi32(_mm256_add_epi32(tv, sr ? _mm256_slli_epi32(xh, 4) : half), ZO8_SHIFT);
+        return;
+    }
     tv = zo8_256_rebias(_mm256_mul_ps(vi, iv), _mm256_set1_ps(ZO8_V_TINY), (int)ZO8_V_BIAS);
     *qv = _mm256_max_epu32(_mm256_srli_epi32(_mm256_add_epi32(tv, sr ? _mm256_slli_epi32(xh, 4) : half), ZO8_SHIFT),
                            _mm256_min_epu32(tv, _mm256_set1_epi32(1)));
@@ -451,7 +511,7 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode8(
  * runs, m's and v's */
 static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
         const float *mb, const float *vb, int64_t n, int64_t e0, float im_, float iv_, const zo_state8 *s,
-        const int sr, const int lion) {
+        const int sr, const int lion, const int normal) {
     const __m256 im = _mm256_set1_ps(im_), iv = _mm256_set1_ps(iv_);
     /* zo_rand32's Weyl sequence idx * phi + key, stepped by 8 phi a half-turn: the same words */
     const __m256i step8 = _mm256_set1_epi32((int)(8u * 0x9e3779b9u));
@@ -469,9 +529,9 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
         __m256i qm0, qv0, qm1, qv1, b, sg;
         __m256 m0 = _mm256_loadu_ps(mb + k), m1 = _mm256_loadu_ps(mb + k + 8);
         /* Lion: no v (its lanes read m, and are dropped) */
-        zo8_256_encode8(m0, _mm256_loadu_ps((lion ? mb : vb) + k), weyl, im, iv, sr, &qm0, &qv0);
+        zo8_256_encode8(m0, _mm256_loadu_ps((lion ? mb : vb) + k), weyl, im, iv, sr, normal, &qm0, &qv0);
         weyl = _mm256_add_epi32(weyl, step8);
-        zo8_256_encode8(m1, _mm256_loadu_ps((lion ? mb : vb) + k + 8), weyl, im, iv, sr, &qm1, &qv1);
+        zo8_256_encode8(m1, _mm256_loadu_ps((lion ? mb : vb) + k + 8), weyl, im, iv, sr, normal, &qm1, &qv1);
         weyl = _mm256_add_epi32(weyl, step8);
         if (lion) qv0 = qv1 = _mm256_setzero_si256();  /* so the compiler drops v's arithmetic */
         b = _mm256_packus_epi16(_mm256_packus_epi32(qm0, qm1), _mm256_packus_epi32(qv0, qv1));
@@ -487,13 +547,17 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
 }
 static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
-    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    if (s->lion) {
-        if (sr) zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 1);
-        else zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 1);
-    } else {
-        if (sr) zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 0);
-        else zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 0);
+    const int sr = s->rounding == ZO_ROUND_STOCHASTIC, lion = s->lion;
+    const int normal = zo8_256_codes_normal(mb, vb, n, im, iv, lion);
+    switch (sr * 4 + lion * 2 + normal) {  /* each case its own body, the flags constants */
+        case 0: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 0); break;
+        case 1: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 1); break;
+        case 2: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 0); break;
+        case 3: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 1); break;
+        case 4: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 0); break;
+        case 5: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 1); break;
+        case 6: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 0); break;
+        default: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 1); break;
     }
 }
 
@@ -515,6 +579,11 @@ static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_v(con
     __m512 x = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(q, _mm512_set1_epi32(8)), nrm, sub);
     return _mm512_mul_ps(x, scale);
 }
+static inline ZO_T512 __attribute__((always_inline)) __m512 zo8_512_decode_v_normal(const uint8_t *c, __m512 scale) {
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(q, ZO8_SHIFT),
+                                                              _mm512_set1_epi32((int)ZO8_V_BIAS))), scale);
+}
 static inline ZO_T512 __attribute__((always_inline)) __m512i zo8_512_rebias(__m512 x, __m512 tiny, int bias) {
     __m512i sub = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(x, tiny)), _mm512_castps_si512(tiny));
     return _mm512_max_epi32(_mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(bias)), sub);
@@ -526,6 +595,12 @@ static ZO_T512 void zo8_512_decode(const zo_state8 *s, int64_t b0, int64_t be, f
     int64_t i = b0;
     if (s->lion) {
         for (; i + 16 <= be; i += 16) _mm512_storeu_ps(mb + (i - b0), zo8_512_decode_m(mc + i, msc));
+    } else if (be - b0 == ZO_QBLOCK && zo8_256_vcodes_normal(vc + b0)) {
+        const __m512 vsc = _mm512_set1_ps(s->vs[b0 / ZO_QBLOCK]);
+        for (; i + 16 <= be; i += 16) {
+            _mm512_storeu_ps(mb + (i - b0), zo8_512_decode_m(mc + i, msc));
+            _mm512_storeu_ps(vb + (i - b0), zo8_512_decode_v_normal(vc + i, vsc));
+        }
     } else {
         const __m512 vsc = _mm512_set1_ps(s->vs[b0 / ZO_QBLOCK]);
         for (; i + 16 <= be; i += 16) {
@@ -645,7 +720,7 @@ static ZO_T512 void zo8_512_lion_span(float *p, const void *g, int gk, void *out
  * as the AVX2 packs saturate a NaN's code) */
 static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
         const float *mb, const float *vb, int64_t n, int64_t e0, float im_, float iv_, const zo_state8 *s,
-        const int sr, const int lion) {
+        const int sr, const int lion, const int normal) {
     const __m512 im = _mm512_set1_ps(im_), iv = _mm512_set1_ps(iv_);
     const __m512 mtiny = _mm512_set1_ps(ZO8_M_TINY), vtiny = _mm512_set1_ps(ZO8_V_TINY);
     const __m512i half = _mm512_set1_epi32((int)ZO8_HALF), one = _mm512_set1_epi32(1);
@@ -659,7 +734,9 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
     for (; k + 16 <= n; k += 16) {
         __m512 mi = _mm512_loadu_ps(mb + k), vi;
         __m512i xh = _mm512_srli_epi32(weyl, 16), tm, tv, qm, qv;  /* as zo8_256_encode8's */
-        tm = zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
+        tm = normal ? _mm512_sub_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_abs_ps(mi), im)),
+                                       _mm512_set1_epi32((int)ZO8_M_BIAS))
+                    : zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
         tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(
                                                              _mm512_xor_si512(weyl, xh), 16), 12) : half),
                                ZO8_SHIFT);
@@ -671,10 +748,15 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
             continue;
         }
         vi = _mm512_loadu_ps(vb + k);
-        tv = zo8_512_rebias(_mm512_mul_ps(vi, iv), vtiny, (int)ZO8_V_BIAS);
-        qv = _mm512_max_epu32(_mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(xh, 4)
-                                                                         : half), ZO8_SHIFT),
-                              _mm512_min_epu32(tv, one));
+        if (normal) {
+            tv = _mm512_sub_epi32(_mm512_castps_si512(_mm512_mul_ps(vi, iv)), _mm512_set1_epi32((int)ZO8_V_BIAS));
+            qv = _mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(xh, 4) : half), ZO8_SHIFT);
+        } else {
+            tv = zo8_512_rebias(_mm512_mul_ps(vi, iv), vtiny, (int)ZO8_V_BIAS);
+            qv = _mm512_max_epu32(_mm512_srli_epi32(_mm512_add_epi32(tv, sr ? _mm512_slli_epi32(xh, 4)
+                                                                             : half), ZO8_SHIFT),
+                                  _mm512_min_epu32(tv, one));
+        }
         _mm_storeu_si128((__m128i *)(mc + k), _mm512_cvtusepi32_epi8(qm));
         _mm_storeu_si128((__m128i *)(vc + k), _mm512_cvtusepi32_epi8(qv));
     }
@@ -682,13 +764,17 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
 }
 static ZO_T512 void zo8_512_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
-    const int sr = s->rounding == ZO_ROUND_STOCHASTIC;
-    if (s->lion) {
-        if (sr) zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 1);
-        else zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 1);
-    } else {
-        if (sr) zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 0);
-        else zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 0);
+    const int sr = s->rounding == ZO_ROUND_STOCHASTIC, lion = s->lion;
+    const int normal = zo8_256_codes_normal(mb, vb, n, im, iv, lion);
+    switch (sr * 4 + lion * 2 + normal) {  /* as zo8_256_encode */
+        case 0: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 0); break;
+        case 1: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 1); break;
+        case 2: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 0); break;
+        case 3: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 1); break;
+        case 4: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 0); break;
+        case 5: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 1); break;
+        case 6: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 0); break;
+        default: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 1); break;
     }
 }
 #endif
