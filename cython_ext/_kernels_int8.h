@@ -545,20 +545,24 @@ static inline ZO_T256 __attribute__((always_inline)) void zo8_256_encode_body(
     }
     if (k < n) zo8_encode_scalar(mb, vb, k, n, e0, im_, iv_, s);
 }
+/* an encode body called with its three flags as constants, one body for each combination
+ * (so each is compiled without the others' arithmetic); both levels' dispatchers */
+#define ZO8_ENCODE_CASES(body, sr, lion, normal)                                  \
+    switch ((sr) * 4 + (lion) * 2 + (normal)) {                                    \
+        case 0: body(mb, vb, n, e0, im, iv, s, 0, 0, 0); break;                    \
+        case 1: body(mb, vb, n, e0, im, iv, s, 0, 0, 1); break;                    \
+        case 2: body(mb, vb, n, e0, im, iv, s, 0, 1, 0); break;                    \
+        case 3: body(mb, vb, n, e0, im, iv, s, 0, 1, 1); break;                    \
+        case 4: body(mb, vb, n, e0, im, iv, s, 1, 0, 0); break;                    \
+        case 5: body(mb, vb, n, e0, im, iv, s, 1, 0, 1); break;                    \
+        case 6: body(mb, vb, n, e0, im, iv, s, 1, 1, 0); break;                    \
+        default: body(mb, vb, n, e0, im, iv, s, 1, 1, 1); break;                   \
+    }
 static ZO_T256 void zo8_256_encode(const float *mb, const float *vb, int64_t n, int64_t e0,
                                    float im, float iv, const zo_state8 *s) {
     const int sr = s->rounding == ZO_ROUND_STOCHASTIC, lion = s->lion;
     const int normal = zo8_256_codes_normal(mb, vb, n, im, iv, lion);
-    switch (sr * 4 + lion * 2 + normal) {  /* each case its own body, the flags constants */
-        case 0: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 0); break;
-        case 1: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 1); break;
-        case 2: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 0); break;
-        case 3: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 1); break;
-        case 4: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 0); break;
-        case 5: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 1); break;
-        case 6: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 0); break;
-        default: zo8_256_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 1); break;
-    }
+    ZO8_ENCODE_CASES(zo8_256_encode_body, sr, lion, normal);
 }
 
 /* ---------------------------------------------------------------- AVX-512 block parts */
@@ -734,9 +738,9 @@ static inline ZO_T512 __attribute__((always_inline)) void zo8_512_encode_body(
     for (; k + 16 <= n; k += 16) {
         __m512 mi = _mm512_loadu_ps(mb + k), vi;
         __m512i xh = _mm512_srli_epi32(weyl, 16), tm, tv, qm, qv;  /* as zo8_256_encode8's */
-        tm = normal ? _mm512_sub_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_abs_ps(mi), im)),
-                                       _mm512_set1_epi32((int)ZO8_M_BIAS))
-                    : zo8_512_rebias(_mm512_mul_ps(_mm512_abs_ps(mi), im), mtiny, (int)ZO8_M_BIAS);
+        __m512 xm = _mm512_mul_ps(_mm512_abs_ps(mi), im);
+        tm = normal ? _mm512_sub_epi32(_mm512_castps_si512(xm), _mm512_set1_epi32((int)ZO8_M_BIAS))
+                    : zo8_512_rebias(xm, mtiny, (int)ZO8_M_BIAS);
         tm = _mm512_srli_epi32(_mm512_add_epi32(tm, sr ? _mm512_srli_epi32(_mm512_slli_epi32(
                                                              _mm512_xor_si512(weyl, xh), 16), 12) : half),
                                ZO8_SHIFT);
@@ -766,16 +770,7 @@ static ZO_T512 void zo8_512_encode(const float *mb, const float *vb, int64_t n, 
                                    float im, float iv, const zo_state8 *s) {
     const int sr = s->rounding == ZO_ROUND_STOCHASTIC, lion = s->lion;
     const int normal = zo8_256_codes_normal(mb, vb, n, im, iv, lion);
-    switch (sr * 4 + lion * 2 + normal) {  /* as zo8_256_encode */
-        case 0: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 0); break;
-        case 1: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 0, 1); break;
-        case 2: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 0); break;
-        case 3: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 0, 1, 1); break;
-        case 4: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 0); break;
-        case 5: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 0, 1); break;
-        case 6: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 0); break;
-        default: zo8_512_encode_body(mb, vb, n, e0, im, iv, s, 1, 1, 1); break;
-    }
+    ZO8_ENCODE_CASES(zo8_512_encode_body, sr, lion, normal);
 }
 #endif
 

@@ -256,10 +256,11 @@ def test_start_imports_neither_dynamo_nor_dtensor():
     neither torch._dynamo (torch.optim's wrapper of add_param_group and zero_grad does, on
     its first call) nor DTensor's module (~2.4 s of every process's start): in a fresh
     process, with torch.optim's semantics kept (grads None, or zeroed; the groups' lr)."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, "-c", START_SCRIPT], capture_output=True, text=True, timeout=120, cwd=root,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
