@@ -65,6 +65,14 @@ from .update_cycle import UpdateCycle
 log = logging.getLogger("zero_offload")
 
 
+def _agreed(ok: bool) -> bool:  # one rank: its own answer is everyone's
+    return ok
+
+
+def _no_barrier() -> None:
+    pass
+
+
 class OffloadEngine(BackwardAPI, CheckpointAPI):
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
                  param_groups: list | None = None, backward_mode: str = "engine", overlap_ok: bool = True,
@@ -137,9 +145,12 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         owners.claim(self, params)
         clipping.install()  # torch's (and Accelerate's) clip_grad_norm_ on our parameters reach clip_grad_norm_
         self.scaler = LossScaler.for_config(cfg)
+        # the collectives' methods, not the engine's: a part holding a bound method of the
+        # engine makes a reference cycle, and the engine (with the user's model and its
+        # weights) would then outlive its last reference until the cyclic collector ran
+        agree, barrier = (self.coll.all_ok, self.coll.barrier) if self.coll is not None else (_agreed, _no_barrier)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
-                                            shard_numel=S, agree=self._agree, barrier=self._barrier,
-                                            tracer=self.tracer)
+                                            shard_numel=S, agree=agree, barrier=barrier, tracer=self.tracer)
         self.iteration = 0        # step() calls, skipped ones included
         self.updates = 0          # updates applied (the Adam step count)
         # each parameter's (span order) own step count: it lags `updates` by the steps
@@ -246,13 +257,6 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                 **(self.picker.report() if self.picker is not None else {})}
 
     # ------------------------------------------------------------------ collectives (one rank: trivial)
-    def _agree(self, ok: bool) -> bool:
-        return self.coll.all_ok(ok) if self.world_size > 1 else ok
-
-    def _barrier(self) -> None:
-        if self.world_size > 1:
-            self.coll.barrier()
-
     # ------------------------------------------------------------------ teardown
     @property
     def closed(self) -> bool:

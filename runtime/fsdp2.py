@@ -178,3 +178,4 @@ class LocalShards:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.engine = None  # the engine holds reduce_sumsq: no cycle once it is closed

@@ -32,12 +32,27 @@ clip_grad_norm firing on every step this speculates on one step in MAX_BACKOFF +
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Callable
 
 from .parts import SpeculationCycle, Tracing
 from .stats import Counters
 
 MAX_BACKOFF = 32  # steps without speculation after a run of rollbacks
+
+
+def weak_method(method: Callable[[int], dict | None]) -> Callable[[int], dict | None]:
+    """method (bound) without a strong reference to its object: None once the object is
+    gone, which Speculator reads as "cannot be said".  The engine owns its speculator, so
+    a bound method of the engine here would be a reference cycle, and the engine, with
+    the user's model and its weights, would outlive its last reference until Python's
+    cyclic collector happened to run (gigabytes at a billion parameters)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(slot: int) -> dict | None:
+        m = ref()
+        return None if m is None else m(slot)
+    return call
 
 
 class SpeculatorPhase(enum.Enum):

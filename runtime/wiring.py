@@ -3,6 +3,7 @@ around the shard (client, update cycle, gradients down, speculation), and the fi
 weights.  Functions of the engine, called once from OffloadEngine.__init__."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from .flat import FlatParams
 from .grads_down import GradientsDown, SlotGate
 from .optimizer_proxy import ServerOptimizer
 from .param_groups import index_groups, state_dict_names
-from .speculation import Speculator
+from .speculation import Speculator, weak_method
 from .stats import Counters
 from .update_cycle import UpdateCycle
 
@@ -135,7 +136,7 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
                                   speculation_ok=undo > 0)
     agree = None
     if engine.world_size > 1:
-        agree = lambda values: engine.coll.all_reduce_max(values)  # noqa: E731
+        agree = engine.coll.all_reduce_max  # not a closure over the engine: no reference cycle
     return exact_mode.ExactModePicker(order, agree=agree), undo
 
 
@@ -176,14 +177,16 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                                          cfg.expert.pin_host_memory)
     gather = None
     if engine.world_size > 1:
-        gather = lambda flat16: engine.coll.all_gather_weights(flat16, engine.tracer)  # noqa: E731
+        # the collectives' method, not a closure over the engine (a reference cycle)
+        gather = functools.partial(engine.coll.all_gather_weights, tracer=engine.tracer)
     engine.cycle = UpdateCycle(c, engine.flat, dtype=engine.dtype, compute_dtype=engine.compute_dtype,
                                device=engine.device, shard_lo=engine.shard_lo,
                                zero_copy=engine._zero_copy, overlap_weights_up=cfg.expert.overlap_weights_up,
                                tracer=engine.tracer, counters=engine.counters, gather=gather)
     gate = SlotGate(engine.cycle, enabled=engine._grad_slots == 1, tracer=engine.tracer, counters=engine.counters)
     if engine._undo_log_bytes:
-        engine.speculator = Speculator(engine.cycle, engine._expected_step, tracer=engine.tracer,
+        # weakly: the engine owns the speculator, which must not keep it alive (a cycle)
+        engine.speculator = Speculator(engine.cycle, weak_method(engine._expected_step), tracer=engine.tracer,
                                        counters=engine.counters)
     engine.grads = GradientsDown(engine.flat, c.grads, dtype=engine.dtype, dtype_name=cfg.dtype,
                                  device=engine.device, rank=engine.rank, world_size=engine.world_size, gate=gate,

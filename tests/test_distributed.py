@@ -101,6 +101,9 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
         assert st["world_size"] == 2 and st["shard_numel"] == S
         real = min(flat.numel, (r + 1) * S) - r * S  # no gradient goes down for the padding past the model
         assert st["bytes_to_host"] == 2 * real * steps and st["bytes_to_device"] == 2 * S * steps
+        # no reference cycle keeps a closed engine (and its model) alive: the all-gather and
+        # the collectives' agree/barrier are the collectives' methods, not the engine's
+        assert res["engine_freed"], f"rank {r}: the closed engine outlived its last reference"
     a, b = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for k in a["w16"]:
         assert torch.equal(a["w16"][k], b["w16"][k])  # all-gather: every rank holds the same weights
