@@ -263,6 +263,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repro", type=float, default=0.6e9, help="the fp32 reproduction's size (0: skip it)")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ap.add_argument("--section", default="bench_scale", help="the BENCHMARKS.md section --write replaces")
     a = ap.parse_args()
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
     rows = [one(n, a.state_dtype, a.dir, a.threads) for n in a.sizes]
@@ -294,7 +295,7 @@ def main() -> None:
     for r in rows:
         print(r)
     if a.write:
-        update_section("bench_scale", table)
+        update_section(a.section, table)
 
 
 if __name__ == "__main__":
