@@ -148,7 +148,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         # the collectives' methods, not the engine's: a part holding a bound method of the
         # engine makes a reference cycle, and the engine (with the user's model and its
         # weights) would then outlive its last reference until the cyclic collector ran
-        agree, barrier = (self.coll.all_ok, self.coll.barrier) if self.coll is not None else (_agreed, _no_barrier)
+        agree, barrier = (_agreed, _no_barrier) if self.coll is None else (self.coll.all_ok, self.coll.barrier)
         self.checkpoints = EngineCheckpoint(rank=self.rank, world_size=self.world_size, numel=self.flat.numel,
                                             shard_numel=S, agree=agree, barrier=barrier, tracer=self.tracer)
         self.iteration = 0        # step() calls, skipped ones included
@@ -256,7 +256,6 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                 "mode": self.cfg.mode, **self._server_kernels,
                 **(self.picker.report() if self.picker is not None else {})}
 
-    # ------------------------------------------------------------------ collectives (one rank: trivial)
     # ------------------------------------------------------------------ teardown
     @property
     def closed(self) -> bool:

@@ -63,9 +63,14 @@ def mem_available() -> int:
     return 0
 
 
+WARM = False  # --warm: leave the page cache alone (a test's run, beside other work)
+
+
 def drop_caches() -> bool:
     """Empty the page cache (root only), so a read measures the disk, not memory: the bound
     and the load are both read cold (a resume after a crash, or on another node)."""
+    if WARM:
+        return False
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -264,7 +269,10 @@ def main() -> None:
     ap.add_argument("--repro", type=float, default=0.6e9, help="the fp32 reproduction's size (0: skip it)")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ap.add_argument("--section", default="bench_scale", help="the BENCHMARKS.md section --write replaces")
+    ap.add_argument("--warm", action="store_true", help="do not drop the page cache (reads may then hit it)")
     a = ap.parse_args()
+    global WARM
+    WARM = a.warm
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
     rows = [one(n, a.state_dtype, a.dir, a.threads) for n in a.sizes]
     repro_line = repro(int(a.repro), a.dir) if a.repro else ""
@@ -282,7 +290,8 @@ def main() -> None:
         msd = "skipped (RAM)" if r["master_state_dict_s"] is None else f"{r['master_state_dict_s']:.1f}"
         lines.append(
             f"| {r['params'] / 1e9:.2f}e9 | {r['state_dtype']} | {r['construct_s']:.1f} | {r['first_step_s']:.2f} | "
-            f"{r['steady_step_s']:.2f} | {r['save_s']:.1f} ({sa:.2f}, {100 * sa / r['bound_write_gbs']:.0f}%) | {r['bg_return_s']:.2f} / {r['bg_steps_meanwhile']} / "
+            f"{r['steady_step_s']:.2f} | {r['save_s']:.1f} ({sa:.2f}, {100 * sa / r['bound_write_gbs']:.0f}%) | "
+            f"{r['bg_return_s']:.2f} / {r['bg_steps_meanwhile']} / "
             f"{r['bg_total_s']:.1f} / {r['bg_update_wait_s']:.1f} | {r['load_s']:.1f} | {r['server_save_s']:.1f} "
             f"({sv:.2f}, {100 * sv / r['bound_write_gbs']:.0f}%) | {r['server_load_s']:.1f} ({ld:.2f}, "
             f"{100 * ld / r['bound_read_gbs']:.0f}%) | {msd} | {r['reshard_s']:.1f} | "

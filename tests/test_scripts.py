@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,19 @@ def test_bench_memory_tiny():
         assert f"| {variant} |" in out
     capacity = out.split("params on a 24 GiB host")
     assert len(capacity) == 2 and "| offload-dpu-copy-int8state | " in capacity[1]
+
+
+def test_bench_scale_tiny(tmp_path):
+    """bench_scale's whole path at 1e6 parameters (its rows are 0.5e9 and up: BENCHMARKS.md),
+    without dropping the machine's page cache: one row of 13 columns, the engine's save
+    rate against the write bound, master_state_dict timed (RAM is plenty)."""
+    out = run("bench_scale.py", "--sizes", "1e6", "--repro", "0", "--warm", "--dir", str(tmp_path))
+    rows = [line for line in out.splitlines() if line.startswith("| 0.00e9 | bf16 |")]
+    assert len(rows) == 1 and rows[0].count("|") == 14, out[-2000:]
+    cols = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert re.fullmatch(r"[\d.]+ \([\d.]+, \d+%\)", cols[5]), cols  # save s (GB/s, % of the write bound)
+    assert re.fullmatch(r"[\d.]+", cols[10]), cols  # master_state_dict s: not skipped
+    assert "may hit the page cache" in out
 
 
 def test_convergence_tiny():
