@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from zero_offload.kernels import cpu_adam  # noqa: E402
 from zero_offload.server import ShardClient, spawn  # noqa: E402
+from zero_offload.server.admission import read_mem_available  # noqa: E402
 from zero_offload.server.checkpoint import resolve  # noqa: E402
 from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
 from bench_md import machine_line, update_section  # noqa: E402
@@ -51,14 +52,6 @@ def peak_rss(pid: int | str = "self") -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -157,13 +150,13 @@ def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
         # the whole fp32 master in this process (4 B/param) beside the state: at the largest
         # sizes a 24 GiB machine has not got it, and the OOM killer would end the run
         need = 4 * out["params"] * 1.25
-        if mem_available() > need:
+        if read_mem_available() > need:
             t0 = time.perf_counter()
             eng.master_state_dict()  # built whole, then dropped
             out["master_state_dict_s"] = time.perf_counter() - t0
         else:
             out["master_state_dict_s"] = None
-            print(f"master_state_dict skipped: it needs ~{need / 2**30:.1f} GiB, {mem_available() / 2**30:.1f} "
+            print(f"master_state_dict skipped: it needs ~{need / 2**30:.1f} GiB, {read_mem_available() / 2**30:.1f} "
                   f"available", flush=True)
         out["worker_peak_gib"] = peak_rss() / 2**30
         out["server_peak_gib"] = peak_rss(eng._server.proc.pid) / 2**30
@@ -283,7 +276,7 @@ def main() -> None:
             "worker / server peak GiB |")
     lines = [f"Machine: {machine_line()}, SIMD {simd}; directory {a.dir}; `python scripts/bench_scale.py "
              f"--sizes {' '.join(f'{s:g}' for s in a.sizes)} --state-dtype {a.state_dtype}`.", "", head,
-             "|" + "---|" * 12]
+             "|" + "---|" * 13]
     for r in rows:
         sv, ld = r["server_bytes"] / r["server_save_s"] / 1e9, r["server_bytes"] / r["server_load_s"] / 1e9
         sa = r["engine_save_bytes"] / r["save_s"] / 1e9

@@ -7,7 +7,9 @@ checkpoint in the server, show up as several bytes per parameter above that.
 """
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -101,7 +103,6 @@ def _build(kind: str, model: torch.nn.Module):
 
 def _train_and_close(kind: str, model: torch.nn.Module) -> tuple:
     """Two steps and close(), in a frame of its own: returns weak references only."""
-    import weakref
     opt = _build(kind, model)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     for _ in range(2):
@@ -129,8 +130,6 @@ def test_a_closed_engine_goes_with_its_last_reference(kind):
     three sizes in one process, refused the third).  (Mutation: the speculator given
     engine._expected_step itself fails "speculation" and "adamw", whose auto strategy
     speculates; the checkpoint given a bound method of the engine fails all three.)"""
-    import gc
-    import weakref
     model = _model()
     was = gc.isenabled()
     gc.collect()

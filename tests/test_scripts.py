@@ -92,6 +92,7 @@ def test_bench_scale_tiny(tmp_path):
     out = run("bench_scale.py", "--sizes", "1e6", "--repro", "0", "--warm", "--dir", str(tmp_path))
     rows = [line for line in out.splitlines() if line.startswith("| 0.00e9 | bf16 |")]
     assert len(rows) == 1 and rows[0].count("|") == 14, out[-2000:]
+    assert "\n|" + "---|" * 13 + "\n" in out  # the delimiter row has the header's 13 cells (or it renders as text)
     cols = [c.strip() for c in rows[0].split("|")[1:-1]]
     assert re.fullmatch(r"[\d.]+ \([\d.]+, \d+%\)", cols[5]), cols  # save s (GB/s, % of the write bound)
     assert re.fullmatch(r"[\d.]+", cols[10]), cols  # master_state_dict s: not skipped
