@@ -61,6 +61,18 @@ class CheckpointAPI:
                 out[name] = view
         return out
 
+    def _param_table(self) -> list[dict]:
+        """Each parameter's place in the flat space, shape and state_dict names (a tied
+        weight has several), in the flat space's order: the checkpoint's "params"
+        (docs/checkpoint.md), so a checkpoint exports without the model
+        (zero_offload.export)."""
+        rows = []
+        for i, p in enumerate(self.flat.params):
+            s = self.flat.by_param[id(p)]
+            rows.append({"offset": s.offset, "shape": list(p.shape),
+                         "names": self._names.get(id(p), [f"param{i}"])})
+        return sorted(rows, key=lambda r: r["offset"])
+
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
         """Write a checkpoint under directory/step-NNNNNNNN and point directory/latest at it
         (runtime.checkpoint; docs/checkpoint.md).  Server: this shard's master and
@@ -82,6 +94,8 @@ class CheckpointAPI:
                 "updates": self.updates, "skipped_steps": self.skipped_steps, "micro": self._micro,
                 "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small(),
                 "param_updates": self.param_updates.tolist(), "param_align": self.param_align}
+        if self.rank == 0:  # once per checkpoint: what zero_offload.export needs to name the master's pieces
+            meta["params"] = self._param_table()
         return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
                                      pending16=pending, meta=meta, background=background)
 

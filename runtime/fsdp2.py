@@ -160,18 +160,18 @@ class LocalShards:
             t.copy_(q.detach().view(t.shape))
 
     def gather(self, names: dict, local_masters: list[torch.Tensor]) -> dict:
-        """Whole fp32 tensors by name (names: id of an FSDP2 parameter -> its name) from
-        every rank's local masters, and the frozen parameters' values in fp32 (a
-        collective over FSDP2's group: each rank calls it)."""
+        """Whole fp32 tensors by name (names: id of an FSDP2 parameter -> its state_dict
+        names, of which the first, its named_parameters() name, is the key) from every
+        rank's local masters, and the frozen parameters' values in fp32 (a collective
+        over FSDP2's group: each rank calls it)."""
         DTensor = dtensor_class()
         out = {}
         for p in self.frozen:
-            out[names[id(p)]] = p.detach().full_tensor().float().cpu()
+            out[names[id(p)][0]] = p.detach().full_tensor().float().cpu()
         for p, m in zip(self.params, local_masters):
-            n = names[id(p)]
             d = DTensor.from_local(m.reshape(p.to_local().shape).to(p.device), p.device_mesh, p.placements,
                                    shape=p.shape, stride=p.stride(), run_check=False)
-            out[n] = d.full_tensor().cpu()
+            out[names[id(p)][0]] = d.full_tensor().cpu()
         return out
 
     def detach(self) -> None:

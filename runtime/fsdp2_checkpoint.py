@@ -75,11 +75,13 @@ class FlatMap:
     pieces: list[tuple[int, int, int]]       # (local_lo, flat_lo, n), by local_lo
     span_of_local: list[int]                 # local span j -> its parameter's span in the shared layout
     n_params: int                            # the shared layout's parameters (a step count each)
+    params: list[dict]                       # the checkpoint's "params": each one's offset, shape, names
 
 
-def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int) -> FlatMap:
+def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int, names: dict) -> FlatMap:
     """order: the model's trainable FSDP2 parameters in the order the built-in path lays
-    them out (the model's, or the optimizer's without model=); group_of: id -> group."""
+    them out (the model's, or the optimizer's without model=); group_of: id -> group;
+    names: id -> the parameter's state_dict names."""
     stand = [torch.empty(p.shape, device="meta") for p in order]
     shared = FlatParams(stand, bucket_numel=1 << 62, world_size=1, groups=[group_of[id(p)] for p in order],
                         align=engine.param_align)
@@ -101,7 +103,9 @@ def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int)
         if s.numel:
             pieces.append((s.offset, where[id(p)].offset + r0 * cols, s.numel))
         span_of_local.append(index[id(p)])
-    return FlatMap(shared.numel, pieces, span_of_local, len(shared.spans))
+    table = sorted(({"offset": where[id(p)].offset, "shape": list(p.shape), "names": list(names[id(p)])} for p in order),
+                   key=lambda r: r["offset"])
+    return FlatMap(shared.numel, pieces, span_of_local, len(shared.spans), table)
 
 
 class _Group:
@@ -275,7 +279,8 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
                 counts = [0] * fmap.n_params
                 for j, c in zip(fmap.span_of_local, meta["param_updates"]):
                     counts[j] = c
-                eng = dict(meta, rank=0, world_size=ONE, numel=N, param_updates=counts, checksums=sums)
+                eng = dict(meta, rank=0, world_size=ONE, numel=N, param_updates=counts, checksums=sums,
+                           params=fmap.params)
                 atomic_write_bytes(C.rank_file(tmp, C.ENGINE, 0, ONE, ".json"), json.dumps(eng, indent=1).encode())
             except (OSError, ValueError) as e:
                 ok, err = False, e
@@ -395,8 +400,8 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
                 man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
             counts = [meta["param_updates"][j] for j in fmap.span_of_local]
             atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
-                dict(meta, rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts,
-                     checksums=sums)).encode())
+                dict({k: v for k, v in meta.items() if k != "params"},  # the shared layout's, not the local one's
+                     rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts, checksums=sums)).encode())
             engine.load_checkpoint(str(local))
         except (OSError, ValueError, OptimizerServerError) as e:
             err = e

@@ -48,6 +48,7 @@ from . import fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
 from .engine import OffloadEngine
 from .optimizer_proxy import optim_method
+from .param_groups import state_dict_names
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
 
 _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
@@ -151,8 +152,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         proxy = {id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
         for g in groups:  # frozen shards have no proxy: left alone, as torch.optim leaves them
             g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
-        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        self._names = {id(p): names.get(id(p), f"param{i}") for i, p in enumerate(params)}
+        # every name model.state_dict() gives a parameter (a tied weight has several; the first
+        # is its named_parameters() name, master_state_dict()'s key here), for the checkpoint's
+        # parameter table, which then reads as the built-in path's
+        names = state_dict_names(model) if model is not None else {}
+        self._names = {id(p): names.get(id(p)) or [f"param{i}"] for i, p in enumerate(params)}
         # the built-in path's layout of the same parameters (runtime.fsdp2_checkpoint):
         # the model's trainable ones in its order (the optimizer's without model=), by group
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
@@ -260,7 +264,7 @@ class OffloadAdamW(torch.optim.Optimizer):
     def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":
         if self._flat_map is None:
             sh = self._shards
-            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, sh, *self._layout, sh.rank, sh.world)
+            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, sh, *self._layout, sh.rank, sh.world, self._names)
         return self._flat_map
 
     def wait_checkpoint(self) -> str | None:

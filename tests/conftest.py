@@ -49,6 +49,7 @@ XDIST_GROUPS = (
     ("tests/test_fsdp2_checkpoint.py", "fsdp2_checkpoint_chain"),
     ("tests/test_checkpoint_scale.py", "memory"),
     ("tests/test_memory.py", "memory"),
+    ("tests/test_export.py::test_a_0_3e9", "memory"),
     ("tests/test_scripts.py::test_bench_memory_tiny", "memory"),
     ("tests/faults/test_hardening.py::test_admission_adds_up_the_sessions_it_admitted", "memory"),
     # a variant's bf16 and int8 cases share its fp32-state run (cached per process); dpu-predict

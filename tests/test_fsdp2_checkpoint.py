@@ -81,7 +81,8 @@ def test_checkpoint_moves_between_topologies_bitwise(chain, variant):
     each parameter's, gathered from FSDP2 when it was saved, where the plain model's
     one-rank layout puts it.  (Mutation: a piece's place off by one row in
     fsdp2_checkpoint.flat_map fails the last check: every topology then reads the
-    misplaced rows alike.)"""
+    misplaced rows alike.  Their export: a row's offset off by one in flat_map's table
+    fails it for a and b, in engine_checkpoint._param_table for c and d.)"""
     flats = [read_flat(chain / variant / name) for name in "abcd"]
     for name in "ab":  # FSDP2's saves leave nothing of their own beside the checkpoints
         assert sorted(p.name for p in (chain / variant / name).iterdir()) == ["latest", "step-00000005"]
@@ -112,6 +113,18 @@ def test_checkpoint_moves_between_topologies_bitwise(chain, variant):
     for s in layout.spans:
         want = truth[names[id(s.param)]].reshape(-1).numpy()
         assert np.array_equal(master[s.offset:s.offset + s.numel], want), names[id(s.param)]
+    # and each checkpoint, FSDP2's (2 and 3 ranks) and the built-in path's (1 and 2), exports
+    # to the same state dict without the model (zero_offload.export: its "params" table)
+    # (FSDP2's master_state_dict() keys each parameter once; the table has every
+    # state_dict name, GPT-2's tied lm_head.weight too, as the built-in path's has)
+    from zero_offload.export import master_state_dict_from_checkpoint
+    keys = sorted(truth) + ["gpt.lm_head.weight"]
+    for name in "abcd":
+        got = master_state_dict_from_checkpoint(chain / variant / name)
+        assert sorted(got) == sorted(keys), (name, sorted(got))
+        for k, v in truth.items():
+            assert torch.equal(got[k], v), (name, k)
+        assert torch.equal(got["gpt.lm_head.weight"], truth["gpt.transformer.wte.weight"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
