@@ -4,7 +4,7 @@ on the CPU device.
 
 Per size: construction, first step, steady step, blocking save, background save (the
 time save_checkpoint takes to return, the steps run while it writes, the time to
-publish), load, master_state_dict; peak RSS of worker and server; save and load GB/s
+publish), load, master_state_dict, zero-offload-export; peak RSS of worker and server; save and load GB/s
 against this run's bound: one plain sequential write (16 MiB writes, one fsync) and
 read of the same number of bytes in the same directory.
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -165,6 +166,7 @@ def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
         exact = cfg.exact_master
         eng.close()
         out.update(server_io(d, state_dtype, exact, threads))
+        out.update(export(d))
     finally:
         eng.close()
         shutil.rmtree(os.path.join(root, "ck"), ignore_errors=True)
@@ -208,6 +210,26 @@ def server_io(d: str, state_dtype: str, exact: bool, threads: int) -> dict:
         assert all(c.stats().updates > 0 for c in cs), "the resharded shards did not load"
         for c in cs:
             c.close()
+    return out
+
+
+def export(d: str) -> dict:
+    """zero-offload-export of the checkpoint in d, as a user runs it after training: a fresh
+    process, the page cache dropped; the fp32 master written beside it, then removed.  Its
+    peak memory is the process's own (VmHWM)."""
+    target = os.path.join(d, "export.safetensors")
+    code = ("import sys; from zero_offload.export import main; rc = main(sys.argv[1:]); "
+            "print('VmHWM', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0]); "
+            "sys.exit(rc)")
+    drop_caches()
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code, d, target], capture_output=True, text=True)
+    took = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"zero-offload-export failed: {p.stderr}")
+    out = {"export_s": took, "export_bytes": os.path.getsize(target),
+           "export_peak_gib": int(p.stdout.split("VmHWM")[1].split()[0]) * 1024 / 2**30}
+    os.unlink(target)
     return out
 
 
@@ -289,6 +311,15 @@ def main() -> None:
             f"({sv:.2f}, {100 * sv / r['bound_write_gbs']:.0f}%) | {r['server_load_s']:.1f} ({ld:.2f}, "
             f"{100 * ld / r['bound_read_gbs']:.0f}%) | {msd} | {r['reshard_s']:.1f} | "
             f"{r['worker_peak_gib']:.1f} / {r['server_peak_gib']:.1f} |")
+    lines += ["", "Export (`zero-offload-export CKPT OUT`, fp32, in a fresh process after training; it checks the "
+                  "shard file's checksum, reading it whole, then streams the master out):", "",
+              "| params | export s | read GB + written GB | the bound s (that read and write at this run's bounds) "
+              "| % of the bound | peak GiB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        bound = r["save_bytes"] / 1e9 / r["bound_read_gbs"] + r["export_bytes"] / 1e9 / r["bound_write_gbs"]
+        lines.append(f"| {r['params'] / 1e9:.2f}e9 | {r['export_s']:.1f} | {r['save_bytes'] / 1e9:.2f} + "
+                     f"{r['export_bytes'] / 1e9:.2f} | {bound:.1f} | {100 * bound / r['export_s']:.0f}% | "
+                     f"{r['export_peak_gib']:.2f} |")
     cold = all(r["cold"] for r in rows)
     lines += ["", ("Loads and the read bound are cold (page cache dropped before each)." if cold else
                    "Loads and the read bound may hit the page cache (it could not be dropped)."), repro_line]

@@ -88,7 +88,7 @@ def test_bench_memory_tiny():
 def test_bench_scale_tiny(tmp_path):
     """bench_scale's whole path at 1e6 parameters (its rows are 0.5e9 and up: BENCHMARKS.md),
     without dropping the machine's page cache: one row of 13 columns, the engine's save
-    rate against the write bound, master_state_dict timed (RAM is plenty)."""
+    rate against the write bound, master_state_dict timed (RAM is plenty), the export's row."""
     out = run("bench_scale.py", "--sizes", "1e6", "--repro", "0", "--warm", "--dir", str(tmp_path))
     rows = [line for line in out.splitlines() if line.startswith("| 0.00e9 | bf16 |")]
     assert len(rows) == 1 and rows[0].count("|") == 14, out[-2000:]
@@ -97,6 +97,9 @@ def test_bench_scale_tiny(tmp_path):
     assert re.fullmatch(r"[\d.]+ \([\d.]+, \d+%\)", cols[5]), cols  # save s (GB/s, % of the write bound)
     assert re.fullmatch(r"[\d.]+", cols[10]), cols  # master_state_dict s: not skipped
     assert "may hit the page cache" in out
+    ex = [line for line in out.splitlines() if line.startswith("| 0.00e9 |") and line.count("|") == 7]
+    assert len(ex) == 1 and re.fullmatch(r"\| 0\.00e9 \| [\d.]+ \| [\d.]+ \+ 0\.00 \| [\d.]+ \| \d+% \| [\d.]+ \|",
+                                         ex[0]), out[-2000:]  # the export's row
 
 
 def test_convergence_tiny():
