@@ -54,23 +54,29 @@ class CheckpointAPI:
         out = OrderedDict()
         if full is None:
             return out
-        for p in self.flat.params:
-            s = self.flat.by_param[id(p)]
-            view = full[s.offset:s.offset + s.numel].view(p.shape)
-            for name in self._names.get(id(p), [f"param{len(out)}"]):  # a tied weight under each of its names
+        for row in self._param_rows():
+            view = full[row["offset"]:row["offset"] + row["numel"]].view(row["shape"])
+            for name in row["names"]:  # a tied weight under each of its names
                 out[name] = view
         return out
+
+    def _param_rows(self) -> list[dict]:
+        """Each trainable parameter in model order: offset in the flat space, numel,
+        shape and state_dict names (a tied weight has several; the first is its
+        named_parameters() name, `param{i}` for a parameter the engine got no name for)."""
+        rows = []
+        for i, p in enumerate(self.flat.params):
+            s = self.flat.by_param[id(p)]
+            rows.append({"offset": s.offset, "numel": s.numel, "shape": list(p.shape),
+                         "names": self._names.get(id(p), [f"param{i}"])})
+        return rows
 
     def _param_table(self) -> list[dict]:
         """Each parameter's place in the flat space, shape and state_dict names (a tied
         weight has several), in the flat space's order: the checkpoint's "params"
         (docs/checkpoint.md), so a checkpoint exports without the model
         (zero_offload.export)."""
-        rows = []
-        for i, p in enumerate(self.flat.params):
-            s = self.flat.by_param[id(p)]
-            rows.append({"offset": s.offset, "shape": list(p.shape),
-                         "names": self._names.get(id(p), [f"param{i}"])})
+        rows = [{k: r[k] for k in ("offset", "shape", "names")} for r in self._param_rows()]
         return sorted(rows, key=lambda r: r["offset"])
 
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:

@@ -141,6 +141,20 @@ def _cli(*args, check=True) -> subprocess.CompletedProcess:
     return p
 
 
+def test_the_cli_exports_on_a_machine_without_torch(gpt2_ckpt, tmp_path):
+    """The export is for a machine that has the checkpoint and not the training
+    environment: with torch unimportable the CLI writes the same bytes as with it.
+    (Mutation: `import torch` at the top of runtime/export.py fails it.)"""
+    d = gpt2_ckpt[0]
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from zero_offload.export import main\n"
+            f"sys.exit(main([{str(d / 'ckpt')!r}, {str(tmp_path / 'no_torch.safetensors')!r}, '--dtype', 'bf16']))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    _cli(d / "ckpt", tmp_path / "with_torch.safetensors", "--dtype", "bf16")
+    assert (tmp_path / "no_torch.safetensors").read_bytes() == (tmp_path / "with_torch.safetensors").read_bytes()
+
+
 def test_bad_input_is_refused_naming_the_fix_and_loses_nothing(gpt2_ckpt, tmp_path):
     """An existing output (kept unless --overwrite), a flipped bit in a shard file, a
     checkpoint from before the parameter table, a table claiming more than the flat
