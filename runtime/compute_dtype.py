@@ -17,12 +17,19 @@ element: on a 2-core AVX2 EPYC a 1024x256 @ 256x768 bf16 product took 551 ms aga
   (every parameter's value is representable in the 16-bit dtype), and each gradient
   is rounded to 16 bits once, on its way down into the gradient slot.
 
+The CPU's feature flags decide, unless oneDNN (which runs torch's CPU matmul) is
+capped below them: ONEDNN_MAX_CPU_ISA=AVX2 (or DNNL_MAX_CPU_ISA, its older name) on an
+AVX512_BF16 CPU makes the bf16 product as slow as on an AVX2 one (measured: 280 ms
+against 3.6 ms in fp32 for the product above).  Where the variable caps the ISA, the
+choice is measured instead (_probe, ~0.1 s once per engine).
+
 Frozen parameters are rounded to 16-bit values too (they are weights); floating-point
 buffers stay fp32.  Compared with 16-bit compute, only the rounding inside the
 forward and backward differs (fp32 products and sums instead of 16-bit ones).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -41,6 +48,20 @@ def cpu_flags() -> set[str] | None:
                     return set(line.split(":", 1)[1].split())
     except OSError:
         return None
+    return None
+
+
+# oneDNN's ISA cap (its documented variable, and the older name it still reads)
+ISA_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def isa_cap() -> str | None:
+    """The ISA oneDNN is capped at by the environment (e.g. "AVX2"), None where it is not
+    ("ALL" and "DEFAULT" cap nothing)."""
+    for var in ISA_CAP_VARS:
+        v = os.environ.get(var, "").strip().upper()
+        if v and v not in ("ALL", "DEFAULT"):
+            return f"{var}={v}"
     return None
 
 
@@ -72,12 +93,14 @@ def resolve(choice: str, dtype: str, device: torch.device) -> tuple[torch.dtype,
     if device.type != "cpu":
         return d16, f"{device.type} device"
     flags = cpu_flags()
-    if flags is not None:
+    cap = isa_cap()
+    if flags is not None and cap is None:
         have = [f for f in NATIVE_FLAGS[dtype] if f in flags]
         if have:
             return d16, f"CPU has {'/'.join(have)}"
         return torch.float32, f"CPU has none of {'/'.join(NATIVE_FLAGS[dtype])}: {dtype} matmul is emulated"
-    ratio = _probe(d16)  # no feature list: measure
+    ratio = _probe(d16)  # no feature list, or oneDNN capped below it: measure
+    under = f" under {cap}" if cap else ""
     if ratio > 4.0:
-        return torch.float32, f"{dtype} matmul measured {ratio:.1f}x slower than fp32"
-    return d16, f"{dtype} matmul measured {ratio:.1f}x the time of fp32"
+        return torch.float32, f"{dtype} matmul measured {ratio:.1f}x slower than fp32{under}"
+    return d16, f"{dtype} matmul measured {ratio:.1f}x the time of fp32{under}"

@@ -5,6 +5,11 @@ backward on the 16-bit-rounded weights, each gradient rounded to 16 bits, AdamW 
 fp32 master."""
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -15,6 +20,13 @@ from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.timeout(240)
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def no_isa_cap(monkeypatch):
+    """The choice's tests see the CPU's flags, whatever oneDNN cap the caller's shell sets."""
+    for var in cd.ISA_CAP_VARS:
+        monkeypatch.delenv(var, raising=False)
 
 
 # ----------------------------------------------------------------------------- the choice
@@ -40,6 +52,40 @@ def test_auto_measures_where_the_cpu_does_not_say(monkeypatch):
     assert cd.resolve("auto", "bf16", CPU)[0] == torch.float32
     monkeypatch.setattr(cd, "_probe", lambda dt: 1.3)
     assert cd.resolve("auto", "bf16", CPU)[0] == torch.bfloat16
+
+
+def test_a_onednn_isa_cap_is_measured_not_read_from_the_flags(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below the CPU's 16-bit units makes torch's 16-bit matmul emulated
+    on a CPU whose flags say native: the choice then measures.  (Mutation: resolve
+    reading the flags whatever the cap fails it.)"""
+    native = {"avx2", "avx512_bf16", "amx_bf16"}
+    monkeypatch.setattr(cd, "cpu_flags", lambda: native)
+    monkeypatch.setattr(cd, "_probe", lambda dt: 40.0)
+    for value in ("ALL", "default", ""):  # caps nothing: the flags decide
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", value)
+        assert cd.resolve("auto", "bf16", CPU)[0] == torch.bfloat16, value
+    for var in cd.ISA_CAP_VARS:
+        monkeypatch.setenv(var, "avx2")
+        got, why = cd.resolve("auto", "bf16", CPU)
+        assert got == torch.float32 and f"{var}=AVX2" in why and "40.0x" in why, why
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    monkeypatch.setattr(cd, "_probe", lambda dt: 0.2)
+    assert cd.resolve("auto", "bf16", CPU)[0] == torch.bfloat16
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's x86 ISA names")
+def test_under_an_avx2_cap_auto_computes_in_fp32_on_any_x86():
+    """The real thing, in a fresh process (oneDNN reads the cap when it starts): capped at
+    AVX2, bf16 matmul is emulated on every x86 CPU (on an AVX512_BF16 one: 280 ms against
+    3.6 ms in fp32), and auto picks fp32 by measuring it."""
+    code = ("import torch; from zero_offload import compute_dtype as cd\n"
+            "got, why = cd.resolve('auto', 'bf16', torch.device('cpu')); print(got, '|', why)")
+    env = {k: v for k, v in os.environ.items() if k not in cd.ISA_CAP_VARS}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**env, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("torch.float32 |") and "ONEDNN_MAX_CPU_ISA=AVX2" in p.stdout, p.stdout
 
 
 def test_forcing_and_refusals(monkeypatch):
