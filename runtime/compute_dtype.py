@@ -104,3 +104,44 @@ def resolve(choice: str, dtype: str, device: torch.device) -> tuple[torch.dtype,
     if ratio > 4.0:
         return torch.float32, f"{dtype} matmul measured {ratio:.1f}x slower than fp32{under}"
     return d16, f"{dtype} matmul measured {ratio:.1f}x the time of fp32{under}"
+
+
+# the attribute on a model that holds its input cast's hook (one per model, however many
+# engines it has had)
+_CAST_ATTR = "_zero_offload_input_cast"
+
+
+def install_input_cast(model: torch.nn.Module, dtype: torch.dtype, ref: torch.Tensor) -> None:
+    """Cast the model's floating-point inputs in the 16-bit `dtype` to the dtype `ref` (a
+    trained parameter) now has, at each call of the model, as FSDP2's MixedPrecisionPolicy
+    (cast_forward_inputs) does: a script written for 16-bit compute (inputs made with
+    .to(torch.bfloat16)) runs unchanged where the engine computes in fp32.  Inputs in other
+    dtypes (token ids, fp32) pass as they are; nested tuples, lists and dicts are walked.
+    The hook stays after close(): the model's parameters stay fp32 then, and a model cast
+    back to 16 bits gets its inputs as they are.  It costs one walk of the arguments per
+    forward of the root module (not of its submodules)."""
+    if getattr(model, _CAST_ATTR, None) is not None:
+        return
+
+    def hook(module, args, kwargs):
+        want = ref.dtype
+        if want == dtype:
+            return None
+        return _cast(args, dtype, want), _cast(kwargs, dtype, want)
+
+    setattr(model, _CAST_ATTR, model.register_forward_pre_hook(hook, with_kwargs=True))
+
+
+def _cast(x, dtype: torch.dtype, want: torch.dtype):
+    """x with its tensors in `dtype` cast to `want` (a module-level function: a nested one
+    that called itself would make a reference cycle holding `ref` until the cyclic
+    collector ran)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(want) if x.dtype == dtype else x
+    if type(x) in (tuple, list):
+        return type(x)(_cast(y, dtype, want) for y in x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(_cast(y, dtype, want) for y in x))
+    if type(x) is dict:
+        return {k: _cast(v, dtype, want) for k, v in x.items()}
+    return x  # other containers pass as they are

@@ -31,6 +31,7 @@ one.  Any other optim (Adagrad, Adafactor, SGD, ...) is refused before training.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -106,7 +107,30 @@ class OffloadTrainer(Trainer):
                 hp["eps"] = self.args.adam_epsilon
             self.optimizer = self.offload_optimizer_cls(groups, **hp, model=opt_model,
                                                 grad_accumulation_steps=self.args.gradient_accumulation_steps, **opts)
+            self._autocast_off_under_fp32_compute()
         return self.optimizer
+
+    def _fp32_compute(self) -> bool:
+        eng = getattr(self.optimizer, "engine", None) if self.optimizer is not None else None
+        return eng is not None and eng.compute_dtype == torch.float32
+
+    def _autocast_off_under_fp32_compute(self) -> None:
+        """bf16=True makes Accelerate run the model's forward under torch.autocast(bf16),
+        which on a CPU computing in fp32 (runtime.compute_dtype: no native 16-bit matmul)
+        would put every matmul back on the emulated bf16 path the fp32 compute is there
+        to avoid (~75x slower than fp32 there).  The weights hold bf16 values either way;
+        so autocast is turned off for this trainer's model, which Accelerate wraps after
+        the optimizer is built."""
+        if not self._fp32_compute():
+            return
+        from accelerate.utils import AutocastKwargs
+        self.accelerator.autocast_handler = AutocastKwargs(enabled=False)
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        # transformers releases that autocast here themselves (CPU AMP): not under fp32 compute
+        if self._fp32_compute():
+            return contextlib.nullcontext()
+        return super().autocast_smart_context_manager(cache_enabled=cache_enabled)
 
     @property
     def offload_optimizer(self) -> OffloadAdamW:

@@ -233,4 +233,7 @@ def init_weights(engine: "OffloadEngine") -> None:
                         p.data = p.data.to(engine.device)
         for b in engine.model.buffers():
             b.data = b.data.to(engine.device, engine.compute_dtype if b.is_floating_point() else b.dtype)
+        if engine.compute_dtype != engine.dtype and engine.flat.spans:
+            # a script's 16-bit inputs (x.to(torch.bfloat16)) meet fp32 weights
+            compute_dtype.install_input_cast(engine.model, engine.dtype, engine.flat.spans[0].param)
     host_memory.return_freed_heap()

@@ -134,6 +134,46 @@ def test_each_compute_dtype_does_what_it_says(compute):
         assert st["compute_dtype_why"] == "asked for"
 
 
+def test_a_script_written_for_16_bit_inputs_runs_under_fp32_compute():
+    """A loop that feeds the model bf16 inputs (as on a GPU, or an AVX512_BF16 CPU) runs
+    unchanged where the engine computes in fp32: the model's floating-point inputs in the
+    16-bit dtype are cast at its call, in args, kwargs and nested containers; other
+    dtypes pass as they are.  The losses are bitwise those of the same loop feeding fp32
+    inputs, and the cast stays after close() (the parameters stay fp32 then).
+    (Mutation: no input cast fails with torch's "mat1 and mat2 must have the same dtype";
+    casting every floating input to fp32, ignoring the dtype, fails the fp16 pass-through.)"""
+    class Two(torch.nn.Module):  # a model called with a positional tuple and a keyword dict
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+
+        def forward(self, xs, *, extra):
+            assert extra["keep"].dtype == torch.float16  # not the weights' dtype: as it was
+            return self.a(xs[0]) + self.b(extra["y"])
+
+    out = {}
+    for cast_here in (False, True):
+        torch.manual_seed(0)
+        model = Two()
+        cfg = OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1}, expert={"compute_dtype": "fp32"})
+        losses = []
+        with OffloadEngine(model, cfg) as eng:
+            want = eng.compute_dtype if cast_here else torch.bfloat16
+            for t in range(4):
+                g = torch.Generator().manual_seed(t)
+                x, y = (torch.randn(8, 16, generator=g).bfloat16().to(want) for _ in range(2))
+                keep = torch.zeros(2, dtype=torch.float16)
+                loss = model((x,), extra={"y": y, "keep": keep}).float().square().mean()
+                eng.backward(loss)
+                eng.step()
+                losses.append(float(loss.detach()))
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        x = torch.ones(3, 16, dtype=torch.bfloat16)
+        losses.append(float(model((x,), extra={"y": x, "keep": torch.zeros(1, dtype=torch.float16)}).sum().detach()))
+        out[cast_here] = losses
+    assert out[False] == out[True], out
+
+
 # ----------------------------------------------------------------------------- against plain torch
 @pytest.mark.parametrize("mode", ["sync", "dpu", "overlap"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

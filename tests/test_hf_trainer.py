@@ -60,10 +60,10 @@ def args(out, **over):
     return transformers.TrainingArguments(**kw)
 
 
-def run(cls, out, resume=None, **over):
+def run(cls, out, resume=None, offload=None, **over):
     model = tiny_gpt2()
     rec = Record()
-    extra = {"offload": {"server": {"threads": 1}}} if cls is OffloadTrainer else {}
+    extra = {"offload": {"server": {"threads": 1}, **(offload or {})}} if cls is OffloadTrainer else {}
     t = cls(model=model, args=args(out, **over), train_dataset=TextWindows(), callbacks=[rec], **extra)
     t.train(resume_from_checkpoint=resume)
     return rec.logs, model
@@ -93,6 +93,37 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path):
     resumed, m_res = run(OffloadTrainer, tmp_path / "a", resume=str(ck), max_steps=20, save_strategy="no")
     assert [x[:2] for x in resumed] == [x[:2] for x in full[10:]]
     for (n, a), (_, b) in zip(m_full.state_dict().items(), m_res.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_bf16_true_does_not_autocast_under_fp32_compute(tmp_path, monkeypatch):
+    """Where the engine computes in fp32 (a CPU without native bf16 matmul; forced here),
+    bf16=True must not put the forward back under Accelerate's bf16 autocast, whose
+    matmuls are emulated there (a 4-layer GPT-2 of width 512 under an AVX2 oneDNN cap:
+    95 s for 8 steps with it, 2.6 s without): the run is bitwise the bf16=False run, in
+    which nothing autocasts, and the layers compute in fp32.  With 16-bit compute bf16=True
+    autocasts as before.  (Mutation: not turning the autocast handler off fails the dtype
+    check, before the bitwise one.)"""
+    fp32 = {"expert": {"compute_dtype": "fp32"}}
+    seen = []
+    def hook(m, i, o):
+        seen.append((o.dtype, torch.is_autocast_enabled("cpu")))
+    orig = tiny_gpt2
+
+    def spied():
+        model = orig()
+        model.lm_head.register_forward_hook(hook)
+        return model
+    monkeypatch.setitem(globals(), "tiny_gpt2", spied)  # run() builds its model through it
+    with_bf16, m1 = run(OffloadTrainer, tmp_path / "a", offload=fp32, max_steps=4)
+    assert set(seen) == {(torch.float32, False)}, set(seen)
+    seen.clear()
+    without, m2 = run(OffloadTrainer, tmp_path / "b", offload=fp32, max_steps=4, bf16=False)
+    seen.clear()
+    run(OffloadTrainer, tmp_path / "c", offload={"expert": {"compute_dtype": "bf16"}}, max_steps=1)
+    assert set(seen) == {(torch.bfloat16, True)}, set(seen)
+    assert [x[:2] for x in with_bf16] == [x[:2] for x in without]
+    for (n, a), (_, b) in zip(m1.state_dict().items(), m2.state_dict().items()):
         assert torch.equal(a, b), n
 
 

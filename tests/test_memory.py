@@ -96,7 +96,7 @@ def _build(kind: str, model: torch.nn.Module):
     if kind == "adamw":  # with model=: the forward pipeline's hooks and the engine inside
         return OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
     expert = {"exact_strategy": "overlap_update+speculation", "undo_log_bytes": 1 << 20} if kind == "speculation" \
-        else {}
+        else {"compute_dtype": "fp32"} if kind == "fp32-compute" else {}
     return OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", mode="dpu" if kind == "dpu" else "exact",
                                               server={"threads": 1}, expert=expert))
 
@@ -119,7 +119,7 @@ def _train_and_close(kind: str, model: torch.nn.Module) -> tuple:
     return weakref.ref(opt), weakref.ref(engine)
 
 
-@pytest.mark.parametrize("kind", ["speculation", "dpu", "adamw"])
+@pytest.mark.parametrize("kind", ["speculation", "dpu", "adamw", "fp32-compute"])
 def test_a_closed_engine_goes_with_its_last_reference(kind):
     """close(), then the last reference dropped: the engine and the model (whose weights
     close() gave back in private memory, 2 B/param) are freed at once, not when Python's
@@ -129,7 +129,10 @@ def test_a_closed_engine_goes_with_its_last_reference(kind):
     it, and a new engine's admission counted that memory as taken (scripts/bench_scale.py,
     three sizes in one process, refused the third).  (Mutation: the speculator given
     engine._expected_step itself fails "speculation" and "adamw", whose auto strategy
-    speculates; the checkpoint given a bound method of the engine fails all three.)"""
+    speculates; the checkpoint given a bound method of the engine fails all of them;
+    "fp32-compute" (bf16 inputs cast by runtime.compute_dtype's hook, which stays on the
+    model): a cast function that calls itself as a closure keeps the first parameter, and
+    fails it.)"""
     model = _model()
     was = gc.isenabled()
     gc.collect()
@@ -137,9 +140,11 @@ def test_a_closed_engine_goes_with_its_last_reference(kind):
     try:
         opt, engine = _train_and_close(kind, model)
         held = weakref.ref(model)
+        weights = [weakref.ref(p) for p in model.parameters()]
         del model
         assert opt() is None and engine() is None, "the closed engine is still alive: a reference cycle holds it"
         assert held() is None, "the model is still alive after its engine was closed and dropped"
+        assert all(w() is None for w in weights), "a weight outlived its model: a reference cycle holds it"
     finally:
         if was:
             gc.enable()
