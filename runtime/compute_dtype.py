@@ -65,8 +65,21 @@ def isa_cap() -> str | None:
     return None
 
 
+# _probe's answers in this process: oneDNN reads its cap once, at start, so they hold for
+# the process's life, and a second engine (or OffloadTrainer, which asks before its
+# engine exists) gets the same answer without measuring again
+_PROBED: dict[torch.dtype, float] = {}
+
+
 def _probe(dtype: torch.dtype) -> float:
-    """How many times slower a small 16-bit matmul is than fp32 on this CPU (~10 ms)."""
+    """How many times slower a small 16-bit matmul is than fp32 on this CPU (~10 ms, once
+    per process and dtype)."""
+    if dtype not in _PROBED:
+        _PROBED[dtype] = _measure(dtype)
+    return _PROBED[dtype]
+
+
+def _measure(dtype: torch.dtype) -> float:
     a, b = torch.ones(128, 256), torch.ones(256, 256)
     times = []
     for x, y in ((a, b), (a.to(dtype), b.to(dtype))):

@@ -34,11 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 
 import torch
 from transformers import Trainer
 
+from . import compute_dtype
 from .config import OffloadConfig
+from .devices import resolve_device
 from .offload_adamw import OffloadAdamW
 from .offload_lion import OffloadLion
 
@@ -70,6 +73,9 @@ class OffloadTrainer(Trainer):
                                  f"set it there")
         super().__init__(*args, **kwargs)
         self._optimizer_from_optim()
+        # before anything wraps the model (evaluate() before train() does too)
+        self._compute_dtype = self._expected_compute_dtype()
+        self._autocast_off_under_fp32_compute()
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
@@ -107,20 +113,37 @@ class OffloadTrainer(Trainer):
                 hp["eps"] = self.args.adam_epsilon
             self.optimizer = self.offload_optimizer_cls(groups, **hp, model=opt_model,
                                                 grad_accumulation_steps=self.args.gradient_accumulation_steps, **opts)
-            self._autocast_off_under_fp32_compute()
+            eng = getattr(self.optimizer, "engine", None)
+            if eng is not None:  # the engine's own answer (the same one, from the same inputs)
+                self._compute_dtype = eng.compute_dtype
+                self._autocast_off_under_fp32_compute()
         return self.optimizer
 
+    def _expected_compute_dtype(self) -> torch.dtype | None:
+        """The compute dtype the engine will pick (runtime.compute_dtype), from the offload
+        options and the device Trainer put the model on, before the engine exists."""
+        try:
+            with warnings.catch_warnings():  # the engine warns of deprecated names itself
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cfg = OffloadConfig(**{"dtype": "bf16", **self.offload_options})
+        except (TypeError, ValueError):
+            return None  # the engine's own error comes when it is built
+        param = next(self.model.parameters(), None)
+        if param is None:
+            return None
+        device = resolve_device(cfg.device, param.device)
+        return compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)[0]
+
     def _fp32_compute(self) -> bool:
-        eng = getattr(self.optimizer, "engine", None) if self.optimizer is not None else None
-        return eng is not None and eng.compute_dtype == torch.float32
+        return getattr(self, "_compute_dtype", None) == torch.float32
 
     def _autocast_off_under_fp32_compute(self) -> None:
         """bf16=True makes Accelerate run the model's forward under torch.autocast(bf16),
         which on a CPU computing in fp32 (runtime.compute_dtype: no native 16-bit matmul)
         would put every matmul back on the emulated bf16 path the fp32 compute is there
         to avoid (~75x slower than fp32 there).  The weights hold bf16 values either way;
-        so autocast is turned off for this trainer's model, which Accelerate wraps after
-        the optimizer is built."""
+        so autocast is turned off for this trainer's model, whichever of train() and
+        evaluate() wraps it first."""
         if not self._fp32_compute():
             return
         from accelerate.utils import AutocastKwargs

@@ -74,6 +74,18 @@ def test_a_onednn_isa_cap_is_measured_not_read_from_the_flags(monkeypatch):
     assert cd.resolve("auto", "bf16", CPU)[0] == torch.bfloat16
 
 
+def test_the_probe_measures_once_per_process(monkeypatch):
+    """OffloadTrainer asks for the compute dtype before its engine exists, and the engine
+    asks again: one measurement, so both get the same answer.  (Mutation: _probe
+    measuring on every call fails it.)"""
+    calls = []
+    monkeypatch.setattr(cd, "_measure", lambda dt: calls.append(dt) or 50.0)
+    monkeypatch.setattr(cd, "_PROBED", {})
+    assert cd._probe(torch.bfloat16) == cd._probe(torch.bfloat16) == 50.0
+    cd._probe(torch.float16)
+    assert calls == [torch.bfloat16, torch.float16]
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's x86 ISA names")
 def test_under_an_avx2_cap_auto_computes_in_fp32_on_any_x86():
     """The real thing, in a fresh process (oneDNN reads the cap when it starts): capped at

@@ -60,11 +60,15 @@ def args(out, **over):
     return transformers.TrainingArguments(**kw)
 
 
-def run(cls, out, resume=None, offload=None, **over):
+def run(cls, out, resume=None, offload=None, evaluate_first=False, **over):
     model = tiny_gpt2()
     rec = Record()
     extra = {"offload": {"server": {"threads": 1}, **(offload or {})}} if cls is OffloadTrainer else {}
+    if evaluate_first:
+        extra["eval_dataset"] = TextWindows(n=8)
     t = cls(model=model, args=args(out, **over), train_dataset=TextWindows(), callbacks=[rec], **extra)
+    if evaluate_first:  # Accelerate wraps the model here, before the optimizer exists
+        t.evaluate()
     t.train(resume_from_checkpoint=resume)
     return rec.logs, model
 
@@ -102,8 +106,10 @@ def test_bf16_true_does_not_autocast_under_fp32_compute(tmp_path, monkeypatch):
     matmuls are emulated there (a 4-layer GPT-2 of width 512 under an AVX2 oneDNN cap:
     95 s for 8 steps with it, 2.6 s without): the run is bitwise the bf16=False run, in
     which nothing autocasts, and the layers compute in fp32.  With 16-bit compute bf16=True
-    autocasts as before.  (Mutation: not turning the autocast handler off fails the dtype
-    check, before the bitwise one.)"""
+    autocasts as before.  evaluate() before train() wraps the model first: no autocast
+    there either.  (Mutation: not turning the autocast handler off fails the dtype check,
+    before the bitwise one; turning it off only once the optimizer exists fails it too,
+    through the evaluate() first.)"""
     fp32 = {"expert": {"compute_dtype": "fp32"}}
     seen = []
     def hook(m, i, o):
@@ -115,8 +121,8 @@ def test_bf16_true_does_not_autocast_under_fp32_compute(tmp_path, monkeypatch):
         model.lm_head.register_forward_hook(hook)
         return model
     monkeypatch.setitem(globals(), "tiny_gpt2", spied)  # run() builds its model through it
-    with_bf16, m1 = run(OffloadTrainer, tmp_path / "a", offload=fp32, max_steps=4)
-    assert set(seen) == {(torch.float32, False)}, set(seen)
+    with_bf16, m1 = run(OffloadTrainer, tmp_path / "a", offload=fp32, max_steps=4, evaluate_first=True)
+    assert set(seen) == {(torch.float32, False)}, set(seen)  # evaluate() first, then train()
     seen.clear()
     without, m2 = run(OffloadTrainer, tmp_path / "b", offload=fp32, max_steps=4, bf16=False)
     seen.clear()
