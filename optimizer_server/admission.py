@@ -5,7 +5,7 @@ space.  The order matters: a client of another version or without the token lear
 nothing about this machine, and nothing is allocated for a client that fails any check.
 
 Admission adds up.  Every admitted shard reserves the bytes it may come to use
-(``need``: its state, its segment, its undo log); the state's pages are committed
+(``need``: its state, its segment, its undo log, its worker's peak); the state's pages are committed
 only as updates first write them, so MemAvailable does not yet show what an admitted
 shard will take.  A new shard is admitted only if its need plus what the admitted
 ones reserved and have not yet made resident (their reservations less the growth of
@@ -79,9 +79,11 @@ class Reservations:
 
 
 def shard_need(msg: P.Hello, layout: ShardLayout) -> int:
-    """Host bytes one shard may use: its state, its segment, a full undo log."""
+    """Host bytes one shard may use: its state, its segment, a full undo log, and what its
+    worker takes at its peak beside them (gradients before they go down, set-up's casts:
+    runtime.wiring.worker_peak_bytes), which it comes back to every step."""
     return (int(msg.numel * bytes_per_param(msg.optimizer, msg.state_dtype, msg.exact_master)) + layout.total_bytes
-            + msg.undo_log_bytes)
+            + msg.undo_log_bytes + msg.worker_peak_bytes)
 
 
 def admit(msg: P.Hello, *, token: str, max_ram_fraction: float, reserved: int = 0, sessions: int = 0,
@@ -120,8 +122,10 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float, reserved: int = 
                 smaller = (f"state_dtype={' or '.join(repr(d) for d, _ in fit)} "
                            f"({' or '.join(f'{b:.3g}' for _, b in fit)} B/param of optimizer state instead of "
                            f"{now:.3g}, with bf16 weights), ")
+        worker = (f", {msg.worker_peak_bytes / 2**30:.2f} GiB of it the worker's own peak: its gradients before "
+                  f"they go down, its set-up casts" if msg.worker_peak_bytes else "")
         raise Refused(P.E_RESOURCE, f"shard of {msg.numel} params needs {need / 2**30:.2f} GiB of host RAM "
-                                    f"({need} bytes) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
+                                    f"({need} bytes{worker}) but {avail / 2**30:.2f} GiB ({avail} bytes) is available, "
                                     f"counting the {msg.frees_bytes / 2**30:.2f} GiB the worker frees after set-up and "
                                     f"less the {reserved / 2**30:.2f} GiB admitted shards have reserved; "
                                     f"use {smaller}{'a smaller undo_log_bytes, ' if msg.undo_log_bytes else ''}"

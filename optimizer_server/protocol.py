@@ -94,7 +94,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -185,6 +185,7 @@ class ShardSpec:
     exact_master: bool = False  # the fp32 master kept as the weights slot's bf16 + a 16-bit remainder
     frees_bytes: int = 0     # host bytes the worker lets go of once INIT is done (its fp32 copy of the model)
     undo_log_bytes: int = 0  # capacity of the shard's undo log for SPECULATE (0: no speculation)
+    worker_peak_bytes: int = 0  # host bytes the worker itself takes at its peak (gradients, casts) beyond what it holds
 
     def spec_fields(self) -> dict:
         """The spec's own fields (a HELLO's, less version, token and pid), shallow."""
@@ -214,6 +215,8 @@ class Hello(Message, ShardSpec):
                  f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
         _require(0 <= self.frees_bytes < 1 << 62, f"frees_bytes must be >= 0, got {self.frees_bytes}")
         _require(0 <= self.undo_log_bytes < 1 << 62, f"undo_log_bytes must be >= 0, got {self.undo_log_bytes}")
+        _require(0 <= self.worker_peak_bytes < 1 << 62,
+                 f"worker_peak_bytes must be >= 0, got {self.worker_peak_bytes}")
         _require(self.state_dtype in STATE_DTYPES, f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         _require(self.state_dtype == "fp32" or self.optimizer in COMPACT_OPTIMIZERS,
                  f"state_dtype {self.state_dtype!r} is implemented for {COMPACT_OPTIMIZERS}, not {self.optimizer!r}: "

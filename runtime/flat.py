@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# elements a cast through a 16-bit dtype handles at a time (cast_and_bind): 32 MiB of
+# 16-bit temporary at most
+CAST_CHUNK = 1 << 24
+
 
 @dataclass
 class ParamSpan:
@@ -172,7 +176,13 @@ class FlatParams:
                     flat16[s.offset - s.lead:s.offset].zero_()
                 view = flat16[s.offset:s.offset + s.numel]
                 src = s.param.detach().reshape(-1)
-                view.copy_(src.to(via) if via is not None and via != view.dtype else src)
+                if via is not None and via != view.dtype:
+                    # in chunks: a whole 16-bit temporary of a 1e9-element parameter would
+                    # be 2 GB more at set-up's peak (runtime.wiring.worker_peak_bytes)
+                    for lo in range(0, s.numel, CAST_CHUNK):
+                        view[lo:lo + CAST_CHUNK].copy_(src[lo:lo + CAST_CHUNK].to(via))
+                else:
+                    view.copy_(src)
                 s.param.data = view.view(s.param.shape)
 
     def bind(self, flat16: torch.Tensor) -> None:

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from zero_offload.server.admission import read_mem_available
 from zero_offload.server.client import ShardClient
-from zero_offload.server.protocol import QBLOCK, ShardSpec
+from zero_offload.server.errors import OptimizerServerError
+from zero_offload.server.protocol import E_RESOURCE, QBLOCK, ShardSpec
 from zero_offload.server.state import bytes_per_param
 from zero_offload.server.tracing import Tracer
 
@@ -128,7 +129,8 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
         # spare RAM only: at most half of what the host will have left once the shard
         # holds its state and segment (~6 B/param of slots) and this worker has let go of
         # its copy of the model (worker_frees)
-        spare = read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n)
+        spare = (read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n)
+                 - worker_peak_bytes(engine, cfg))
         undo = whole if 2 * whole <= spare else 0
     else:
         undo = x.undo_log_bytes
@@ -138,6 +140,32 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
     if engine.world_size > 1:
         agree = engine.coll.all_reduce_max  # not a closure over the engine: no reference cycle
     return exact_mode.ExactModePicker(order, agree=agree), undo
+
+
+def worker_peak_bytes(engine: "OffloadEngine", cfg: OffloadConfig) -> int:
+    """Host memory this worker takes at its peak beyond what it holds at HELLO (less what
+    it frees): what admission must leave it besides the shard (HELLO.worker_peak_bytes).
+    The largest of
+    - the gradients autograd makes before they go down, in the compute dtype: one
+      parameter's at a time (its hook copies it into the gradient slot and drops it), or,
+      with grad_accumulation_steps > 1, every trained parameter's, summed into until the
+      last micro-batch;
+    - set-up's cast where flat16 is the worker's own (not zero-copy): a parameter and
+      its place in flat16 exist together until the parameter is dropped;
+    - a frozen parameter's cast to its 16-bit value (beside the old tensor, the 16-bit
+      one and, under fp32 compute, its fp32 copy).
+    A GPU worker's gradients and weights are on the device: nothing."""
+    if engine.is_cuda:
+        return 0
+    item = engine.compute_dtype.itemsize
+    trained = [s.param.numel() for s in engine.flat.spans]
+    largest = max(trained, default=0)
+    grads = (sum(trained) if cfg.grad_accumulation_steps > 1 else largest) * item
+    cast = 0 if engine._zero_copy else largest * item
+    widen = item if engine.compute_dtype != engine.dtype else 0  # the 16-bit value cast again, to fp32
+    frozen = max((p.numel() * (2 + widen) for p in engine.model.parameters()
+                  if not p.requires_grad and p.is_floating_point() and not p.is_cuda), default=0)
+    return max(grads, cast, frozen)
 
 
 def worker_frees(engine: "OffloadEngine") -> int:
@@ -169,9 +197,19 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                      optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,
                      weights_slots=2 if engine._zero_copy else 1, grad_slots=engine._grad_slots,
                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
-                     exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes)
-    engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
-                                    server_proc=proc)
+                     exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes,
+                     worker_peak_bytes=worker_peak_bytes(engine, cfg))
+    try:
+        engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
+                                        server_proc=proc)
+    except OptimizerServerError as e:
+        if e.code == E_RESOURCE and engine.compute_dtype != engine.dtype:
+            # the server cannot know why this worker's peak is twice a 16-bit one's
+            raise OptimizerServerError(
+                f"{e} (this worker computes in fp32, {engine._compute_why}: expert.compute_dtype="
+                f"{cfg.dtype!r} halves its own peak, at the cost of emulated 16-bit matmul on this CPU)",
+                code=e.code) from e
+        raise
     if engine.is_cuda:
         engine._pinned = host_memory.pin(c.segment.buffer, c.segment.size, engine.device,
                                          cfg.expert.pin_host_memory)

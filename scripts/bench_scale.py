@@ -96,14 +96,16 @@ def disk_bound(d: str, nbytes: int) -> tuple[float, float]:
     return w, r
 
 
-def one(n: float, state_dtype: str, root: str, threads: int) -> dict:
+def one(n: float, state_dtype: str, root: str, threads: int, compute: str = "auto") -> dict:
     rows = int(n) // 64
     torch.manual_seed(SEED)
     t0 = time.perf_counter()
     model = Tables(rows)
-    cfg = OffloadConfig(lr=1e-3, dtype="bf16", state_dtype=state_dtype, server={"threads": threads})
+    cfg = OffloadConfig(lr=1e-3, dtype="bf16", state_dtype=state_dtype, server={"threads": threads},
+                        expert={"compute_dtype": compute})
     eng = OffloadEngine(model, cfg)
-    out = {"params": sum(p.numel() for p in model.parameters()), "state_dtype": state_dtype}
+    out = {"params": sum(p.numel() for p in model.parameters()), "state_dtype": state_dtype,
+           "compute_dtype": str(eng.compute_dtype).replace("torch.", "")}
     out["construct_s"] = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(SEED)
 
@@ -285,11 +287,14 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ap.add_argument("--section", default="bench_scale", help="the BENCHMARKS.md section --write replaces")
     ap.add_argument("--warm", action="store_true", help="do not drop the page cache (reads may then hit it)")
+    ap.add_argument("--compute-dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="the engine's expert.compute_dtype (fp32: what a CPU without native bf16 matmul gets, "
+                         "4 B/param of worker weights instead of 2)")
     a = ap.parse_args()
     global WARM
     WARM = a.warm
     os.makedirs(a.dir, mode=0o700, exist_ok=True)
-    rows = [one(n, a.state_dtype, a.dir, a.threads) for n in a.sizes]
+    rows = [one(n, a.state_dtype, a.dir, a.threads, a.compute_dtype) for n in a.sizes]
     repro_line = repro(int(a.repro), a.dir) if a.repro else ""
     simd = cpu_adam.simd_level()
     head = ("| params | state | construct s | first step s | steady step s | save s (GB/s, % of write bound) | "
@@ -297,7 +302,9 @@ def main() -> None:
             "of write bound) | server LOAD s (GB/s, % of read bound) | master_state_dict s | reshard 1 -> 2 s | "
             "worker / server peak GiB |")
     lines = [f"Machine: {machine_line()}, SIMD {simd}; directory {a.dir}; `python scripts/bench_scale.py "
-             f"--sizes {' '.join(f'{s:g}' for s in a.sizes)} --state-dtype {a.state_dtype}`.", "", head,
+             f"--sizes {' '.join(f'{s:g}' for s in a.sizes)} --state-dtype {a.state_dtype}"
+             f"{'' if a.compute_dtype == 'auto' else ' --compute-dtype ' + a.compute_dtype}`; compute dtype "
+             f"{', '.join(sorted({r['compute_dtype'] for r in rows}))}.", "", head,
              "|" + "---|" * 13]
     for r in rows:
         sv, ld = r["server_bytes"] / r["server_save_s"] / 1e9, r["server_bytes"] / r["server_load_s"] / 1e9

@@ -11,7 +11,8 @@ from zero_offload.server import protocol as P
 SAMPLES = [
     P.Hello(version=1, token="t", rank=0, world_size=2, numel=10, dtype="fp16", optimizer="adamw",
             hparams={"lr": 1e-3, "beta1": 0.9}, pid=5, progress_block=64, weights_slots=2, grad_slots=1,
-            staging_numel=7, state_dtype="bf16", exact_master=False, frees_bytes=40, undo_log_bytes=1 << 20),
+            staging_numel=7, state_dtype="bf16", exact_master=False, frees_bytes=40, undo_log_bytes=1 << 20,
+            worker_peak_bytes=1 << 21),
     P.HelloOk(session="s", segment="zo-x", segment_bytes=4096, numel=10, grad_offsets=[0, 20],
               weights_offsets=[4096, 8192], staging_offset=0, staging_numel=10, progress_offset=8256, ready_offset=8320,
               server_pid=1),
@@ -93,6 +94,7 @@ def _hello_dict(**over):
     (_raw(_hello_dict(exact_master=True)), "exact_master needs bf16"),       # the sample's weights are fp16
     (_raw(_hello_dict(exact_master=1)), "'exact_master' must be a bool"),
     (_raw(_hello_dict(frees_bytes=-1)), "frees_bytes"),
+    (_raw(_hello_dict(worker_peak_bytes=-1)), "worker_peak_bytes"),
     (_raw(_hello_dict(undo_log_bytes=-1)), "undo_log_bytes"),
     (_raw({"t": "SPECULATE", "session": "s", "step": 1, "grad_slot": 0, "lr": 0.1, "upto": -1}), "upto"),
     (_raw({"t": "SPECULATE", "session": "s", "step": 0, "grad_slot": 0, "lr": 0.1, "upto": 1}), "step"),

@@ -88,8 +88,11 @@ def test_bench_memory_tiny():
 def test_bench_scale_tiny(tmp_path):
     """bench_scale's whole path at 1e6 parameters (its rows are 0.5e9 and up: BENCHMARKS.md),
     without dropping the machine's page cache: one row of 13 columns, the engine's save
-    rate against the write bound, master_state_dict timed (RAM is plenty), the export's row."""
-    out = run("bench_scale.py", "--sizes", "1e6", "--repro", "0", "--warm", "--dir", str(tmp_path))
+    rate against the write bound, master_state_dict timed (RAM is plenty), the export's row;
+    under fp32 compute (what an AVX2 host gets), which the machine line names."""
+    out = run("bench_scale.py", "--sizes", "1e6", "--repro", "0", "--warm", "--dir", str(tmp_path),
+              "--compute-dtype", "fp32")
+    assert "--compute-dtype fp32`; compute dtype float32." in out, out[-2000:]
     rows = [line for line in out.splitlines() if line.startswith("| 0.00e9 | bf16 |")]
     assert len(rows) == 1 and rows[0].count("|") == 14, out[-2000:]
     assert "\n|" + "---|" * 13 + "\n" in out  # the delimiter row has the header's 13 cells (or it renders as text)

@@ -365,6 +365,39 @@ def test_admission_counts_state_dtype_and_what_the_worker_frees(monkeypatch):
     with pytest.raises(admission.Refused, match="state_dtype='int8'"):  # bf16: 10 B > 0.9 * 9, names int8
         admission.admit(hello(state_dtype="bf16", exact_master=True), token="t", max_ram_fraction=0.9)
     admission.admit(hello(state_dtype="int8", exact_master=True), token="t", max_ram_fraction=0.9)  # 8.03 B
+    # the worker's own peak counts as taken (mutation: shard_need leaving it out admits this)
+    with pytest.raises(admission.Refused, match="3.00 GiB of it the worker's own peak"):  # 8.03 + 3 > 0.9 * 9
+        admission.admit(hello(state_dtype="int8", exact_master=True, worker_peak_bytes=3 * n), token="t",
+                        max_ram_fraction=0.9)
+
+
+def test_the_workers_peak_is_its_largest_gradient_or_all_of_them_or_a_cast():
+    """HELLO.worker_peak_bytes, from the engine that sends it: its largest gradient in the
+    compute dtype (2 B/element, 4 under fp32 compute), all of them with accumulation, and
+    without zero-copy the cast of its largest parameter into its own flat16; a frozen
+    parameter's cast when that is larger.  This is what made a 1.5e9-parameter embedding
+    under fp32 compute refused at HELLO instead of killed by the OOM killer in set-up
+    (BENCHMARKS.md).  (Mutation: counting 2 B whatever the compute dtype fails the fp32
+    rows.)"""
+    import torch
+    from zero_offload import OffloadEngine, wiring
+
+    def peak(compute="bf16", accum=1, frozen=False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(1000, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 300))
+        if frozen:
+            model[0].requires_grad_(False)  # the 8000-element embedding: the largest trained is 2400
+        cfg = OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1}, grad_accumulation_steps=accum,
+                            expert={"compute_dtype": compute})
+        with OffloadEngine(model, cfg) as eng:
+            return wiring.worker_peak_bytes(eng, cfg), eng.flat.numel
+    got, total = peak()
+    assert got == 8000 * 2  # the embedding's gradient in bf16; zero-copy: no cast of its own
+    assert peak("fp32")[0] == 8000 * 4  # fp32 gradient, and the cast into the worker's fp32 flat16
+    assert peak(accum=2)[0] == total * 2  # every gradient, kept until the last micro-batch
+    assert peak("fp32", accum=2)[0] == total * 4
+    assert peak(frozen=True)[0] == 8000 * 2  # its bf16 copy beside the fp32 one, more than 2400 x 2
+    assert peak("fp32", frozen=True)[0] == 8000 * (2 + 4)  # and its fp32 copy of that
 
 
 # ----------------------------------------------------------------------------- gradients down: the ready scan
