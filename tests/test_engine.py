@@ -380,6 +380,24 @@ def test_fp32_range_of_the_flat_space_is_zero_in_the_padding():
         assert torch.equal(out, full[lo:hi]), (lo, hi)
 
 
+def test_cast_and_bind_through_bf16_is_chunked_and_exact():
+    """fp32 compute's set-up: each parameter rounded through bf16 into an fp32 flat16, in
+    CAST_CHUNK pieces (no whole 16-bit temporary of a large parameter): bitwise
+    .to(bfloat16).to(float32) across the chunks' seams, and the parameters view flat16.
+    (Mutation: a chunk loop that stops one chunk early leaves the tail unwritten.)"""
+    from zero_offload import flat as F
+    g = torch.Generator().manual_seed(3)
+    big = torch.nn.Parameter(torch.randn(F.CAST_CHUNK * 2 + 5, generator=g))
+    small = torch.nn.Parameter(torch.randn(7, generator=g))
+    want = {id(p): p.detach().to(torch.bfloat16).float().clone() for p in (big, small)}
+    f = F.FlatParams([big, small], bucket_numel=1 << 30, world_size=1)
+    flat16 = torch.full((f.padded_numel,), float("nan"))
+    f.cast_and_bind(flat16, via=torch.bfloat16)
+    for p in (big, small):
+        assert torch.equal(p.detach(), want[id(p)])
+        assert flat16.data_ptr() <= p.data_ptr() < flat16.data_ptr() + flat16.numel() * 4
+
+
 def test_close_stops_the_server_even_if_a_release_raises():
     """D6: a broken CUDA context makes unregistering the page-locked segment raise; close()
     must still say BYE, stop the private server and leave no segment.  The raising release
