@@ -99,6 +99,7 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     engine.counters = Counters()
     engine.coll = distributed.Collectives(engine.device, engine.rank, engine.world_size, S) \
         if engine.distributed else None
+    engine._worker_peak = worker_peak_bytes(engine, cfg)  # HELLO's, and the undo log's spare RAM
     # mode="exact": the strategies this engine may use (runtime.exact_mode); the undo
     # log speculation needs is asked for at HELLO, so it is settled here
     engine.picker = None
@@ -129,8 +130,7 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
         # spare RAM only: at most half of what the host will have left once the shard
         # holds its state and segment (~6 B/param of slots) and this worker has let go of
         # its copy of the model (worker_frees)
-        spare = (read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n)
-                 - worker_peak_bytes(engine, cfg))
+        spare = read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n) - engine._worker_peak
         undo = whole if 2 * whole <= spare else 0
     else:
         undo = x.undo_log_bytes
@@ -198,7 +198,7 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                      weights_slots=2 if engine._zero_copy else 1, grad_slots=engine._grad_slots,
                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
                      exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes,
-                     worker_peak_bytes=worker_peak_bytes(engine, cfg))
+                     worker_peak_bytes=engine._worker_peak)
     try:
         engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
                                         server_proc=proc)
