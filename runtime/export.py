@@ -2,6 +2,7 @@
 optimizer server or a GPU (what DeepSpeed's zero_to_fp32.py does for its checkpoints):
 
     zero-offload-export CHECKPOINT model.safetensors [--dtype bf16]     # a file HF loads
+    zero-offload-export CHECKPOINT DIR --max-shard-size 5GB            # shards + index, as save_pretrained
     sd = zero_offload.export.master_state_dict_from_checkpoint("ckpt")  # in memory
 
 A checkpoint holds the flat parameter space cut into the shard files of the ranks that
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -181,23 +183,31 @@ def _umask_mode() -> int:
     return 0o644
 
 
-def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32",
-                       verify: bool = True, overwrite: bool = False) -> Path:
-    """Write the checkpoint's master as a safetensors file at `out` (in `dtype`: fp32, or
-    bf16 / fp16 rounded to nearest even), each parameter once under its first name.
-    Written to a temporary name beside `out` and renamed into place (a failed export
-    leaves nothing); an existing `out` is refused unless overwrite.  Returns `out`."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"{out.parent} is not a directory: make it first")
-    src = CheckpointMaster(directory, verify)
+def _plan(params: list[Param], dtype: str, max_shard_bytes: int | None) -> list[list[Param]]:
+    """The parameters (flat order) split into files of at most max_shard_bytes of tensor
+    data each, greedily, as transformers' save_pretrained splits (a parameter larger than
+    the limit gets a file of its own); one file where max_shard_bytes is None."""
+    if max_shard_bytes is None:
+        return [params]
+    item = 4 if dtype == "fp32" else 2
+    files: list[list[Param]] = [[]]
+    size = 0
+    for p in params:
+        if files[-1] and size + p.numel * item > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(p)
+        size += p.numel * item
+    return files
+
+
+def _write_file(path: Path, src: "CheckpointMaster", params: list[Param], dtype: str) -> int:
+    """One safetensors file of `params` (each under its first name, its other names in the
+    metadata's aliases), to a temporary name beside `path`, renamed into place; returns
+    its tensor data's bytes."""
     item = 4 if dtype == "fp32" else 2
     header, pos, aliases = {}, 0, {}
-    for p in src.params:
+    for p in params:
         header[p.names[0]] = {"dtype": DTYPES[dtype], "shape": list(p.shape),
                               "data_offsets": [pos, pos + p.numel * item]}
         pos += p.numel * item
@@ -211,7 +221,7 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
     # the data: the parameters in flat order, each a contiguous range; runs of them that
     # touch (every one but where alignment padding lies between) are read as one
     runs: list[list[int]] = []
-    for p in src.params:
+    for p in params:
         if runs and runs[-1][1] == p.offset:
             runs[-1][1] += p.numel
         elif p.numel:
@@ -227,8 +237,78 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
                 src.read(lo, lo + n, buf[:n])
                 data = buf[:n] if dtype == "fp32" else to_16(buf[:n], dtype)
                 f.write(memoryview(data).cast("B"))
-    atomic_write(out, write, mode=_umask_mode())
+    atomic_write(path, write, mode=_umask_mode())
+    return pos
+
+
+SINGLE = "model.safetensors"            # transformers' names: one file,
+INDEX = "model.safetensors.index.json"  # or shards and their index
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32",
+                       verify: bool = True, overwrite: bool = False,
+                       max_shard_bytes: int | None = None) -> Path:
+    """Write the checkpoint's master as safetensors (in `dtype`: fp32, or bf16 / fp16
+    rounded to nearest even), each parameter once under its first name.
+
+    max_shard_bytes None: one file at `out`.  Otherwise `out` is a directory (made if
+    missing) that gets what transformers' save_pretrained writes: model.safetensors if it
+    all fits in one file, else model-0000k-of-0000N.safetensors of at most that many bytes
+    of tensors each and model.safetensors.index.json (the weight_map from_pretrained
+    reads), written last.  Each file goes to a temporary name beside it and is renamed
+    into place (a failed export leaves no file, and no index); existing outputs are
+    refused unless overwrite, which also removes shards of an earlier export that the
+    new index does not name.  Returns the file, or the directory."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
+    out = Path(out)
+    if max_shard_bytes is None:
+        if out.exists() and not overwrite:
+            raise FileExistsError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
+        if not out.parent.is_dir():
+            raise FileNotFoundError(f"{out.parent} is not a directory: make it first")
+    else:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"{out} is a file: with a shard size the output is a directory (as "
+                                     f"save_pretrained's); name one")
+        old = [f for f in (out.iterdir() if out.is_dir() else ())
+               if f.name in (SINGLE, INDEX) or SHARD_NAME.fullmatch(f.name)]
+        if old and not overwrite:
+            raise FileExistsError(f"{out} already holds {', '.join(sorted(f.name for f in old))}: pass "
+                                  f"overwrite=True (--overwrite) to replace them, or another directory")
+    src = CheckpointMaster(directory, verify)
+    files = _plan(src.params, dtype, max_shard_bytes)
+    if max_shard_bytes is None:
+        _write_file(out, src, files[0], dtype)
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    names = [SINGLE] if len(files) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    total = sum(_write_file(out / name, src, group, dtype) for name, group in zip(names, files))
+    keep = set(names)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {p.names[0]: name for name, group in zip(names, files) for p in group}}
+        atomic_write(out / INDEX, lambda f: f.write(json.dumps(index, indent=2).encode()), mode=_umask_mode())
+        keep.add(INDEX)
+    for f in out.iterdir():  # an earlier export's files that this one does not use (overwrite only)
+        if f.name not in keep and (f.name in (SINGLE, INDEX) or SHARD_NAME.fullmatch(f.name)):
+            f.unlink()
     return out
+
+
+def parse_size(text: str) -> int:
+    """"5GB", "500MB", "2GiB", "1000000" as bytes (decimal units as transformers reads
+    them: GB = 10^9; GiB = 2^30)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r}: give bytes or a number with KB, MB, GB (or KiB, MiB, GiB)")
+    unit = (m.group(2) or "B").upper()
+    scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
+    return int(float(m.group(1)) * scale)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,19 +316,27 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Write a zero-offload checkpoint's fp32 master weights as a safetensors "
                                              "file keyed like the model's state_dict (no model, server or GPU needed)")
     ap.add_argument("checkpoint", help="the directory save_checkpoint wrote (its latest step) or a step-N directory")
-    ap.add_argument("out", help="the safetensors file to write (e.g. DIR/model.safetensors beside a config.json)")
+    ap.add_argument("out", help="the safetensors file to write (e.g. DIR/model.safetensors beside a config.json); "
+                                "with --max-shard-size, the directory to write the shards and their index into")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                     help="fp32 (the master as it is), or bf16 / fp16 rounded to nearest even")
+    ap.add_argument("--max-shard-size", metavar="SIZE",
+                    help="split into files of at most SIZE of tensors (e.g. 5GB) with a model.safetensors.index.json, "
+                         "as save_pretrained does; OUT is then a directory")
     ap.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip checking the shard files' checksums (which reads them whole)")
     a = ap.parse_args(argv)
     try:
-        path = export_safetensors(a.checkpoint, a.out, a.dtype, verify=not a.no_verify, overwrite=a.overwrite)
+        shard = None if a.max_shard_size is None else parse_size(a.max_shard_size)
+        path = export_safetensors(a.checkpoint, a.out, a.dtype, verify=not a.no_verify, overwrite=a.overwrite,
+                                  max_shard_bytes=shard)
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"zero-offload-export: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {path} ({path.stat().st_size / 1e9:.2f} GB)")
+    files = [path] if path.is_file() else [f for f in path.iterdir() if f.name == SINGLE or SHARD_NAME.fullmatch(f.name)]
+    print(f"wrote {path} ({len(files)} file{'s' if len(files) > 1 else ''}, "
+          f"{sum(f.stat().st_size for f in files) / 1e9:.2f} GB)")
     return 0
 
 

@@ -94,6 +94,55 @@ def test_safetensors_loads_in_transformers_and_bf16_rounds_as_torch(gpt2_ckpt, t
             assert f[k].dtype == tdt and torch.equal(f[k], live[k].to(tdt)), (dt, k)
 
 
+def test_a_sharded_export_is_what_save_pretrained_writes_and_loads_in_transformers(gpt2_ckpt, tmp_path):
+    """--max-shard-size: files of at most that many bytes of tensors (a larger parameter
+    alone in its file), named and indexed as transformers' save_pretrained names them;
+    from_pretrained of the directory has the master's values, tied head included, and
+    the index's weight_map and total_size are the files'.  One file's worth gives
+    model.safetensors and no index, and an export over an earlier one (overwrite)
+    leaves none of the earlier shards behind.  (Mutations: _plan opening a new file
+    only after the limit is passed makes a file over the limit; writing the index
+    before the shards is not seen here, only in a crash.)"""
+    import shutil
+    d, _, live, names = gpt2_ckpt
+    out = tmp_path / "sharded"
+    out.mkdir()
+    shutil.copy(d / "hf" / "config.json", out)
+    limit = 12_000  # bytes of fp32 tensors: wte (96 x 32 x 4 = 12288) is over it
+    _cli(d / "ckpt", out, "--max-shard-size", f"{limit / 1000}KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n > 3 and files == [f"model-{k:05d}-of-{n:05d}.safetensors" for k in range(1, n + 1)]
+    assert sorted(index["weight_map"]) == sorted(names)
+    total = 0
+    for name in files:
+        f = safetensors_torch.load_file(out / name)
+        size = sum(t.numel() * t.element_size() for t in f.values())
+        assert size <= limit or len(f) == 1, (name, size)
+        total += size
+        for k, t in f.items():
+            assert index["weight_map"][k] == name and torch.equal(t, live[k]), k
+    assert index["metadata"]["total_size"] == total
+    model = transformers.GPT2LMHeadModel.from_pretrained(out)
+    for k, v in model.state_dict().items():
+        if k in live:
+            assert torch.equal(v, live[k]), k
+    assert torch.equal(model.lm_head.weight, live["transformer.wte.weight"])
+    # it all fits: one model.safetensors, and the earlier export's shards and index are gone
+    p = _cli(d / "ckpt", out, "--max-shard-size", "5GB", check=False)
+    assert p.returncode == 1 and "--overwrite" in p.stderr
+    _cli(d / "ckpt", out, "--max-shard-size", "5GB", "--overwrite")
+    assert sorted(x.name for x in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == export_safetensors(
+        d / "ckpt", tmp_path / "one.safetensors").read_bytes()
+    from zero_offload.export import parse_size
+    assert (parse_size("5GB"), parse_size("2GiB"), parse_size("1.5 MB"), parse_size("77")) == \
+        (5 * 10 ** 9, 2 << 30, 1_500_000, 77)
+    with pytest.raises(ValueError, match="KB, MB, GB"):
+        parse_size("5 potatoes")
+
+
 def test_to_16_rounds_to_nearest_even_like_torch():
     """Every tie, carry, infinity and NaN: to_16's bf16 bits are torch's (seeded draw)."""
     g = np.random.default_rng(SEED)
