@@ -135,14 +135,21 @@ def install_input_cast(model: torch.nn.Module, dtype: torch.dtype, ref: torch.Te
     forward of the root module (not of its submodules)."""
     if getattr(model, _CAST_ATTR, None) is not None:
         return
+    setattr(model, _CAST_ATTR, model.register_forward_pre_hook(InputCast(dtype, ref), with_kwargs=True))
 
-    def hook(module, args, kwargs):
-        want = ref.dtype
-        if want == dtype:
+
+class InputCast:
+    """The hook install_input_cast registers: an object, not a closure, so that a model
+    that has it still pickles (torch.save(model) after training)."""
+
+    def __init__(self, dtype: torch.dtype, ref: torch.Tensor):
+        self.dtype, self.ref = dtype, ref
+
+    def __call__(self, module, args, kwargs):
+        want = self.ref.dtype
+        if want == self.dtype:
             return None
-        return _cast(args, dtype, want), _cast(kwargs, dtype, want)
-
-    setattr(model, _CAST_ATTR, model.register_forward_pre_hook(hook, with_kwargs=True))
+        return _cast(args, self.dtype, want), _cast(kwargs, self.dtype, want)
 
 
 def _cast(x, dtype: torch.dtype, want: torch.dtype):

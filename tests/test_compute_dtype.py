@@ -5,6 +5,7 @@ backward on the 16-bit-rounded weights, each gradient rounded to 16 bits, AdamW 
 fp32 master."""
 from __future__ import annotations
 
+import io
 import os
 import platform
 import subprocess
@@ -146,27 +147,32 @@ def test_each_compute_dtype_does_what_it_says(compute):
         assert st["compute_dtype_why"] == "asked for"
 
 
+class TwoInputs(torch.nn.Module):
+    """A model called with a positional tuple and a keyword dict (module level: it pickles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+
+    def forward(self, xs, *, extra):
+        assert extra["keep"].dtype == torch.float16  # not the weights' dtype: as it was
+        return self.a(xs[0]) + self.b(extra["y"])
+
+
 def test_a_script_written_for_16_bit_inputs_runs_under_fp32_compute():
     """A loop that feeds the model bf16 inputs (as on a GPU, or an AVX512_BF16 CPU) runs
     unchanged where the engine computes in fp32: the model's floating-point inputs in the
     16-bit dtype are cast at its call, in args, kwargs and nested containers; other
     dtypes pass as they are.  The losses are bitwise those of the same loop feeding fp32
     inputs, and the cast stays after close() (the parameters stay fp32 then).
-    (Mutation: no input cast fails with torch's "mat1 and mat2 must have the same dtype";
-    casting every floating input to fp32, ignoring the dtype, fails the fp16 pass-through.)"""
-    class Two(torch.nn.Module):  # a model called with a positional tuple and a keyword dict
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
-
-        def forward(self, xs, *, extra):
-            assert extra["keep"].dtype == torch.float16  # not the weights' dtype: as it was
-            return self.a(xs[0]) + self.b(extra["y"])
-
+    The model still pickles with the hook on it (torch.save(model)).  (Mutation: no input
+    cast fails with torch's "mat1 and mat2 must have the same dtype"; casting every
+    floating input to fp32, ignoring the dtype, fails the fp16 pass-through; the hook as
+    a closure fails the pickling.)"""
     out = {}
     for cast_here in (False, True):
         torch.manual_seed(0)
-        model = Two()
+        model = TwoInputs()
         cfg = OffloadConfig(lr=1e-2, dtype="bf16", server={"threads": 1}, expert={"compute_dtype": "fp32"})
         losses = []
         with OffloadEngine(model, cfg) as eng:
@@ -184,6 +190,13 @@ def test_a_script_written_for_16_bit_inputs_runs_under_fp32_compute():
         losses.append(float(model((x,), extra={"y": x, "keep": torch.zeros(1, dtype=torch.float16)}).sum().detach()))
         out[cast_here] = losses
     assert out[False] == out[True], out
+    # the model, hook and all, still pickles (torch.save(model)) and casts once loaded
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    got = float(again((x,), extra={"y": x, "keep": torch.zeros(1, dtype=torch.float16)}).sum().detach())
+    assert got == out[True][-1]
 
 
 # ----------------------------------------------------------------------------- against plain torch
