@@ -141,7 +141,11 @@ class LocalShards:
         def on_grad(p: torch.Tensor) -> None:
             g = p.grad
             p.grad = None  # FSDP2's sharded gradient is freed once it is on its way to the host
-            q.grad = g.to_local() if is_dtensor(g) else g
+            g = g.to_local() if is_dtensor(g) else g
+            # fp32 shards (torchtitan's recipe: fp32 parameters, bf16 param_dtype) get fp32
+            # gradients; the proxy is 16-bit, and the gradient goes down in 16 bits anyway:
+            # rounded here (to nearest even, as the copy into the slot would round it)
+            q.grad = g if g.dtype == q.dtype else g.to(q.dtype)
             self.engine._on_grad(q)
         return on_grad
 

@@ -51,7 +51,10 @@ def two_ranks(tmp_path_factory):
     # arithmetic: the ZeRO-2 runs are held to the ZeRO-3 references
     launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2", "offload+resume", "dpu+resume",
                  "ref+frozen+accum", "offload+frozen+accum", "offload+resume+statedir",
-                 "offload+sync", "offload+speculation"], 2)
+                 "offload+sync", "offload+speculation",
+                 # fp32 shards: torchtitan's recipe (bf16 param_dtype), and fp32 compute
+                 "ref+fp32shards", "offload+fp32shards", "ref+fp32shards+fp32compute",
+                 "offload+fp32shards+fp32compute"], 2)
     return out
 
 
@@ -63,17 +66,22 @@ def reference_of(mode: str) -> str:
     """The reference run a mode is held to: same schedule (DPU) and model (frozen, accum);
     reshard_after_forward changes no arithmetic, so ZeRO-2 runs meet the ZeRO-3 reference."""
     opts = mode.split("+")
-    return "+".join(["ref"] + [o for o in opts if o in ("dpu", "frozen", "accum")])
+    return "+".join(["ref"] + [o for o in opts if o in ("dpu", "frozen", "accum", "fp32shards", "fp32compute")])
 
 
-@pytest.mark.parametrize("mode", ["offload", "dpu", "offload+zero2", "dpu+zero2", "offload+frozen+accum"])
+@pytest.mark.parametrize("mode", ["offload", "dpu", "offload+zero2", "dpu+zero2", "offload+frozen+accum",
+                                  "offload+fp32shards", "offload+fp32shards+fp32compute"])
 def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mode):
     """Losses within 1e-2 relative of the reference at every step (DPU against the
     reference on DPU's schedule) and the final masters within 10% of how far the
-    reference moved them; both ranks clip by the same global norm.  (Mutation: the
-    hook's gradient shard not passed on, or copy_back skipped in step(), fails it: the
-    masters or losses stop following; frozen shards given proxies like the rest fail
-    the frozen run: a hook cannot be registered on them.)"""
+    reference moved them; both ranks clip by the same global norm.  fp32 shards (the
+    model not cast before fully_shard: torchtitan's recipe, bf16 param_dtype; and with
+    no param_dtype, fp32 compute) against FSDP2 with torch AdamW on the same fp32 shards.
+    (Mutation: the hook's gradient shard not passed on, or copy_back skipped in step(),
+    fails it: the masters or losses stop following; frozen shards given proxies like
+    the rest fail the frozen run: a hook cannot be registered on them; the hook
+    assigning an fp32 shard's gradient to the bf16 proxy unrounded fails the fp32-shard
+    runs: torch refuses the dtype.)"""
     ref, res = load(two_ranks, reference_of(mode), 2), load(two_ranks, mode, 2)
     p0 = initial()
     tol = 1e-2
@@ -84,6 +92,8 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
         assert b[-1] < b[0] - 0.5  # training moved: the comparison means something
         m = moved_rel(res[r]["master"], ref[r]["master"], p0)
         assert m < 0.10, (mode, r, m)
+        if "fp32shards" in mode:  # the shards stay as the user made them: fp32 holding the engine's weights
+            assert {dt for dt, _ in res[r]["local"].values()} == {"torch.float32"}, r
         if "frozen" in mode:  # left as torch.optim leaves it: its bf16 start, exactly
             wpe = "transformer.wpe.weight"
             assert torch.equal(res[r]["master"][wpe], p0[wpe].bfloat16().float()), r

@@ -72,10 +72,15 @@ def main():
 def build(opts: set, out: str = ""):
     """The model, fully_shard on each block and the root, and its optimizer."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    model = make_model().to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
+    model = make_model()
+    if "fp32shards" not in opts:  # torchtitan's recipe keeps fp32 shards, bf16 compute (param_dtype)
+        model = model.to(torch.bfloat16)  # cast before fully_shard: the device keeps 16-bit shards
     if "frozen" in opts:
         model.transformer.wpe.weight.requires_grad_(False)  # torch.optim leaves it: no gradient, no decay
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # fp32compute (with fp32shards): FSDP2 computes in the shards' fp32, as on a CPU without
+    # native bf16 matmul one would
+    mp = MixedPrecisionPolicy(param_dtype=None if "fp32compute" in opts else torch.bfloat16,
+                              reduce_dtype=torch.float32)
     reshard = "zero2" not in opts
     for block in model.transformer.h:
         fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
