@@ -54,7 +54,7 @@ def two_ranks(tmp_path_factory):
                  "offload+sync", "offload+speculation",
                  # fp32 shards: torchtitan's recipe (bf16 param_dtype), and fp32 compute
                  "ref+fp32shards", "offload+fp32shards", "ref+fp32shards+fp32compute",
-                 "offload+fp32shards+fp32compute"], 2)
+                 "offload+fp32shards+fp32compute", "offload+fp32shards+resume"], 2)
     return out
 
 
@@ -104,7 +104,8 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
 
 
 @pytest.mark.parametrize("mode,resumed", [("offload", "offload+resume"), ("dpu", "dpu+resume"),
-                                          ("offload", "offload+resume+statedir")])
+                                          ("offload", "offload+resume+statedir"),
+                                          ("offload+fp32shards", "offload+fp32shards+resume")])
 def test_torch_save_of_each_ranks_state_dict_resumes_bitwise(two_ranks, mode, resumed):
     """Halfway, each rank torch.saves model.state_dict() and opt.state_dict() (no
     state_dir), a new FSDP2 model and a new OffloadAdamW load them and go on: losses,
