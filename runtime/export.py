@@ -257,9 +257,10 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
     all fits in one file, else model-0000k-of-0000N.safetensors of at most that many bytes
     of tensors each and model.safetensors.index.json (the weight_map from_pretrained
     reads), written last.  Each file goes to a temporary name beside it and is renamed
-    into place (a failed export leaves no file, and no index); existing outputs are
-    refused unless overwrite, which also removes shards of an earlier export that the
-    new index does not name.  Returns the file, or the directory."""
+    into place (a failed export leaves no index); existing outputs are refused unless
+    overwrite, which removes an earlier index before writing and, once done, the shards
+    of an earlier export that the new index does not name.  Returns the file, or the
+    directory."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {sorted(DTYPES)}")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
@@ -285,6 +286,9 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
         _write_file(out, src, files[0], dtype)
         return out
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier index goes first: rewriting shards of the same names under it, an export
+    # that failed half-way would leave it naming a mix of two checkpoints' files
+    (out / INDEX).unlink(missing_ok=True)
     names = [SINGLE] if len(files) == 1 else \
         [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
     total = sum(_write_file(out / name, src, group, dtype) for name, group in zip(names, files))

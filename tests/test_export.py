@@ -94,7 +94,7 @@ def test_safetensors_loads_in_transformers_and_bf16_rounds_as_torch(gpt2_ckpt, t
             assert f[k].dtype == tdt and torch.equal(f[k], live[k].to(tdt)), (dt, k)
 
 
-def test_a_sharded_export_is_what_save_pretrained_writes_and_loads_in_transformers(gpt2_ckpt, tmp_path):
+def test_a_sharded_export_is_what_save_pretrained_writes_and_loads_in_transformers(gpt2_ckpt, tmp_path, monkeypatch):
     """--max-shard-size: files of at most that many bytes of tensors (a larger parameter
     alone in its file), named and indexed as transformers' save_pretrained names them;
     from_pretrained of the directory has the master's values, tied head included, and
@@ -136,6 +136,23 @@ def test_a_sharded_export_is_what_save_pretrained_writes_and_loads_in_transforme
     assert sorted(x.name for x in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == export_safetensors(
         d / "ckpt", tmp_path / "one.safetensors").read_bytes()
+    # an overwrite that fails half-way leaves no index (the old one would name a mix of
+    # two exports' shards): mutation, not removing the old index first, fails it
+    from zero_offload import export as E
+    _cli(d / "ckpt", out, "--max-shard-size", f"{limit / 1000}KB", "--overwrite")
+    assert (out / "model.safetensors.index.json").exists()
+    written = []
+
+    def fail_second(path, *a, **k):
+        if written:
+            raise OSError("disk full (the test's)")
+        written.append(path)
+        return real(path, *a, **k)
+    real = E._write_file
+    monkeypatch.setattr(E, "_write_file", fail_second)
+    with pytest.raises(OSError, match="the test's"):
+        E.export_safetensors(d / "ckpt", out, max_shard_bytes=limit, overwrite=True)
+    assert not (out / "model.safetensors.index.json").exists()
     from zero_offload.export import parse_size
     assert (parse_size("5GB"), parse_size("2GiB"), parse_size("1.5 MB"), parse_size("77")) == \
         (5 * 10 ** 9, 2 << 30, 1_500_000, 77)
