@@ -246,6 +246,11 @@ INDEX = "model.safetensors.index.json"  # or shards and their index
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+def _ours(name: str) -> bool:
+    """Whether a file name is one an export into a directory writes."""
+    return name in (SINGLE, INDEX) or SHARD_NAME.fullmatch(name) is not None
+
+
 def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp32",
                        verify: bool = True, overwrite: bool = False,
                        max_shard_bytes: int | None = None) -> Path:
@@ -275,8 +280,7 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
         if out.exists() and not out.is_dir():
             raise NotADirectoryError(f"{out} is a file: with a shard size the output is a directory (as "
                                      f"save_pretrained's); name one")
-        old = [f for f in (out.iterdir() if out.is_dir() else ())
-               if f.name in (SINGLE, INDEX) or SHARD_NAME.fullmatch(f.name)]
+        old = [f for f in (out.iterdir() if out.is_dir() else ()) if _ours(f.name)]
         if old and not overwrite:
             raise FileExistsError(f"{out} already holds {', '.join(sorted(f.name for f in old))}: pass "
                                   f"overwrite=True (--overwrite) to replace them, or another directory")
@@ -299,7 +303,7 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike, dty
         atomic_write(out / INDEX, lambda f: f.write(json.dumps(index, indent=2).encode()), mode=_umask_mode())
         keep.add(INDEX)
     for f in out.iterdir():  # an earlier export's files that this one does not use (overwrite only)
-        if f.name not in keep and (f.name in (SINGLE, INDEX) or SHARD_NAME.fullmatch(f.name)):
+        if f.name not in keep and _ours(f.name):
             f.unlink()
     return out
 
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # CheckpointError is a ValueError
         print(f"zero-offload-export: {e}", file=sys.stderr)
         return 1
-    files = [path] if path.is_file() else [f for f in path.iterdir() if f.name == SINGLE or SHARD_NAME.fullmatch(f.name)]
+    files = [path] if path.is_file() else [f for f in path.iterdir() if _ours(f.name) and f.name != INDEX]
     print(f"wrote {path} ({len(files)} file{'s' if len(files) > 1 else ''}, "
           f"{sum(f.stat().st_size for f in files) / 1e9:.2f} GB)")
     return 0

@@ -105,8 +105,7 @@ class OffloadTrainer(Trainer):
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             groups = [g for g in groups if g["params"]]
-            opts = dict(self.offload_options)
-            opts.setdefault("dtype", "bf16")
+            opts = self._engine_options()
             hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                       weight_decay=self.args.weight_decay)
             if self.offload_optimizer_cls is OffloadAdamW:
@@ -119,13 +118,17 @@ class OffloadTrainer(Trainer):
                 self._autocast_off_under_fp32_compute()
         return self.optimizer
 
+    def _engine_options(self) -> dict:
+        """The offload options the engine is built with: bf16 weights unless they say."""
+        return {"dtype": "bf16", **self.offload_options}
+
     def _expected_compute_dtype(self) -> torch.dtype | None:
         """The compute dtype the engine will pick (runtime.compute_dtype), from the offload
         options and the device Trainer put the model on, before the engine exists."""
         try:
             with warnings.catch_warnings():  # the engine warns of deprecated names itself
                 warnings.simplefilter("ignore", DeprecationWarning)
-                cfg = OffloadConfig(**{"dtype": "bf16", **self.offload_options})
+                cfg = OffloadConfig(**self._engine_options())
         except (TypeError, ValueError):
             return None  # the engine's own error comes when it is built
         param = next(self.model.parameters(), None)

@@ -145,13 +145,14 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
 def worker_peak_bytes(engine: "OffloadEngine", cfg: OffloadConfig) -> int:
     """Host memory this worker takes at its peak beyond what it holds at HELLO (less what
     it frees): what admission must leave it besides the shard (HELLO.worker_peak_bytes).
-    The largest of
+    The larger of
     - the gradients autograd makes before they go down, in the compute dtype: one
       parameter's at a time (its hook copies it into the gradient slot and drops it), or,
       with grad_accumulation_steps > 1, every trained parameter's, summed into until the
       last micro-batch;
-    - set-up's cast where flat16 is the worker's own (not zero-copy): a parameter and
-      its place in flat16 exist together until the parameter is dropped;
+    - (set-up's cast where flat16 is the worker's own, not zero-copy, holds a parameter
+      and its place in flat16 together until the parameter is dropped: the largest
+      parameter's size in the compute dtype, which its gradient's term already is);
     - a frozen parameter's cast to its 16-bit value (beside the old tensor, the 16-bit
       one and, under fp32 compute, its fp32 copy).
     A GPU worker's gradients and weights are on the device: nothing."""
@@ -161,11 +162,10 @@ def worker_peak_bytes(engine: "OffloadEngine", cfg: OffloadConfig) -> int:
     trained = [s.param.numel() for s in engine.flat.spans]
     largest = max(trained, default=0)
     grads = (sum(trained) if cfg.grad_accumulation_steps > 1 else largest) * item
-    cast = 0 if engine._zero_copy else largest * item
     widen = item if engine.compute_dtype != engine.dtype else 0  # the 16-bit value cast again, to fp32
     frozen = max((p.numel() * (2 + widen) for p in engine.model.parameters()
                   if not p.requires_grad and p.is_floating_point() and not p.is_cuda), default=0)
-    return max(grads, cast, frozen)
+    return max(grads, frozen)
 
 
 def worker_frees(engine: "OffloadEngine") -> int:
