@@ -12,7 +12,9 @@ gradient_accumulation_steps; lr_scheduler_type and warmup are Trainer's own
 scheduler on it.  max_grad_norm clips in the CPU update, and the logged grad_norm
 is the true global norm.  Checkpoints (save_steps) hold master, m and v as an
 engine checkpoint in checkpoint-N/zero_offload/ (loadable at any world size), so
-resume_from_checkpoint goes on bitwise.
+resume_from_checkpoint goes on bitwise.  A plain Trainer's checkpoint (optimizer.pt,
+torch AdamW's state) resumes too: its m, v and step counts go on offloaded, on the
+fp32 weights Trainer loads into the model (runtime.torch_state).
 
 `offload`: OffloadAdamW's offload options (an OffloadConfig's fields as a dict, or
 an OffloadConfig): dtype (bf16, the default; the weights are 16-bit whatever
@@ -56,6 +58,7 @@ OPTIMS = {**{name: (OffloadAdamW, None) for name in (
           "lion_32bit": (OffloadLion, None), "paged_lion_32bit": (OffloadLion, None),
           "lion_8bit": (OffloadLion, "int8"), "paged_lion_8bit": (OffloadLion, "int8")}
 SCHEDULER_FILE = "scheduler.pt"     # Trainer's own name for the scheduler's state
+TORCH_OPTIMIZER_FILE = "optimizer.pt"  # Trainer's own name for a torch optimizer's state_dict()
 
 
 class OffloadTrainer(Trainer):
@@ -185,10 +188,17 @@ class OffloadTrainer(Trainer):
         if checkpoint is None:
             return
         d = os.path.join(checkpoint, CHECKPOINT_SUBDIR)
-        if not os.path.isdir(d):
-            raise ValueError(f"{checkpoint} has no {CHECKPOINT_SUBDIR}/ (master, m and v): it was not saved by "
-                             f"OffloadTrainer; resume from one of its checkpoints, or start from the model's weights")
-        self.offload_optimizer.load_checkpoint(d)
+        torch_file = os.path.join(checkpoint, TORCH_OPTIMIZER_FILE)
+        if os.path.isdir(d):
+            self.offload_optimizer.load_checkpoint(d)
+        elif os.path.isfile(torch_file):
+            # a plain Trainer's checkpoint (torch AdamW): its m, v and step counts, on the
+            # fp32 weights Trainer has just loaded into the model (runtime.torch_state)
+            self.offload_optimizer.load_state_dict(torch.load(torch_file, map_location="cpu", weights_only=True))
+        else:
+            raise ValueError(f"{checkpoint} has neither {CHECKPOINT_SUBDIR}/ (master, m and v) nor "
+                             f"{TORCH_OPTIMIZER_FILE}: resume from a checkpoint Trainer or OffloadTrainer saved, "
+                             f"or start from the model's weights")
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
 
     def train(self, *args, **kwargs):

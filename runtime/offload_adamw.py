@@ -50,6 +50,7 @@ from .engine import OffloadEngine
 from .optimizer_proxy import optim_method
 from .param_groups import state_dict_names
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
+from . import torch_state
 
 _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
 STATE_KEY = "zero_offload"   # the key of OffloadAdamW's own entry in state_dict()
@@ -220,18 +221,23 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict() of this optimizer's class: its groups' values, and master,
-        m and v (and the device weights as they were) from its checkpoint."""
+        m and v (and the device weights as they were) from its checkpoint.  A torch
+        optimizer's (torch.optim.AdamW's, a Trainer's optimizer.pt) loads too: its groups'
+        values, m, v and step counts, on the master the model had when this optimizer was
+        built (runtime.torch_state: load the fp32 weights into the model first)."""
         refuse_dcp("OffloadAdamW.load_state_dict()")
         own = state_dict.get(STATE_KEY) if isinstance(state_dict, dict) else None
-        if own is None:
-            raise ValueError(f"this state dict is not an {type(self).__name__}'s (it has no master, m and v): a "
-                             f"torch optimizer's state cannot be loaded here; start from the model's weights instead")
+        if own is None and not torch_state.is_torch_state_dict(state_dict):
+            raise ValueError(f"this state dict is neither an {type(self).__name__}'s nor a torch optimizer's (it has "
+                             f"no 'state' and 'param_groups'): pass what opt.state_dict() returned")
         saved = state_dict["param_groups"]
         if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
                                                        for a, b in zip(saved, self.param_groups)):
             raise ValueError("the state dict's param groups differ from this optimizer's in number or size: "
                              "build the optimizer with the groups it was saved with")
-        if isinstance(own, InMemoryState):
+        if own is None:
+            self._load_torch_state(state_dict)
+        elif isinstance(own, InMemoryState):
             if own.opt is not self or own.iteration != self.engine.iteration:
                 load_files(self, own.materialize()[FILES_KEY])  # another optimizer (or step): its files
             # else this optimizer at this step: nothing to restore but the groups' values
@@ -244,11 +250,29 @@ class OffloadAdamW(torch.optim.Optimizer):
                              "state_dir) and restores only into the optimizer it came from at the step it was "
                              f"taken: build {type(self).__name__}(..., state_dir='...') or take it anew")
         for g, s in zip(self.param_groups, saved):
-            for k, v in s.items():
+            for k, v in (torch_state.group_values(s) if own is None else s).items():
                 if k != "params":
                     g[k] = tuple(v) if k == "betas" else v
         if self._shards is not None:
             self._shards.copy_back()  # the loaded device weights into the local shards
+
+    MOMENTS = ("exp_avg", "exp_avg_sq")  # a torch optimizer's state of this update, per parameter
+
+    def _load_torch_state(self, state_dict: dict) -> None:
+        """A torch optimizer's state dict (torch.optim.AdamW's, or another with the same
+        moments): its m, v and step counts into the server (runtime.torch_state)."""
+        torch_state.check_groups(state_dict["param_groups"], self.OPTIMIZER)
+        proxy = ({id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
+                 if self._shards is not None else None)
+        states, pairs = state_dict["state"], []
+        for s, g in zip(state_dict["param_groups"], self.param_groups):
+            for key, p in zip(s["params"], g["params"]):
+                if proxy is not None:
+                    if id(p) not in proxy:
+                        continue  # a frozen shard: no proxy, nothing to load
+                    p = proxy[id(p)]
+                pairs.append((p, states.get(key), f"parameter {key} of the state dict"))
+        torch_state.load(self.engine, pairs, self.MOMENTS)
 
     # ------------------------------------------------------------------ offload API
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:

@@ -19,6 +19,7 @@ from .offload_adamw import OffloadAdamW
 
 class OffloadLion(OffloadAdamW):
     OPTIMIZER = "lion"
+    MOMENTS = ("exp_avg",)  # lion_pytorch.Lion's state: a dict of it loads (runtime.torch_state)
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, *,
                  model: torch.nn.Module | None = None, offload: OffloadConfig | None = None,

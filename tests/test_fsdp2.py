@@ -54,7 +54,9 @@ def two_ranks(tmp_path_factory):
                  "offload+sync", "offload+speculation",
                  # fp32 shards: torchtitan's recipe (bf16 param_dtype), and fp32 compute
                  "ref+fp32shards", "offload+fp32shards", "ref+fp32shards+fp32compute",
-                 "offload+fp32shards+fp32compute", "offload+fp32shards+resume"], 2)
+                 "offload+fp32shards+fp32compute", "offload+fp32shards+resume",
+                 # a run moving from torch AdamW onto offload halfway (its state dict)
+                 "fromtorch+fp32shards"], 2)
     return out
 
 
@@ -70,7 +72,7 @@ def reference_of(mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["offload", "dpu", "offload+zero2", "dpu+zero2", "offload+frozen+accum",
-                                  "offload+fp32shards", "offload+fp32shards+fp32compute"])
+                                  "offload+fp32shards", "offload+fp32shards+fp32compute", "fromtorch+fp32shards"])
 def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mode):
     """Losses within 1e-2 relative of the reference at every step (DPU against the
     reference on DPU's schedule) and the final masters within 10% of how far the
@@ -81,7 +83,10 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
     fails it: the masters or losses stop following; frozen shards given proxies like
     the rest fail the frozen run: a hook cannot be registered on them; the hook
     assigning an fp32 shard's gradient to the bf16 proxy unrounded fails the fp32-shard
-    runs: torch refuses the dtype.)"""
+    runs: torch refuses the dtype.)  fromtorch: torch AdamW on the FSDP2 model for 15
+    steps, then OffloadAdamW loads its state_dict() (each rank's DTensor moments) and
+    goes on; held to the same reference, and its update counter reaches 30.  (Mutation:
+    the moments not loaded: losses 2e-2 apart, masters 17%, 15 updates.)"""
     ref, res = load(two_ranks, reference_of(mode), 2), load(two_ranks, mode, 2)
     p0 = initial()
     tol = 1e-2

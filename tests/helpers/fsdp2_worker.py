@@ -16,6 +16,8 @@ each "+"-joined options:
   statedir OffloadAdamW(..., state_dir=...): state_dict() holds a checkpoint's path
   resume   halfway, torch.save each rank's model and optimizer state dicts, build a new
            model and optimizer, load them and go on (torch.optim's contract)
+  fromtorch  torch.optim.AdamW on the FSDP2 model itself for the first half, then
+           OffloadAdamW on the same model loads its state_dict() and goes on
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -88,6 +90,14 @@ def build(opts: set, out: str = ""):
     dpu = "dpu" in opts
     if "ref" in opts:
         return model, Reference(model, dpu)
+    if "fromtorch" in opts:  # torch.optim.AdamW on the model itself until the switch
+        return model, torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
+    return model, offload(model, opts, out)
+
+
+def offload(model, opts: set, out: str):
+    """OffloadAdamW on the FSDP2 model, with the options `opts` name."""
+    dpu = "dpu" in opts
     from zero_offload import OffloadAdamW
     kw = dict(mode="dpu", expert={"dpu_warmup_steps": DPU_WARMUP}) if dpu else {}
     for strategy in ("sync", "speculation"):  # mode "exact" with its strategy forced
@@ -95,9 +105,8 @@ def build(opts: set, out: str = ""):
             kw["expert"] = {"exact_strategy": strategy}
     if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
         kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
-    opt = OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
-                       server={"threads": 1}, **kw)
-    return model, opt
+    return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
+                        server={"threads": 1}, **kw)
 
 
 def run(out: str, mode: str, steps: int) -> None:
@@ -119,6 +128,13 @@ def run(out: str, mode: str, steps: int) -> None:
             sd = torch.load(buf)  # torch.load's default, weights_only
             model.load_state_dict(sd["model"])
             opt.load_state_dict(sd["opt"])
+        if "fromtorch" in opts and t == steps // 2 + 1:
+            # a run moving onto offload: torch AdamW's state dict (DTensor moments, each
+            # rank its own) loaded into OffloadAdamW on the same model (runtime.torch_state)
+            sd = opt.state_dict()
+            del opt
+            opt = offload(model, opts, out)
+            opt.load_state_dict(sd)
         x = text_rows(t)[rank * per:(rank + 1) * per]
         if "accum" in opts:
             # FSDP2's accumulation: no reduce-scatter until the last micro-batch

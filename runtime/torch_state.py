@@ -1,0 +1,182 @@
+"""A torch optimizer's state dict loaded into the optimizer server: moving a run onto offload.
+
+A run that trained with torch.optim.AdamW (or Adam with decoupled weight decay) has
+its m, v and step counts in `opt.state_dict()` (or a transformers.Trainer
+checkpoint's optimizer.pt).  OffloadAdamW.load_state_dict takes that dict as torch's
+own optimizers would, so the run goes on with its moments instead of restarting them.
+
+    model.load_state_dict(weights)            # fp32, as the torch run saved them
+    opt = OffloadAdamW(groups, lr=..., model=model)
+    opt.load_state_dict(torch.load("optimizer.pt"))
+
+What is taken from where:
+- m and v (exp_avg, exp_avg_sq; Lion's exp_avg): from the dict, per parameter, in
+  the order of the param groups (torch's own matching: the i-th state entry is the
+  i-th parameter over the groups in order).  A parameter the dict has no state for
+  (it never had a gradient) starts at zero, as it would in torch.
+- step counts: from each parameter's `step` (Adam's bias correction is per parameter
+  here as in torch), so the update continues as the torch run's would.
+- the master: the model's weights when the optimizer was built.  torch's optimizer
+  holds no master (its parameters are the master), so load the fp32 weights into
+  the model before building the optimizer; bf16 weights give a bf16-valued master.
+- the groups' lr, betas, eps, weight_decay (and a scheduler's keys): as torch's
+  load_state_dict copies them.
+
+How: the engine writes an ordinary checkpoint of its state into a private temporary
+directory (TMPDIR; 12-16 B/param), this module replaces its moment arrays and step
+counts there (the master stays where it is in the file: it comes first in every
+state dtype's layout, so the file is cut after it and the moments written as fp32),
+and the engine loads it with every check a load makes; loading converts the fp32
+moments to the state dtype (bf16 rounds to nearest even, int8 encodes to the
+nearest code).  Worker memory: one parameter's moments at a time.
+
+One rank: with several, load it on one rank and save_checkpoint(), which loads at
+any world size.  Each rank of an FSDP2 model loads its own dict (its DTensor moments'
+local shards, which are its proxies' rows).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from zero_offload.server import checkpoint as C
+from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.state import ShardStateArrays
+
+# torch.optim.Adam/AdamW options this server's update does not implement: a dict saved
+# with any other value is refused (its moments would mean something else here)
+_REFUSED = {"amsgrad": False, "maximize": False}
+_GROUP_KEYS_IGNORED = ("params", "foreach", "fused", "capturable", "differentiable", "amsgrad", "maximize",
+                       "decoupled_weight_decay")
+CHUNK = 1 << 22  # elements written at a time: 16 MiB of fp32, whatever the parameter's size
+
+
+def is_torch_state_dict(state_dict) -> bool:
+    """A torch.optim optimizer's state_dict(): "state" and "param_groups", nothing of ours."""
+    return (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+            and isinstance(state_dict.get("param_groups"), list))
+
+
+def check_groups(saved: list, optimizer: str) -> None:
+    """Refuse a dict whose options change what its moments mean, naming the fix."""
+    for gi, g in enumerate(saved):
+        for k, ok in _REFUSED.items():
+            if g.get(k, ok) != ok:
+                raise ValueError(f"the state dict's param group {gi} has {k}={g[k]!r}: the offloaded update does "
+                                 f"not implement it, so its state cannot continue here; train with {k}={ok}")
+        if optimizer == "adamw" and g.get("decoupled_weight_decay") is False and g.get("weight_decay", 0):
+            raise ValueError(f"the state dict's param group {gi} is torch.optim.Adam's with weight_decay="
+                             f"{g['weight_decay']} (L2, added to the gradient), and OffloadAdamW's weight decay is "
+                             f"decoupled (AdamW's): the run would change; use OffloadEngine with "
+                             f"OffloadConfig(optimizer='adam'), or load it with weight_decay set to 0 in the dict")
+
+
+def group_values(g: dict) -> dict:
+    """What of a saved group goes into ours (the optimizer's values and a scheduler's keys)."""
+    return {k: v for k, v in g.items() if k not in _GROUP_KEYS_IGNORED}
+
+
+def _step_count(st: dict, where: str) -> int:
+    step = st.get("step", 0)
+    step = float(step.item() if isinstance(step, torch.Tensor) else step)
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise ValueError(f"{where}'s step is {step}: a step count is a whole number >= 0")
+    return int(step)
+
+
+def _local(t):
+    """A DTensor's local shard (an FSDP2 model's moments), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def load(engine, pairs: list, moments: tuple[str, ...]) -> None:
+    """Load the moments and step counts of `pairs` [(the engine's parameter, its torch
+    state dict entry or None, a name for errors)] into the engine (module docstring)."""
+    if engine.world_size > 1:
+        raise ValueError("a torch optimizer's state dict loads on one rank: load it with one process, "
+                         "save_checkpoint(dir), and load_checkpoint(dir) at any world size")
+    flat = engine.flat
+    span_index = {id(s.param): i for i, s in enumerate(flat.spans)}
+    counts = engine.param_updates.copy()
+    checked = []
+    for p, st, where in pairs:  # every entry checked before anything is written
+        span = flat.by_param.get(id(p))
+        if span is None:
+            raise ValueError(f"{where} is not one the optimizer trains (frozen?): build the optimizer with the "
+                             f"parameters the state dict was saved with")
+        if st is None:
+            st = {}
+        if not isinstance(st, dict):
+            raise ValueError(f"{where}'s state is a {type(st).__name__}, not a dict: not a torch optimizer's state")
+        extra = sorted(k for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 1
+                       and k not in moments)
+        if extra:
+            raise ValueError(f"{where}'s state has {extra}, which this optimizer does not keep (amsgrad's "
+                             f"max_exp_avg_sq?): its state cannot continue here")
+        missing = [k for k in moments if k not in st]
+        if st and missing:
+            raise ValueError(f"{where}'s state has no {missing} (keys: {sorted(st)}): it is not the state of "
+                             f"the optimizer this is ({', '.join(moments)})")
+        for k in moments if st else ():
+            t = _local(st[k])
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise ValueError(f"{where}'s {k} is not a floating tensor")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{where}'s {k} has shape {tuple(t.shape)}, the parameter {tuple(p.shape)}: "
+                                 f"build the optimizer over the model the state dict was saved with, in the "
+                                 f"same order")
+        counts[span_index[id(p)]] = _step_count(st, where) if st else 0
+        checked.append((span, st))
+    tmp = tempfile.mkdtemp(prefix="zero-offload-torch-state-")
+    try:
+        d = Path(engine.save_checkpoint(tmp, keep=1))
+        _rewrite(d, checked, moments, counts)
+        engine.load_checkpoint(str(d))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _rewrite(d: Path, checked: list, moments: tuple[str, ...], counts: np.ndarray) -> None:
+    """The one-rank checkpoint in d with fp32 moments from `checked` and `counts` as the
+    step counts; the master (first in the file) stays as the engine saved it."""
+    man_path, bin_path = C.rank_file(d, C.SHARD, 0, 1, ".json"), C.rank_file(d, C.SHARD, 0, 1, ".bin")
+    man = json.loads(man_path.read_text())
+    names = list(man["arrays"])
+    if names != ["master", *moments]:
+        raise ValueError(f"the optimizer server keeps {names}, the state dict {['master', *moments]}: "
+                         f"load it into the optimizer it was saved from")
+    n = int(man["numel"])
+    dtypes = {k: "fp32" for k in names}
+    bases, total = ShardStateArrays.file_layout(names, dtypes, n)
+    with open(bin_path, "r+b") as f:
+        fd = f.fileno()
+        os.truncate(fd, bases["master"] + 4 * n)  # the master stays; the old moments go
+        os.truncate(fd, total)                    # zeros: the padding, and the moments of parameters without state
+        for span, st in checked:
+            for k in moments if st else ():
+                src = _local(st[k]).detach().reshape(-1)
+                for lo in range(0, span.numel, CHUNK):
+                    piece = src[lo:lo + CHUNK].to("cpu", torch.float32).contiguous().numpy()
+                    os.pwrite(fd, memoryview(piece).cast("B"), bases[k] + 4 * (span.offset + lo))
+        os.fsync(fd)
+    # the update counter runs at least as far as the furthest parameter's step count
+    # (STEP carries both, and the server refuses a count past the update's): a torch
+    # run at step N goes on at update N + 1, and its checkpoints are named by its steps
+    eng_path = C.rank_file(d, C.ENGINE, 0, 1, ".json")
+    meta = json.loads(eng_path.read_text())
+    ahead = max(0, int(counts.max(initial=0)) - int(meta["updates"]))
+    meta["updates"] += ahead
+    meta["iteration"] += ahead
+    meta["param_updates"] = [int(c) for c in counts]
+    man["updates"] = C.manifest_updates(man) + ahead
+    man["array_dtypes"] = dtypes
+    man["checksum"] = C.file_checksum(bin_path)
+    atomic_write_bytes(man_path, json.dumps(man, indent=1).encode())
+    atomic_write_bytes(eng_path, json.dumps(meta, indent=1).encode())
