@@ -194,7 +194,9 @@ class OffloadTrainer(Trainer):
         elif os.path.isfile(torch_file):
             # a plain Trainer's checkpoint (torch AdamW): its m, v and step counts, on the
             # fp32 weights Trainer has just loaded into the model (runtime.torch_state)
-            self.offload_optimizer.load_state_dict(torch.load(torch_file, map_location="cpu", weights_only=True))
+            # (through a temporary checkpoint in output_dir: every rank sees it, and it has room for one)
+            sd = torch.load(torch_file, map_location="cpu", weights_only=True)
+            self.offload_optimizer._load_torch_state(sd, self.args.output_dir)
         else:
             raise ValueError(f"{checkpoint} has neither {CHECKPOINT_SUBDIR}/ (master, m and v) nor "
                              f"{TORCH_OPTIMIZER_FILE}: resume from a checkpoint Trainer or OffloadTrainer saved, "

@@ -230,14 +230,12 @@ class OffloadAdamW(torch.optim.Optimizer):
         if own is None and not torch_state.is_torch_state_dict(state_dict):
             raise ValueError(f"this state dict is neither an {type(self).__name__}'s nor a torch optimizer's (it has "
                              f"no 'state' and 'param_groups'): pass what opt.state_dict() returned")
-        saved = state_dict["param_groups"]
-        if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
-                                                       for a, b in zip(saved, self.param_groups)):
-            raise ValueError("the state dict's param groups differ from this optimizer's in number or size: "
-                             "build the optimizer with the groups it was saved with")
         if own is None:
-            self._load_torch_state(state_dict)
-        elif isinstance(own, InMemoryState):
+            self._load_torch_state(state_dict, self.state_dir)
+            return
+        saved = state_dict["param_groups"]
+        self._check_group_sizes(saved)
+        if isinstance(own, InMemoryState):
             if own.opt is not self or own.iteration != self.engine.iteration:
                 load_files(self, own.materialize()[FILES_KEY])  # another optimizer (or step): its files
             # else this optimizer at this step: nothing to restore but the groups' values
@@ -249,18 +247,31 @@ class OffloadAdamW(torch.optim.Optimizer):
             raise ValueError("this state dict holds no master, m and v (an earlier version's, taken without "
                              "state_dir) and restores only into the optimizer it came from at the step it was "
                              f"taken: build {type(self).__name__}(..., state_dir='...') or take it anew")
-        for g, s in zip(self.param_groups, saved):
-            for k, v in (torch_state.group_values(s) if own is None else s).items():
-                if k != "params":
-                    g[k] = tuple(v) if k == "betas" else v
+        self._set_groups(saved)
         if self._shards is not None:
             self._shards.copy_back()  # the loaded device weights into the local shards
 
+    def _check_group_sizes(self, saved: list) -> None:
+        if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
+                                                       for a, b in zip(saved, self.param_groups)):
+            raise ValueError("the state dict's param groups differ from this optimizer's in number or size: "
+                             "build the optimizer with the groups it was saved with")
+
+    def _set_groups(self, saved: list) -> None:
+        """The saved groups' values into ours (the parameters stay ours)."""
+        for g, s in zip(self.param_groups, saved):
+            for k, v in s.items():
+                if k != "params":
+                    g[k] = tuple(v) if k == "betas" else v
+
     MOMENTS = ("exp_avg", "exp_avg_sq")  # a torch optimizer's state of this update, per parameter
 
-    def _load_torch_state(self, state_dict: dict) -> None:
+    def _load_torch_state(self, state_dict: dict, directory: str | None) -> None:
         """A torch optimizer's state dict (torch.optim.AdamW's, or another with the same
-        moments): its m, v and step counts into the server (runtime.torch_state)."""
+        moments): its m, v and step counts into the server, through a checkpoint in
+        directory (None: TMPDIR; several ranks: one every rank sees), and its groups'
+        values (runtime.torch_state)."""
+        self._check_group_sizes(state_dict["param_groups"])
         torch_state.check_groups(state_dict["param_groups"], self.OPTIMIZER)
         proxy = ({id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
                  if self._shards is not None else None)
@@ -272,7 +283,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                         continue  # a frozen shard: no proxy, nothing to load
                     p = proxy[id(p)]
                 pairs.append((p, states.get(key), f"parameter {key} of the state dict"))
-        torch_state.load(self.engine, pairs, self.MOMENTS)
+        torch_state.load(self.engine, pairs, self.MOMENTS, directory)
+        self._set_groups([torch_state.group_values(s) for s in state_dict["param_groups"]])
+        if self._shards is not None:
+            self._shards.copy_back()  # the loaded device weights into the local shards
 
     # ------------------------------------------------------------------ offload API
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:

@@ -30,15 +30,19 @@ and the engine loads it with every check a load makes; loading converts the fp32
 moments to the state dtype (bf16 rounds to nearest even, int8 encodes to the
 nearest code).  Worker memory: one parameter's moments at a time.
 
-One rank: with several, load it on one rank and save_checkpoint(), which loads at
-any world size.  Each rank of an FSDP2 model loads its own dict (its DTensor moments'
-local shards, which are its proxies' rows).
+Several ranks (ZeRO-2, each rank passing the same dict): the temporary checkpoint
+goes into a directory every rank sees (OffloadAdamW's state_dir, OffloadTrainer's
+output_dir), each rank writes its shard's range of the moments, and the ranks agree
+at each point, so a refusal or a failed write raises on every rank and loads
+nothing.  Each rank of an FSDP2 model (a one-rank engine over its local shards)
+loads its own dict: its DTensor moments' local shards, which are its proxies' rows.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -56,6 +60,7 @@ _REFUSED = {"amsgrad": False, "maximize": False}
 _GROUP_KEYS_IGNORED = ("params", "foreach", "fused", "capturable", "differentiable", "amsgrad", "maximize",
                        "decoupled_weight_decay")
 CHUNK = 1 << 22  # elements written at a time: 16 MiB of fp32, whatever the parameter's size
+TMP_PREFIX = "zero-offload-torch-state-"
 
 
 def is_torch_state_dict(state_dict) -> bool:
@@ -96,17 +101,59 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def load(engine, pairs: list, moments: tuple[str, ...]) -> None:
+def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = None) -> None:
     """Load the moments and step counts of `pairs` [(the engine's parameter, its torch
-    state dict entry or None, a name for errors)] into the engine (module docstring)."""
-    if engine.world_size > 1:
-        raise ValueError("a torch optimizer's state dict loads on one rank: load it with one process, "
-                         "save_checkpoint(dir), and load_checkpoint(dir) at any world size")
+    state dict entry or None, a name for errors)] into the engine (module docstring).
+    With several ranks (each passing the same dict) `directory` is one every rank sees:
+    the temporary checkpoint goes there; with one, None means TMPDIR."""
+    several = engine.world_size > 1
+    if several and directory is None:
+        raise ValueError("with several ranks a torch optimizer's state dict loads through a checkpoint in a "
+                         "directory every rank sees: build the optimizer with state_dir='...'")
+    try:
+        counts, checked = _check(engine, pairs, moments)
+        err = None
+    except ValueError as e:
+        err = e
+    if several and not engine.coll.all_ok(err is None):  # every rank refuses, none is left in a collective
+        raise err or ValueError("another rank refused its torch state dict (its error says why)")
+    if err is not None:
+        raise err
+    if several:  # one name for every rank, drawn on rank 0
+        token = engine.coll.all_reduce_max([float(secrets.randbits(48)) if engine.rank == 0 else 0.0])[0]
+        tmp = Path(directory) / f"{TMP_PREFIX}{int(token):012x}"
+    else:
+        if directory is not None:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
+    try:
+        d = Path(engine.save_checkpoint(str(tmp), keep=1))
+        try:
+            _rewrite(d, engine.rank, engine.world_size, checked, moments, counts)
+            ok = True
+        except OSError:
+            ok = False
+            if not several:
+                raise
+        if several and not engine.coll.all_ok(ok):
+            raise OSError(f"a rank could not write its part of the temporary checkpoint in {tmp} (disk full?): "
+                          f"nothing was loaded")
+        engine.load_checkpoint(str(d))
+    finally:
+        if several:
+            engine.coll.barrier()  # every rank has read its files
+        if engine.rank == 0 or not several:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, list]:
+    """Every entry checked before anything is written: (the step counts by span, [(span,
+    entry)])."""
     flat = engine.flat
     span_index = {id(s.param): i for i, s in enumerate(flat.spans)}
     counts = engine.param_updates.copy()
     checked = []
-    for p, st, where in pairs:  # every entry checked before anything is written
+    for p, st, where in pairs:
         span = flat.by_param.get(id(p))
         if span is None:
             raise ValueError(f"{where} is not one the optimizer trains (frozen?): build the optimizer with the "
@@ -134,19 +181,15 @@ def load(engine, pairs: list, moments: tuple[str, ...]) -> None:
                                  f"same order")
         counts[span_index[id(p)]] = _step_count(st, where) if st else 0
         checked.append((span, st))
-    tmp = tempfile.mkdtemp(prefix="zero-offload-torch-state-")
-    try:
-        d = Path(engine.save_checkpoint(tmp, keep=1))
-        _rewrite(d, checked, moments, counts)
-        engine.load_checkpoint(str(d))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return counts, checked
 
 
-def _rewrite(d: Path, checked: list, moments: tuple[str, ...], counts: np.ndarray) -> None:
-    """The one-rank checkpoint in d with fp32 moments from `checked` and `counts` as the
-    step counts; the master (first in the file) stays as the engine saved it."""
-    man_path, bin_path = C.rank_file(d, C.SHARD, 0, 1, ".json"), C.rank_file(d, C.SHARD, 0, 1, ".bin")
+def _rewrite(d: Path, rank: int, world: int, checked: list, moments: tuple[str, ...], counts: np.ndarray) -> None:
+    """This rank's files of the checkpoint in d with fp32 moments from `checked` (its
+    shard's range of each) and `counts` as the step counts; the master (first in the
+    file) stays as the engine saved it."""
+    man_path = C.rank_file(d, C.SHARD, rank, world, ".json")
+    bin_path = C.rank_file(d, C.SHARD, rank, world, ".bin")
     man = json.loads(man_path.read_text())
     names = list(man["arrays"])
     if names != ["master", *moments]:
@@ -155,21 +198,28 @@ def _rewrite(d: Path, checked: list, moments: tuple[str, ...], counts: np.ndarra
     n = int(man["numel"])
     dtypes = {k: "fp32" for k in names}
     bases, total = ShardStateArrays.file_layout(names, dtypes, n)
+    # no fsync here or below: the directory is private and read back at once, so the
+    # page cache is all it needs (the server's save fsync'd what it wrote)
     with open(bin_path, "r+b") as f:
         fd = f.fileno()
-        os.truncate(fd, bases["master"] + 4 * n)  # the master stays; the old moments go
-        os.truncate(fd, total)                    # zeros: the padding, and the moments of parameters without state
+        keep = bases["master"] + 4 * n
+        os.truncate(fd, keep)   # the master stays; the old moments go
+        os.truncate(fd, total)  # zeros: the padding, and the moments of parameters without state
+        if total > keep:  # the blocks in one allocation, not one per write into a hole
+            os.posix_fallocate(fd, keep, total - keep)
+        shard_lo = rank * n  # the file holds the flat space's [rank n, (rank + 1) n)
         for span, st in checked:
-            for k in moments if st else ():
+            a, b = max(span.offset, shard_lo), min(span.offset + span.numel, shard_lo + n)
+            for k in moments if st and a < b else ():
                 src = _local(st[k]).detach().reshape(-1)
-                for lo in range(0, span.numel, CHUNK):
-                    piece = src[lo:lo + CHUNK].to("cpu", torch.float32).contiguous().numpy()
-                    os.pwrite(fd, memoryview(piece).cast("B"), bases[k] + 4 * (span.offset + lo))
-        os.fsync(fd)
+                for lo in range(a, b, CHUNK):
+                    hi = min(lo + CHUNK, b)
+                    piece = src[lo - span.offset:hi - span.offset].to("cpu", torch.float32).contiguous().numpy()
+                    os.pwrite(fd, memoryview(piece).cast("B"), bases[k] + 4 * (lo - shard_lo))
     # the update counter runs at least as far as the furthest parameter's step count
     # (STEP carries both, and the server refuses a count past the update's): a torch
     # run at step N goes on at update N + 1, and its checkpoints are named by its steps
-    eng_path = C.rank_file(d, C.ENGINE, 0, 1, ".json")
+    eng_path = C.rank_file(d, C.ENGINE, rank, world, ".json")
     meta = json.loads(eng_path.read_text())
     ahead = max(0, int(counts.max(initial=0)) - int(meta["updates"]))
     meta["updates"] += ahead
@@ -178,5 +228,5 @@ def _rewrite(d: Path, checked: list, moments: tuple[str, ...], counts: np.ndarra
     man["updates"] = C.manifest_updates(man) + ahead
     man["array_dtypes"] = dtypes
     man["checksum"] = C.file_checksum(bin_path)
-    atomic_write_bytes(man_path, json.dumps(man, indent=1).encode())
-    atomic_write_bytes(eng_path, json.dumps(meta, indent=1).encode())
+    atomic_write_bytes(man_path, json.dumps(man, indent=1).encode(), fsync=False)
+    atomic_write_bytes(eng_path, json.dumps(meta, indent=1).encode(), fsync=False)

@@ -105,6 +105,16 @@ def test_bench_scale_tiny(tmp_path):
                                          ex[0]), out[-2000:]  # the export's row
 
 
+def test_bench_torch_state_tiny(tmp_path):
+    """bench_torch_state's whole path at 1e6 parameters (its rows are 0.5e9 and up:
+    BENCHMARKS.md): one row, the moments checked bitwise at its three slices."""
+    out = run("bench_torch_state.py", "--runs", "1e6:fp32", "--dir", str(tmp_path))
+    rows = [line for line in out.splitlines() if line.startswith("| 0.00e9 | fp32 |")]
+    assert len(rows) >= 1 and rows[-1].count("|") == 10, out[-2000:]
+    assert rows[-1].split("|")[-2].strip() == "24576", rows[-1]  # 3 slices x 4096 x (m, v)
+    assert "SIMD" in out
+
+
 def test_convergence_tiny():
     out = run("convergence.py", "--model", "tiny", "--steps", "4", "--eval-every", "2", "--dpu-warmup", "2",
               "--seq-len", "16", "--batch-size", "2", "--no-write")
