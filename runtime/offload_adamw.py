@@ -276,6 +276,11 @@ class OffloadAdamW(torch.optim.Optimizer):
         proxy = ({id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
                  if self._shards is not None else None)
         states, pairs = state_dict["state"], []
+        named = {k for s in state_dict["param_groups"] for k in s["params"]}
+        stray = [k for k in states if k not in named]
+        if stray:  # they would be dropped: refused, not loaded as zeros
+            raise ValueError(f"the state dict holds state for {stray[:4]}{' ...' if len(stray) > 4 else ''}, which "
+                             f"its param_groups do not name: not a torch optimizer's state_dict() as it saved it")
         for s, g in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(s["params"], g["params"]):
                 if proxy is not None:

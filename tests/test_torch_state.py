@@ -153,6 +153,7 @@ def test_what_cannot_continue_is_refused_and_loses_nothing(tmp_path, monkeypatch
             (dict(sd, state={i: {"exp_avg": s["exp_avg"], "step": s["step"]} for i, s in sd["state"].items()}),
              r"no \['exp_avg_sq'\]"),
             (dict(sd, state={**sd["state"], 0: {**sd["state"][0], "step": torch.tensor(2.5)}}), "whole number"),
+            (dict(sd, state={f"w{i}": s for i, s in sd["state"].items()}), "param_groups do not name"),
         ]
         for d, match in bad:
             with pytest.raises(ValueError, match=match):
