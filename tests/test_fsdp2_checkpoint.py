@@ -1,7 +1,8 @@
 """One checkpoint layout for every topology: OffloadAdamW's checkpoint of an FSDP2 model
 saved on 2 ranks loads under FSDP2 on 3 ranks, on one rank without FSDP2, on 2 ranks of
 the built-in ZeRO-2 path and back under FSDP2 on 2 ranks (tests/helpers/fsdp2_ckpt_worker.py,
-under zero-offload-launch over gloo), for sync with fp32 state and DPU with bf16 state.  The
+under zero-offload-launch over gloo), for sync with fp32 state, DPU with bf16 state, and DPU
+with bf16 state on fp32 FSDP2 shards (torchtitan's recipe: bf16 param_dtype).  The
 model has a one-row parameter, so every rank but 0 holds an empty local shard of it."""
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "helpers" / "fsdp2_ckpt_worker.py"
-VARIANTS = ["sync-fp32", "dpu-bf16"]
+VARIANTS = ["sync-fp32", "dpu-bf16", "dpu-bf16-fp32shards"]
 # (ranks, stages): each stage loads what the one before saved, and saves it again at once;
 # the last launch's two stages run in the same two processes, one after the other
 CHAIN = [(2, ["fsdp2", "train", "a"]),
@@ -135,6 +136,8 @@ def test_resumed_after_the_round_trip_is_the_uninterrupted_run(chain, variant):
     piece's place off by one row.)"""
     whole = torch.load(chain / variant / "whole.pt")
     resumed = torch.load(chain / variant / "resumed.pt")
+    # the saving run's FSDP2 shards: fp32 where the model was left fp32 (torchtitan's recipe)
+    assert whole["shard_dtypes"] == ["torch.float32" if "fp32shards" in variant else "torch.bfloat16"]
     assert resumed["losses"] == whole["losses"]
     for k, v in whole["master"].items():
         assert torch.equal(resumed["master"][k], v), k

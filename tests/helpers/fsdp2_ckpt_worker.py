@@ -33,7 +33,9 @@ from tests.helpers.fsdp2_worker import CLIP, LR, ROWS, groups, make_model, text_
 
 STEPS_A, STEPS_B = 5, 3
 # (name, mode, state dtype): DPU leaves a landed update the device does not have yet (pending16)
-VARIANTS = [("sync-fp32", "exact", "fp32"), ("dpu-bf16", "dpu", "bf16")]
+# "fp32shards": the FSDP2 model is left fp32 before fully_shard (torchtitan's recipe: bf16
+# param_dtype), the built-in path's is bf16 as always; one layout holds either
+VARIANTS = [("sync-fp32", "exact", "fp32"), ("dpu-bf16", "dpu", "bf16"), ("dpu-bf16-fp32shards", "dpu", "bf16")]
 
 
 class Scaled(torch.nn.Module):
@@ -50,9 +52,11 @@ class Scaled(torch.nn.Module):
         return self.gpt(input_ids=x, labels=x).loss * self.scale
 
 
-def build(topology: str, mode: str, state_dtype: str):
+def build(topology: str, mode: str, state_dtype: str, fp32_shards: bool = False):
     from zero_offload import OffloadAdamW
-    model = Scaled().to(torch.bfloat16)
+    model = Scaled()
+    if not (fp32_shards and topology == "fsdp2"):
+        model = model.to(torch.bfloat16)
     if topology == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -134,7 +138,7 @@ def run_stage(root: str, topology: str, action: list[str]) -> None:
         return refuse_stage(root, topology, action[1])
     for name, mode, state_dtype in VARIANTS:
         d = os.path.join(root, name)
-        model, opt = build(topology, mode, state_dtype)
+        model, opt = build(topology, mode, state_dtype, "fp32shards" in name)
         if action[0] == "train":
             train(model, opt, 1, STEPS_A)
             opt.save_checkpoint(os.path.join(d, action[1]))
@@ -143,6 +147,7 @@ def run_stage(root: str, topology: str, action: list[str]) -> None:
                 torch.save(at_save, os.path.join(d, "at_save.pt"))
             out = {"losses": train(model, opt, STEPS_A + 1, STEPS_B)}
             out["master"] = opt.master_state_dict()
+            out["shard_dtypes"] = sorted({str(getattr(p, "to_local", lambda: p)().dtype) for p in model.parameters()})
             path = "whole.pt"
         else:
             opt.load_checkpoint(os.path.join(d, action[1]))
