@@ -88,6 +88,14 @@ class CheckpointMaster:
                 f"again with this version and export that")
         self.params = _parse_table(ep, meta["params"], self.numel)
         self.iteration = meta.get("iteration")
+        # each parameter's step count, by row (the table and the counts are both in the
+        # flat space's order); older checkpoints: every parameter at every update
+        counts = meta.get("param_updates", [meta.get("updates", 0)] * len(self.params))
+        if not (isinstance(counts, list) and len(counts) == len(self.params)
+                and all(isinstance(c, int) and c >= 0 for c in counts)):
+            raise C.CheckpointError(f"{ep} has {len(counts) if isinstance(counts, list) else counts!r} step counts "
+                                    f"for {len(self.params)} parameters; load another checkpoint")
+        self.param_updates = counts
         mans = []
         self.files = [C.rank_file(d, C.SHARD, k, W, ".bin") for k in range(W)]
         for k in range(W):
@@ -103,7 +111,9 @@ class CheckpointMaster:
             raise C.CheckpointError(f"checkpoint {d}: its {W} shard manifests disagree on their size, are too small "
                                     f"for {self.numel} elements, or hold no master; export another checkpoint")
         self.per_file = mans[0]["numel"]
-        at, size = ShardStateArrays.file_layout(mans[0]["arrays"], C.saved_array_dtypes(mans[0]), self.per_file)
+        self.arrays, self.dtypes = list(mans[0]["arrays"]), C.saved_array_dtypes(mans[0])
+        at, size = ShardStateArrays.file_layout(self.arrays, self.dtypes, self.per_file)
+        self.at = at  # where each array (and an int8 array's scales) starts in every shard file
         self.base = at[MASTER]
         for f in self.files:
             if f.stat().st_size != size:

@@ -1,4 +1,4 @@
-"""A torch optimizer's state dict loaded into the optimizer server: moving a run onto offload.
+"""Moving a run onto offload and off it: torch optimizer state dicts in and out.
 
 A run that trained with torch.optim.AdamW (or Adam with decoupled weight decay) has
 its m, v and step counts in `opt.state_dict()` (or a transformers.Trainer
@@ -22,7 +22,10 @@ What is taken from where:
 - the groups' lr, betas, eps, weight_decay (and a scheduler's keys): as torch's
   load_state_dict copies them.
 
-How: the engine writes an ordinary checkpoint of its state into a private temporary
+The way off (load_into_torch_optimizer, at the end): a checkpoint's moments and step
+counts into a torch optimizer's state, each parameter by its name in the model.
+
+How the way on works: the engine writes an ordinary checkpoint of its state into a private temporary
 directory (TMPDIR; 12-16 B/param), this module replaces its moment arrays and step
 counts there (the master stays where it is in the file: it comes first in every
 state dtype's layout, so the file is cut after it and the moments written as fp32),
@@ -230,3 +233,56 @@ def _rewrite(d: Path, rank: int, world: int, checked: list, moments: tuple[str, 
     man["checksum"] = C.file_checksum(bin_path)
     atomic_write_bytes(man_path, json.dumps(man, indent=1).encode(), fsync=False)
     atomic_write_bytes(eng_path, json.dumps(meta, indent=1).encode(), fsync=False)
+
+
+# ---------------------------------------------------------------- and back out
+def load_into_torch_optimizer(checkpoint, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+    """A checkpoint's moments and step counts into a torch optimizer's state: leaving
+    offload (the way back of OffloadAdamW.load_state_dict's torch dicts).
+
+        model.load_state_dict(master_state_dict_from_checkpoint("ckpt"))   # zero_offload.export
+        opt = torch.optim.AdamW(groups, ...)
+        load_into_torch_optimizer("ckpt", opt, model)
+
+    Each parameter of the optimizer's groups is found in the checkpoint by its name in
+    `model` (the checkpoint's parameter table: any topology, any world size saved it);
+    its state becomes exp_avg and exp_avg_sq (Lion: exp_avg) in the parameter's dtype and
+    device, decoded to fp32 first whatever the state dtype (int8: its codes' values), and
+    `step` its own count, as torch keeps them.  A parameter the checkpoint does not train,
+    or that never had an update, gets no state (as torch leaves it).  Every shard file's
+    checksum is checked first; each parameter is read on its own (memory: the state
+    torch will hold, plus one parameter's fp32 moment).  The groups' values stay the
+    optimizer's own: set lr and the scheduler as the run had them."""
+    from zero_offload.export import CheckpointMaster
+    from zero_offload.server.state import QBLOCK, _Source
+    src = CheckpointMaster(checkpoint)
+    moments = [a for a in src.arrays if a != "master"]
+    by_name = {n: (row, count) for row, count in zip(src.params, src.param_updates) for n in row.names}
+    names = {id(p): n for n, p in model.named_parameters()}
+    plan = []
+    for g in optimizer.param_groups:  # every parameter checked before any state is set
+        for p in g["params"]:
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError("a parameter of the optimizer is not one of the model's: pass the model the "
+                                 "optimizer was built over")
+            if name not in by_name:
+                continue  # frozen in the offloaded run: no state, as torch leaves it
+            row, count = by_name[name]
+            if tuple(p.shape) != row.shape:
+                raise ValueError(f"{name} has shape {tuple(p.shape)}, the checkpoint's {row.shape}: load it into the "
+                                 f"model it was saved from")
+            plan.append((p, row, count))
+    sources = {m: _Source(src.files, src.per_file, src.at[m], src.at.get(m + ".scale"), src.dtypes.get(m, "fp32"), m)
+               for m in moments}
+    for p, row, count in plan:
+        if count == 0:
+            continue
+        st = {"step": torch.tensor(float(count))}
+        lo = row.offset - row.offset % QBLOCK  # int8 arrays are read from the start of a block
+        for m, source in sources.items():
+            buf = np.empty(row.offset + row.numel - lo, np.float32)
+            source.read_fp32(lo, row.offset + row.numel, buf)
+            t = torch.from_numpy(buf[row.offset - lo:]).view(row.shape)
+            st[m] = t.to(p.device, p.dtype)  # (up to 255 elements of the block before it stay in buf)
+        optimizer.state[p] = st
