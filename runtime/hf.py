@@ -79,6 +79,7 @@ class OffloadTrainer(Trainer):
         # before anything wraps the model (evaluate() before train() does too)
         self._compute_dtype = self._expected_compute_dtype()
         self._autocast_off_under_fp32_compute()
+        self._no_ddp()
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
@@ -154,6 +155,22 @@ class OffloadTrainer(Trainer):
             return
         from accelerate.utils import AutocastKwargs
         self.accelerator.autocast_handler = AutocastKwargs(enabled=False)
+
+    def _no_ddp(self) -> None:
+        """With several processes (torchrun, accelerate launch) Accelerate's prepare(model)
+        wraps the model in DistributedDataParallel, which replaces the parameters' storage
+        (the engine's 16-bit weights) and would reduce the gradients a second time: the
+        engine reduces them itself, each rank sending its shard down (ZeRO-2).  Its device
+        placement would copy them too: with several CPU processes Accelerate's device is
+        cpu:0, and tensor.to("cpu:0") of a "cpu" tensor is a copy.  So this trainer's
+        accelerator prepares models as transformers prepares one that owns its placement
+        and gradient reduction: autocast only (Trainer has put the model on its device)."""
+        acc = self.accelerator
+        prepare_model = acc.prepare_model
+
+        def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
+            return prepare_model(model, device_placement=False, evaluation_mode=True)
+        acc.prepare_model = prepare_model_without_ddp
 
     def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
         # transformers releases that autocast here themselves (CPU AMP): not under fp32 compute
