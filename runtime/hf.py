@@ -164,8 +164,13 @@ class OffloadTrainer(Trainer):
         placement would copy them too: with several CPU processes Accelerate's device is
         cpu:0, and tensor.to("cpu:0") of a "cpu" tensor is a copy.  So this trainer's
         accelerator prepares models as transformers prepares one that owns its placement
-        and gradient reduction: autocast only (Trainer has put the model on its device)."""
+        and gradient reduction: autocast (and torch.compile) only, Trainer having put the
+        model on its device.  Where Accelerate would not use DDP (FSDP, DeepSpeed) its
+        preparation is left as it is."""
         acc = self.accelerator
+        kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
+        if not (kind == "NO" or kind.startswith("MULTI_")):
+            return  # FSDP, DeepSpeed, XLA: Accelerate's own wrapping, as before
         prepare_model = acc.prepare_model
 
         def prepare_model_without_ddp(model, device_placement=None, evaluation_mode=False):
