@@ -204,8 +204,9 @@ class FlatParams:
             if s.param.data_ptr() != base + size * s.offset or s.param.dtype != dtype:
                 raise RuntimeError(
                     "the model's parameters no longer view the engine's 16-bit weights: something replaced their "
-                    "storage (torch DistributedDataParallel, which accelerator.prepare(model) applies with several "
-                    "processes; model.to(...); load_state_dict(assign=True)), so updates would not reach the model. "
+                    "storage (accelerator.prepare(model) with several CPU processes, which moves it to cpu:0, a "
+                    "copy, and wraps it in DistributedDataParallel; model.to(...); load_state_dict(assign=True)), "
+                    "so updates would not reach the model. "
                     "The engine reduces gradients across ranks itself (ZeRO-2): do not wrap the model in DDP (with "
                     "Accelerate, prepare the optimizer, dataloader and scheduler but not the model), and move the "
                     "model to its device before creating the engine")

@@ -158,11 +158,12 @@ class OffloadTrainer(Trainer):
 
     def _no_ddp(self) -> None:
         """With several processes (torchrun, accelerate launch) Accelerate's prepare(model)
-        wraps the model in DistributedDataParallel, which replaces the parameters' storage
-        (the engine's 16-bit weights) and would reduce the gradients a second time: the
-        engine reduces them itself, each rank sending its shard down (ZeRO-2).  Its device
-        placement would copy them too: with several CPU processes Accelerate's device is
-        cpu:0, and tensor.to("cpu:0") of a "cpu" tensor is a copy.  So this trainer's
+        wraps the model in DistributedDataParallel, which would all-reduce the gradients
+        the engine reduces itself (each rank sends its shard down: ZeRO-2), and its device
+        placement copies every parameter with several CPU processes (Accelerate's device
+        is cpu:0, and tensor.to("cpu:0") of a "cpu" tensor is a copy), so the engine's
+        16-bit weights would no longer reach the model (the engine refuses that at the
+        first backward).  So this trainer's
         accelerator prepares models as transformers prepares one that owns its placement
         and gradient reduction: autocast (and torch.compile) only, Trainer having put the
         model on its device.  Where Accelerate would not use DDP (FSDP, DeepSpeed) its

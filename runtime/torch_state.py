@@ -158,9 +158,11 @@ def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, l
     checked = []
     for p, st, where in pairs:
         span = flat.by_param.get(id(p))
-        if span is None:
-            raise ValueError(f"{where} is not one the optimizer trains (frozen?): build the optimizer with the "
-                             f"parameters the state dict was saved with")
+        if span is None:  # in the groups but frozen (requires_grad=False): torch kept no state for it either
+            if st:
+                raise ValueError(f"{where} has state, but the parameter is frozen here (requires_grad=False): "
+                                 f"build the optimizer over the model as it was trained")
+            continue
         if st is None:
             st = {}
         if not isinstance(st, dict):

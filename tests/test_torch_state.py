@@ -249,3 +249,20 @@ def test_a_run_leaves_offload_with_its_moments(tmp_path, state_dtype):
                 o.zero_grad()
         for n, v in model2.state_dict().items():
             assert torch.equal(back.state_dict()[n], v), n
+
+
+def test_a_frozen_parameter_in_the_groups_is_left_alone():
+    """A parameter frozen (requires_grad=False) but still in the optimizer's groups has no
+    state in torch's dict (it never had a gradient), and none here: the load goes on
+    with the others; a frozen parameter the dict has state for is refused.  (Mutation:
+    refusing every frozen parameter fails the first load.)"""
+    model, sd, _, _ = torch_run()
+    frozen = model.pos.weight
+    frozen.requires_grad_(False)
+    i = next(i for i, p in enumerate(p for g in groups(model) for p in g["params"]) if p is frozen)
+    sd_frozen = dict(sd, state={k: v for k, v in sd["state"].items() if k != i})
+    with OffloadAdamW(groups(model), **KW, model=model, server={"threads": 1}) as opt:
+        opt.load_state_dict(sd_frozen)
+        assert opt.engine.updates == 5
+        with pytest.raises(ValueError, match="frozen here"):
+            opt.load_state_dict(sd)
