@@ -13,7 +13,8 @@ What is taken from where:
 - m and v (exp_avg, exp_avg_sq; Lion's exp_avg): from the dict, per parameter, in
   the order of the param groups (torch's own matching: the i-th state entry is the
   i-th parameter over the groups in order).  A parameter the dict has no state for
-  (it never had a gradient) starts at zero, as it would in torch.
+  (it never had a gradient) starts at zero, as it would in torch; a frozen one in the
+  groups (requires_grad=False, which the engine does not train) has none either.
 - step counts: from each parameter's `step` (Adam's bias correction is per parameter
   here as in torch), so the update continues as the torch run's would.
 - the master: the model's weights when the optimizer was built.  torch's optimizer
@@ -25,13 +26,14 @@ What is taken from where:
 The way off (load_into_torch_optimizer, at the end): a checkpoint's moments and step
 counts into a torch optimizer's state, each parameter by its name in the model.
 
-How the way on works: the engine writes an ordinary checkpoint of its state into a private temporary
-directory (TMPDIR; 12-16 B/param), this module replaces its moment arrays and step
-counts there (the master stays where it is in the file: it comes first in every
-state dtype's layout, so the file is cut after it and the moments written as fp32),
-and the engine loads it with every check a load makes; loading converts the fp32
-moments to the state dtype (bf16 rounds to nearest even, int8 encodes to the
-nearest code).  Worker memory: one parameter's moments at a time.
+How the way on works: the engine writes an ordinary checkpoint of its state into a
+private temporary directory (TMPDIR, or state_dir; 12-16 B/param of disk for a moment:
+the load takes about twice a save's time, BENCHMARKS.md), this module replaces its
+moment arrays and step counts there (the master stays where it is in the file: it
+comes first in every state dtype's layout, so the file is cut after it and the moments
+written as fp32), and the engine loads it with every check a load makes; loading
+converts the fp32 moments to the state dtype (bf16 rounds to nearest even, int8
+encodes to the nearest code). Worker memory: one parameter's moments at a time.
 
 Several ranks (ZeRO-2, each rank passing the same dict): the temporary checkpoint
 goes into a directory every rank sees (OffloadAdamW's state_dir, OffloadTrainer's
