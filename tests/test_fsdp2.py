@@ -56,7 +56,7 @@ def two_ranks(tmp_path_factory):
                  "ref+fp32shards", "offload+fp32shards", "ref+fp32shards+fp32compute",
                  "offload+fp32shards+fp32compute", "offload+fp32shards+resume",
                  # a run moving from torch AdamW onto offload halfway (its state dict)
-                 "fromtorch+fp32shards"], 2)
+                 "fromtorch+fp32shards", "fromtorch+fp32shards+dcpdict"], 2)
     return out
 
 
@@ -72,7 +72,8 @@ def reference_of(mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["offload", "dpu", "offload+zero2", "dpu+zero2", "offload+frozen+accum",
-                                  "offload+fp32shards", "offload+fp32shards+fp32compute", "fromtorch+fp32shards"])
+                                  "offload+fp32shards", "offload+fp32shards+fp32compute", "fromtorch+fp32shards",
+                                  "fromtorch+fp32shards+dcpdict"])
 def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mode):
     """Losses within 1e-2 relative of the reference at every step (DPU against the
     reference on DPU's schedule) and the final masters within 10% of how far the
@@ -85,7 +86,9 @@ def test_offload_adamw_on_fsdp2_trains_like_fsdp2_with_torch_adamw(two_ranks, mo
     assigning an fp32 shard's gradient to the bf16 proxy unrounded fails the fp32-shard
     runs: torch refuses the dtype.)  fromtorch: torch AdamW on the FSDP2 model for 15
     steps, then OffloadAdamW loads its state_dict() (each rank's DTensor moments) and
-    goes on; held to the same reference, and its update counter reaches 30.  (Mutation:
+    goes on (or DCP's get_optimizer_state_dict of it, keyed by parameter name, as
+    torchtitan's checkpoints hold it); held to the same reference, and its update
+    counter reaches 30.  (Mutation:
     the moments not loaded: losses 2e-2 apart, masters 17%, 15 updates.)"""
     ref, res = load(two_ranks, reference_of(mode), 2), load(two_ranks, mode, 2)
     p0 = initial()

@@ -18,6 +18,7 @@ each "+"-joined options:
            model and optimizer, load them and go on (torch.optim's contract)
   fromtorch  torch.optim.AdamW on the FSDP2 model itself for the first half, then
            OffloadAdamW on the same model loads its state_dict() and goes on
+  dcpdict  (with fromtorch) the dict is DCP's get_optimizer_state_dict (keyed by name)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -131,7 +132,11 @@ def run(out: str, mode: str, steps: int) -> None:
         if "fromtorch" in opts and t == steps // 2 + 1:
             # a run moving onto offload: torch AdamW's state dict (DTensor moments, each
             # rank its own) loaded into OffloadAdamW on the same model (runtime.torch_state)
-            sd = opt.state_dict()
+            if "dcpdict" in opts:  # DCP's form of it (torchtitan's checkpoints): keyed by parameter name
+                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+                sd = get_optimizer_state_dict(model, opt)
+            else:
+                sd = opt.state_dict()
             del opt
             opt = offload(model, opts, out)
             opt.load_state_dict(sd)
