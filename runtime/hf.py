@@ -35,11 +35,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
+import re
 import warnings
 
 import torch
 from transformers import Trainer
+
+from zero_offload.server.checkpoint import has_checkpoint
 
 from . import compute_dtype
 from .config import OffloadConfig
@@ -47,6 +51,7 @@ from .devices import resolve_device
 from .offload_adamw import OffloadAdamW
 from .offload_lion import OffloadLion
 
+log = logging.getLogger(__name__)
 CHECKPOINT_SUBDIR = "zero_offload"   # checkpoint-N/zero_offload: the engine's checkpoint
 # TrainingArguments.optim values offloaded: the optimizer class and the state dtype each
 # implies (None: offload's state_dtype, fp32 by default)
@@ -201,9 +206,14 @@ class OffloadTrainer(Trainer):
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank writes its shard (a collective), in the background: training goes on
-        # while the server writes, and the next step (or the end of train()) publishes it;
-        # the scheduler as Trainer does
-        self.offload_optimizer.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), keep=1, background=True)
+        # while the server writes, and the next step (or the end of train()) publishes it.
+        # With save_total_limit Trainer deletes older checkpoints as soon as this returns,
+        # so the save is blocking then: were the process killed before a background save
+        # is published, no checkpoint would hold a whole optimizer state.  The scheduler as
+        # Trainer does.
+        background = not (self.args.save_total_limit and self.args.save_total_limit > 0)
+        self.offload_optimizer.save_checkpoint(os.path.join(output_dir, CHECKPOINT_SUBDIR), keep=1,
+                                               background=background)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
@@ -226,9 +236,41 @@ class OffloadTrainer(Trainer):
                              f"or start from the model's weights")
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_FILE), weights_only=True))
 
-    def train(self, *args, **kwargs):
+    def _last_whole_checkpoint(self) -> str:
+        """resume_from_checkpoint=True: the newest checkpoint-N in output_dir whose
+        optimizer state is whole (zero_offload/ published, or a plain Trainer's
+        optimizer.pt), where Trainer would take the newest by name.  A background save
+        is published at the step after it (or at the end of train()), so a process killed
+        in between leaves checkpoint-N without one: the one before it is taken, and
+        the run redoes those steps."""
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+        root = self.args.output_dir
+        found = []
+        for name in os.listdir(root) if os.path.isdir(root) else ():
+            m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+            if m and os.path.isdir(os.path.join(root, name)):
+                found.append((int(m.group(1)), name))
+        skipped = []
+        for _, name in sorted(found, reverse=True):
+            ck = os.path.join(root, name)
+            whole = (has_checkpoint(os.path.join(ck, CHECKPOINT_SUBDIR))
+                     or os.path.isfile(os.path.join(ck, TORCH_OPTIMIZER_FILE)))
+            if whole and os.path.isfile(os.path.join(ck, "trainer_state.json")):
+                if skipped:
+                    log.warning("resume_from_checkpoint=True: %s hold no whole optimizer state (the run stopped "
+                                "before their background save was published); resuming from %s",
+                                ", ".join(skipped), name)
+                return ck
+            skipped.append(name)
+        raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {root} holds a whole optimizer state"
+                         f"{' (' + ', '.join(skipped) + ' do not)' if skipped else ''}: start without "
+                         f"resume_from_checkpoint, or pass a checkpoint's path")
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._last_whole_checkpoint()
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             # land the last update on the model (DPU) and stop the server, as close() does;
             # a later train() call builds a new optimizer from the trained weights

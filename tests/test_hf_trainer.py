@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -201,13 +202,40 @@ def test_a_plain_trainer_checkpoint_resumes_offloaded(tmp_path):
         assert abs(a - b) / b < 1e-2, (s, a, b)
 
 
-def launch_worker(out, nproc: int, steps: int, batch: int, resume=None) -> dict:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc),
-           os.path.join(root, "tests", "helpers", "hf_worker.py"), str(out), str(steps), str(batch)]
-    p = subprocess.run(cmd + ([str(resume)] if resume else []), cwd=root, capture_output=True, text=True,
-                       timeout=250, env=dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "helpers", "hf_worker.py")
+
+
+def servers_of(pid: int) -> list[int]:
+    """The optimizer server processes spawned for worker `pid` (their --parent-pid)."""
+    out = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"zero_offload.server" in argv and b"--parent-pid" in argv and \
+                argv[argv.index(b"--parent-pid") + 1] == str(pid).encode():
+            out.append(int(d))
+    return out
+
+
+def launch_worker(out, nproc: int, *opts, killed: bool = False) -> dict:
+    """tests/helpers/hf_worker.py under the launcher (nproc > 1) or alone; its rank0.json."""
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
+    p = subprocess.Popen(cmd + [WORKER, str(out), *map(str, opts)], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    said, _ = p.communicate(timeout=250)
+    if killed:
+        assert p.returncode == -9, said[-3000:]
+        # its private optimizer server sees its parent gone and exits (heartbeat bound)
+        deadline = time.monotonic() + 15
+        while servers_of(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not servers_of(p.pid), "the killed worker's optimizer server is still running"
+        return {}
+    assert p.returncode == 0, said[-3000:]
     with open(os.path.join(out, "rank0.json")) as f:
         return json.load(f)
 
@@ -224,7 +252,7 @@ def test_two_processes_train_like_one_and_resume_a_plain_trainer_checkpoint(tmp_
     Accelerate's fails the first backward on both ranks, naming DDP.)"""
     log.info("seed %d", SEED)
     one, _ = run(OffloadTrainer, tmp_path / "one", max_steps=10, per_device_train_batch_size=4)
-    two = launch_worker(tmp_path / "two", 2, 10, 4)
+    two = launch_worker(tmp_path / "two", 2, "--steps", 10, "--batch", 4)
     assert two["world"] == 2 and [s for s, _, _ in two["logs"]] == list(range(1, 11))
     for (s, a, na), (_, b, nb) in zip(two["logs"], one):
         assert abs(a - b) / b < 1e-3, (s, a, b)
@@ -235,8 +263,31 @@ def test_two_processes_train_like_one_and_resume_a_plain_trainer_checkpoint(tmp_
     ref, _ = run(transformers.Trainer, tmp_path / "plain", max_steps=10, per_device_train_batch_size=4,
                  save_strategy="steps", save_steps=5)
     ck = tmp_path / "plain" / "checkpoint-5"
-    resumed = launch_worker(tmp_path / "plain", 2, 10, 4, resume=ck)
+    resumed = launch_worker(tmp_path / "plain", 2, "--steps", 10, "--batch", 4, "--resume", ck)
     assert resumed["updates"] == [[s, s] for s in range(6, 11)]
     for (s, a, _), (_, b, _) in zip(resumed["logs"], ref[5:]):
         assert abs(a - b) / b < 1e-2, (s, a, b)
     assert not [n for n in os.listdir(tmp_path / "plain") if n.startswith("zero-offload-torch-state-")]
+
+
+@pytest.mark.parametrize("limit", [None, 1], ids=["background", "save_total_limit"])
+def test_a_run_killed_after_a_save_resumes_from_a_whole_checkpoint(tmp_path, limit):
+    """SIGKILL right after Trainer wrote checkpoint-4 (on_save), before the next step: a
+    background optimizer save is not published yet, so checkpoint-4 holds no whole
+    optimizer state, and resume_from_checkpoint=True takes checkpoint-2 instead of
+    failing on it.  With save_total_limit=1 the save is blocking, since Trainer deletes
+    checkpoint-2 as soon as it returns: checkpoint-4 is whole and taken.  Either way the
+    resumed run ends with the uninterrupted run's losses and weights, bit for bit; nothing
+    of the killed run is left running.  (Mutations: Trainer's own pick of the newest
+    checkpoint fails the background case loading checkpoint-4; a background save
+    under save_total_limit leaves no whole checkpoint.)"""
+    opts = ["--steps", 6, "--save-steps", 2] + (["--save-total-limit", limit] if limit else [])
+    whole = launch_worker(tmp_path / "whole", 1, *opts)
+    launch_worker(tmp_path / "run", 1, *opts, "--kill-at-save", 4, killed=True)
+    cks = sorted(os.listdir(tmp_path / "run"))
+    assert cks == (["checkpoint-2", "checkpoint-4"] if limit is None else ["checkpoint-4"]), cks
+    resumed = launch_worker(tmp_path / "run", 1, *opts, "--resume", "true")
+    first = 3 if limit is None else 5  # checkpoint-2, or checkpoint-4, was taken
+    assert [x[0] for x in resumed["updates"]] == list(range(first, 7))
+    assert [x[:2] for x in resumed["logs"]] == [x[:2] for x in whole["logs"][first - 1:]]
+    assert resumed["weights"] == whole["weights"]

@@ -1,35 +1,64 @@
-"""One rank of the several-process OffloadTrainer test, run under zero-offload-launch
-(as torchrun would run a Trainer script):
+"""An OffloadTrainer run in processes of its own, for tests/test_hf_trainer.py: under
+zero-offload-launch with several processes (as torchrun would run a Trainer script), or
+alone to be killed mid-run.
 
-    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/hf_worker.py OUT STEPS BATCH [RESUME]
+    python -m zero_offload.launch --nproc-per-node 2 tests/helpers/hf_worker.py OUT --steps 10 --batch 4
+    python tests/helpers/hf_worker.py OUT --steps 6 --save-steps 2 --kill-at-save 4
 
-tests/test_hf_trainer.py's tiny GPT-2, text and TrainingArguments, with a per-device batch of
-BATCH / world (the same global batch as one process with BATCH), save_steps=5, and
-resume_from_checkpoint=RESUME if given.  Rank 0 writes OUT/rank0.json: the logged
-(step, loss, grad_norm) and the update counter after each step.
+The test module's tiny GPT-2, text and TrainingArguments, with a per-device batch of
+BATCH / world (the same global batch as one process with BATCH).  --resume: the
+resume_from_checkpoint argument (a path, or "true").  --kill-at-save N: SIGKILL this
+process in on_save at step N (after Trainer's checkpoint-N is written, before the next
+step: a background optimizer save is not yet published).  Rank 0 writes OUT/rank0.json:
+the logged (step, loss, grad_norm), the update counter after each step, and the final
+weights' sum of squares per parameter, at full precision, as a fingerprint.
 """
+import argparse
 import json
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import transformers  # noqa: E402
 
 from tests.test_hf_trainer import TextWindows, Record, Updates, args, tiny_gpt2  # noqa: E402
 from zero_offload.hf import OffloadTrainer  # noqa: E402
 
 
+class KillAtSave(transformers.TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, a, state, control, **kw):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main():
-    out, steps, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    resume = sys.argv[4] if len(sys.argv) > 4 else None
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--save-steps", type=int, default=5)
+    ap.add_argument("--save-total-limit", type=int, default=None)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--kill-at-save", type=int, default=None)
+    a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rec, upd = Record(), Updates()
-    t = OffloadTrainer(model=tiny_gpt2(), args=args(out, max_steps=steps, per_device_train_batch_size=batch // world,
-                                                    save_strategy="steps", save_steps=5),
-                       train_dataset=TextWindows(), callbacks=[rec, upd], offload={"server": {"threads": 1}})
-    t.train(resume_from_checkpoint=resume)
+    cbs = [rec, upd] + ([KillAtSave(a.kill_at_save)] if a.kill_at_save else [])
+    model = tiny_gpt2()
+    t = OffloadTrainer(model=model, args=args(a.out, max_steps=a.steps, per_device_train_batch_size=a.batch // world,
+                                              save_strategy="steps", save_steps=a.save_steps,
+                                              save_total_limit=a.save_total_limit),
+                       train_dataset=TextWindows(), callbacks=cbs, offload={"server": {"threads": 1}})
+    t.train(resume_from_checkpoint=True if a.resume == "true" else a.resume)
     if t.args.process_index == 0:
-        with open(os.path.join(out, "rank0.json"), "w") as f:
-            json.dump({"logs": rec.logs, "updates": upd.seen, "world": t.args.world_size}, f)
+        weights = {n: p.detach().float().double().square().sum().item() for n, p in model.named_parameters()}
+        with open(os.path.join(a.out, "rank0.json"), "w") as f:
+            json.dump({"logs": rec.logs, "updates": upd.seen, "world": t.args.world_size, "weights": weights}, f)
 
 
 if __name__ == "__main__":
