@@ -116,6 +116,7 @@ class LocalShards:
         # the engine lays these out and frees them (its flat space views its own weights);
         # fp32 shards start the master from their fp32 values
         self.proxies = [torch.nn.Parameter(t.detach().clone()) for t in self.local]
+        self.proxy_of = {id(p): q for p, q in zip(params, self.proxies)}  # id(a trainable DTensor) -> its proxy
         self.module = _Proxies(self.proxies)
         self.group = params[0].device_mesh.get_group() if params else None
         # this rank's place in FSDP2's group: where its rows of each parameter lie

@@ -150,7 +150,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                              f"all-gather reads the local shards before the forward, so the update cannot run "
                              f"during it; use 'sync' (or mode='dpu')")
         self._shards = fsdp2.LocalShards(params)
-        proxy = {id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
+        proxy = self._shards.proxy_of
         for g in groups:  # frozen shards have no proxy: left alone, as torch.optim leaves them
             g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
         # every name model.state_dict() gives a parameter (a tied weight has several; the first
@@ -273,8 +273,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         values (runtime.torch_state)."""
         self._check_group_sizes(state_dict["param_groups"])
         torch_state.check_groups(state_dict["param_groups"], self.OPTIMIZER)
-        proxy = ({id(p): q for p, q in zip(self._shards.params, self._shards.proxies)}
-                 if self._shards is not None else None)
+        proxy = self._shards.proxy_of if self._shards is not None else None
         states, pairs = state_dict["state"], []
         named = {k for s in state_dict["param_groups"] for k in s["params"]}
         stray = [k for k in states if k not in named]
