@@ -168,11 +168,10 @@ class OffloadTrainer(Trainer):
         placement copies every parameter with several CPU processes (Accelerate's device
         is cpu:0, and tensor.to("cpu:0") of a "cpu" tensor is a copy), so the engine's
         16-bit weights would no longer reach the model (the engine refuses that at the
-        first backward).  So this trainer's
-        accelerator prepares models as transformers prepares one that owns its placement
-        and gradient reduction: autocast (and torch.compile) only, Trainer having put the
-        model on its device.  Where Accelerate would not use DDP (FSDP, DeepSpeed) its
-        preparation is left as it is."""
+        first backward).  So this trainer's accelerator prepares models as transformers
+        prepares one that owns its placement and gradient reduction: autocast (and
+        torch.compile) only, Trainer having put the model on its device.  Where Accelerate
+        would not use DDP (FSDP, DeepSpeed) its preparation is left as it is."""
         acc = self.accelerator
         kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
         if not (kind == "NO" or kind.startswith("MULTI_")):
@@ -243,6 +242,7 @@ class OffloadTrainer(Trainer):
         is published at the step after it (or at the end of train()), so a process killed
         in between leaves checkpoint-N without one: the one before it is taken, and
         the run redoes those steps."""
+        from transformers.trainer import TRAINER_STATE_NAME
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
         root = self.args.output_dir
         found = []
@@ -255,7 +255,7 @@ class OffloadTrainer(Trainer):
             ck = os.path.join(root, name)
             whole = (has_checkpoint(os.path.join(ck, CHECKPOINT_SUBDIR))
                      or os.path.isfile(os.path.join(ck, TORCH_OPTIMIZER_FILE)))
-            if whole and os.path.isfile(os.path.join(ck, "trainer_state.json")):
+            if whole and os.path.isfile(os.path.join(ck, TRAINER_STATE_NAME)):
                 if skipped:
                     log.warning("resume_from_checkpoint=True: %s hold no whole optimizer state (the run stopped "
                                 "before their background save was published); resuming from %s",
