@@ -133,16 +133,16 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
         tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
     try:
         d = Path(engine.save_checkpoint(str(tmp), keep=1))
+        write_err = None
         try:
             _rewrite(d, engine.rank, engine.world_size, checked, moments, counts)
-            ok = True
-        except OSError:
-            ok = False
+        except OSError as e:
             if not several:
                 raise
-        if several and not engine.coll.all_ok(ok):
+            write_err = e  # raised below on every rank, with its cause on this one
+        if several and not engine.coll.all_ok(write_err is None):
             raise OSError(f"a rank could not write its part of the temporary checkpoint in {tmp} (disk full?): "
-                          f"nothing was loaded")
+                          f"nothing was loaded") from write_err
         engine.load_checkpoint(str(d))
     finally:
         if several:
