@@ -168,7 +168,8 @@ def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, l
         if st is None:
             st = {}
         if not isinstance(st, dict):
-            raise ValueError(f"{where}'s state is a {type(st).__name__}, not a dict: not a torch optimizer's state")
+            raise ValueError(f"{where}'s state is a {type(st).__name__}, not a dict: not a torch optimizer's state; "
+                             f"pass what the torch optimizer's state_dict() returned")
         extra = sorted(k for k, v in st.items() if isinstance(v, torch.Tensor) and v.numel() > 1
                        and k not in moments)
         if extra:
@@ -181,7 +182,8 @@ def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, l
         for k in moments if st else ():
             t = _local(st[k])
             if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise ValueError(f"{where}'s {k} is not a floating tensor")
+                raise ValueError(f"{where}'s {k} is not a floating tensor: not a torch optimizer's state as "
+                                 f"state_dict() saved it; pass that dict unchanged")
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{where}'s {k} has shape {tuple(t.shape)}, the parameter {tuple(p.shape)}: "
                                  f"build the optimizer over the model the state dict was saved with, in the "
