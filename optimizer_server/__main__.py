@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, ServerConfig
+from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, SAVE_RATE_ENV, ServerConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"refuse a shard needing more than this fraction of MemAvailable; 0: no check "
                          f"(a VM whose RAM grows as it is used); default ${RAM_FRACTION_ENV} or 0.9")
     ap.add_argument("--max-sessions", type=int, default=64, help="refuse HELLO beyond this many shards (0: no cap)")
+    ap.add_argument("--save-max-bytes-per-s", default=os.environ.get(SAVE_RATE_ENV, "0"),
+                    help=f"cap a checkpoint save's writes at this many bytes per second, for a disk the job "
+                         f"shares (0: no cap); default ${SAVE_RATE_ENV} or 0")
     a = ap.parse_args(argv)
     try:
         ram_fraction = float(a.max_ram_fraction)
@@ -36,11 +39,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--max-ram-fraction (or ${RAM_FRACTION_ENV}) must be a number in [0, 1], "
                  f"got {a.max_ram_fraction!r}")
     try:
+        save_rate = float(a.save_max_bytes_per_s)
+    except ValueError:
+        ap.error(f"--save-max-bytes-per-s (or ${SAVE_RATE_ENV}) must be a number >= 0, "
+                 f"got {a.save_max_bytes_per_s!r}")
+    try:
         cfg = ServerConfig(address=a.address, allow_remote=a.allow_remote, address_file=a.address_file, token=a.token, threads=a.threads,
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
                            log_level=a.log_level, parent_pid=a.parent_pid,
                            trace_dir=a.trace_dir, max_ram_fraction=ram_fraction,
-                           max_sessions=a.max_sessions)
+                           max_sessions=a.max_sessions, save_max_bytes_per_s=save_rate)
     except ValueError as e:
         ap.error(str(e))
     if cfg.address_file:

@@ -12,14 +12,21 @@ Importable without torch.  Three pieces:
   of byte ranges of the file), while the update thread may already change the state.
 
 The save's contract (background or not, the bytes are the same): the file holds
-the state as it was when the job was made.  Before the update thread overwrites
-elements [lo, hi) of any saved array it calls ``ensure(lo, hi)``: a chunk not yet
-written is written by the caller itself, then and there; one being written by a
-writer thread is waited for.  The update thus chases the writers: it never
-overwrites a byte that is still to be saved, and it never waits for a chunk it does
-not touch.  Chunk states:
+the state as it was when the job was made.  Every chunk is first copied out of the
+live arrays at memory speed, then written from that private copy, so the disk never
+holds the update back.  A writer thread copies the chunk it claims into its own
+buffer; before the update thread overwrites elements [lo, hi) of any saved array it
+calls ``ensure(lo, hi)``, which copies each chunk there that nobody has yet into a
+snapshot buffer (the snapshot: host RAM for the chunks the update reaches before the
+writers, at most the file's size, freed as they are written) and waits only for a
+copy in progress.  Chunk states:
 
-    PENDING --(a writer or ensure() claims it)--> WRITING --(written)--> WRITTEN
+    PENDING --(a writer claims it)--> COPYING --(copied)--> WRITING --(written)--> WRITTEN
+    PENDING --(ensure)--> COPYING --(copied)--> SNAPSHOT --(a writer)--> WRITING --> WRITTEN
+
+Without room for a snapshot (``snapshot=False``, decided when the job is made)
+ensure() writes the chunk to the file itself instead, from the live arrays (COPYING
+stands for that write), and the update waits for the disk as it goes.
 
 Fsync policy (docs/checkpoint.md): the data file is fsync'd once, after its last
 chunk; then it is renamed into place, the manifest written (tmp, fsync, rename) and
@@ -233,9 +240,11 @@ class Part:
 
 
 class ChunkState(enum.Enum):
-    PENDING = 0
-    WRITING = 1
-    WRITTEN = 2
+    PENDING = 0    # only the live arrays hold its bytes
+    COPYING = 1    # being read out of the live arrays (by a writer, or by ensure())
+    SNAPSHOT = 2   # copied by ensure() into a snapshot buffer: waits for a writer
+    WRITING = 3    # being written from a private copy: the live arrays are free
+    WRITTEN = 4
 
 
 class SaveJob:
@@ -245,17 +254,26 @@ class SaveJob:
     writes on its own threads until done; ``ensure`` is the update thread's guard,
     ``wait`` blocks until the file is complete (or failed), ``cancel`` stops it and
     removes the temporary file.  ``finish(crc)`` is called on a writer thread after
-    the last chunk, with the file fsync'd and renamed into place."""
+    the last chunk, with the file fsync'd and renamed into place.  snapshot: ensure()
+    copies chunks into host RAM (up to the file's size) instead of writing them."""
 
     def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
-                 finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK):
+                 finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK,
+                 max_bytes_per_s: float = 0.0, snapshot: bool = True, on_done: Callable[[], None] | None = None):
         self.path = Path(path)
+        self.max_bytes_per_s = max_bytes_per_s  # 0: as fast as the disk takes them (ServerConfig)
+        self._paced = 0  # bytes counted against that cap so far
+        self.snapshot = snapshot
         self.parts = parts
         self.numel = numel
         self.total_bytes = total_bytes
         self.chunk = chunk
         self.n_chunks = max(1, -(-numel // chunk))
         self.states = [ChunkState.PENDING] * self.n_chunks
+        self._copies: dict[int, tuple[np.ndarray, list]] = {}  # SNAPSHOT chunks: (buffer, pieces)
+        self._free: list[np.ndarray] = []  # snapshot buffers a writer is done with, for ensure() to reuse
+        self.snapshot_bytes = 0       # host RAM the snapshot buffers hold now
+        self.snapshot_peak = 0        # ... at most (what the save cost in RAM beyond the writers' buffers)
         self.crcs: list[tuple[int, int, int]] = []
         self.bytes_done = 0
         self.error: BaseException | None = None
@@ -263,11 +281,14 @@ class SaveJob:
         self.started = time.monotonic()
         self.seconds = 0.0
         self.waited_s = 0.0          # the update thread's time in ensure() (what the save cost training)
+        self.ensure_writes = 0       # chunks ensure() wrote to the file itself (no snapshot)
         self._finish = finish
+        self._on_done = on_done  # called once the job has ended, however (the server's RAM reservation)
         self._cancelled = False
         self._next = 0
         self._cv = threading.Condition()
         self._done = threading.Event()
+        self.chunk_bytes = max((self._chunk_size(c) for c in range(self.n_chunks)), default=0)
         self.tmp = temp_name(self.path)  # random, opened O_EXCL|O_NOFOLLOW (optimizer_server.atomic)
         self.fd = os.open(self.tmp, EXCL_FLAGS, FILE_MODE)
         try:
@@ -291,37 +312,91 @@ class SaveJob:
     def failed(self) -> bool:
         return self.done and self.error is not None
 
-    def _claim_next(self) -> int | None:
-        with self._cv:
-            while self._next < self.n_chunks and self.states[self._next] is not ChunkState.PENDING:
-                self._next += 1
-            if self._cancelled or self.error is not None or self._next >= self.n_chunks:
-                return None
-            c = self._next
-            self.states[c] = ChunkState.WRITING
-            return c
-
-    def _write_chunk(self, c: int, scratch: dict) -> None:
+    def _ranges(self, c: int):
+        """(part index, first item, end item) of chunk c's pieces, one per part it covers."""
         a, b = c * self.chunk, min(self.numel, (c + 1) * self.chunk)
-        pieces = []
         for i, part in enumerate(self.parts):
             ia, ib = a // part.per, min(part.numel, -(-b // part.per))
-            if ib <= ia:
-                continue
+            if ib > ia:
+                yield i, ia, ib
+
+    def _chunk_size(self, c: int) -> int:
+        return sum((ib - ia) * self.parts[i].itemsize for i, ia, ib in self._ranges(c))
+
+    def _claim_next(self) -> int | None:
+        """The next chunk for a writer: a snapshot first (it holds RAM), else the lowest
+        pending one (COPYING now, the caller's); None once every chunk is being written
+        or written.  While ensure() still copies one, a writer stays for it."""
+        with self._cv:
+            while True:
+                if self._cancelled or self.error is not None:
+                    return None
+                for c in self._copies:
+                    if self.states[c] is ChunkState.SNAPSHOT:
+                        self.states[c] = ChunkState.WRITING
+                        return c
+                while self._next < self.n_chunks and self.states[self._next] is not ChunkState.PENDING:
+                    self._next += 1
+                if self._next < self.n_chunks:
+                    c = self._next
+                    self.states[c] = ChunkState.COPYING
+                    return c
+                if not any(st is ChunkState.COPYING for st in self.states):
+                    return None
+                self._cv.wait(0.05)
+
+    def _copy_chunk(self, c: int, buf: np.ndarray) -> list:
+        """Chunk c's bytes out of the live arrays into buf (a memcpy, or a conversion such
+        as the exact master's join written straight there): [(file offset, view of buf)]."""
+        pieces, at = [], 0
+        for i, ia, ib in self._ranges(c):
+            part = self.parts[i]
+            n = (ib - ia) * part.itemsize
+            dst = buf[at:at + n]
+            got = np.frombuffer(part.get(ia, ib, dst if part.scratch_bytes else None), np.uint8)
+            if not np.may_share_memory(got, dst):
+                dst[:] = got
+            pieces.append((part.base + ia * part.itemsize, dst))
+            at += n
+        return pieces
+
+    def _write_pieces(self, c: int, pieces: list) -> None:
+        """pwrite chunk c's private copy, then WRITTEN."""
+        done = []
+        for off, view in pieces:
+            mv = memoryview(view)
+            _pwrite_all(self.fd, mv, off)
+            done.append((off, len(mv), zlib.crc32(mv)))
+        if self.max_bytes_per_s:
+            self._pace(sum(n for _, n, _ in done))
+        with self._cv:
+            self.crcs.extend(done)
+            self.bytes_done += sum(n for _, n, _ in done)
+            self.states[c] = ChunkState.WRITTEN
+            self._cv.notify_all()
+
+    def _write_live(self, c: int, scratch: dict) -> None:
+        """No snapshot: chunk c straight from the live arrays (a conversion into scratch)."""
+        pieces = []
+        for i, ia, ib in self._ranges(c):
+            part = self.parts[i]
             buf = None
             if part.scratch_bytes:
                 buf = scratch.get(i)
                 if buf is None:
                     buf = scratch[i] = np.empty(part.scratch_bytes, np.uint8)
-            view = part.get(ia, ib, buf)
-            off = part.base + ia * part.itemsize
-            _pwrite_all(self.fd, view, off)
-            pieces.append((off, len(view), zlib.crc32(view)))
+            pieces.append((part.base + ia * part.itemsize, np.frombuffer(part.get(ia, ib, buf), np.uint8)))
+        self._write_pieces(c, pieces)
+
+    def _pace(self, nbytes: int) -> None:
+        """The cap on the save's bandwidth: a chunk is written when the bytes so far, this
+        one included, are due at the capped rate since the start (like a disk that slow:
+        the chunk stays WRITING meanwhile; the update, which needs only its copy, goes on)."""
         with self._cv:
-            self.crcs.extend(pieces)
-            self.bytes_done += sum(n for _, n, _ in pieces)
-            self.states[c] = ChunkState.WRITTEN
-            self._cv.notify_all()
+            self._paced += nbytes
+            due = self.started + self._paced / self.max_bytes_per_s
+        while not self._cancelled and (delay := due - time.monotonic()) > 0:
+            time.sleep(min(delay, 0.1))
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -330,10 +405,22 @@ class SaveJob:
             self._cv.notify_all()
 
     def _writer(self) -> None:
-        scratch: dict = {}
+        own = np.empty(self.chunk_bytes, np.uint8)  # this writer's copy of the chunk it writes
         try:
             while (c := self._claim_next()) is not None:
-                self._write_chunk(c, scratch)
+                with self._cv:
+                    snap = self._copies.pop(c, None)
+                if snap is not None:  # ensure() copied it: write that copy, then recycle its buffer
+                    buf, pieces = snap
+                    self._write_pieces(c, pieces)
+                    with self._cv:
+                        self._free.append(buf)
+                    continue
+                pieces = self._copy_chunk(c, own)
+                with self._cv:  # the live arrays are free: an ensure() waiting on it goes on
+                    self.states[c] = ChunkState.WRITING
+                    self._cv.notify_all()
+                self._write_pieces(c, pieces)
         except BaseException as e:  # noqa: BLE001 - recorded, raised by wait()
             self._fail(e)
         finally:
@@ -367,6 +454,14 @@ class SaveJob:
                 os.close(self.fd)
                 self.fd = -1
             self.seconds = time.monotonic() - self.started
+            self._copies.clear()
+            self._free.clear()
+            self.snapshot_bytes = 0
+            if self._on_done is not None:
+                try:
+                    self._on_done()
+                except Exception:  # noqa: BLE001 - bookkeeping; the save's own outcome stands
+                    pass
             self._done.set()
             with self._cv:
                 self._cv.notify_all()
@@ -385,21 +480,35 @@ class SaveJob:
 
     # -- the update thread -----------------------------------------------------
     def ensure(self, lo: int, hi: int) -> None:
-        """Return once elements [lo, hi) of every saved array are in the file (writing
-        the chunks nobody has claimed yet here, on the caller's thread)."""
+        """Return once elements [lo, hi) of every saved array may be overwritten: each
+        chunk there copied (a snapshot of the ones nobody has copied yet, made here, on
+        the caller's thread) or written; without a snapshot, written here."""
         if hi <= lo or self.done:
             return
         t0 = time.perf_counter()
         scratch: dict = {}
         for c in range(lo // self.chunk, min(self.n_chunks, -(-hi // self.chunk))):
             with self._cv:
-                while self.states[c] is ChunkState.WRITING and self.error is None and not self._cancelled:
+                while self.states[c] is ChunkState.COPYING and self.error is None and not self._cancelled:
                     self._cv.wait(0.05)
                 if self.states[c] is not ChunkState.PENDING or self.error is not None or self._cancelled:
-                    continue  # written (or the save failed: nothing is owed to it any more)
-                self.states[c] = ChunkState.WRITING
+                    continue  # copied or written (or the save failed: nothing is owed to it any more)
+                self.states[c] = ChunkState.COPYING
+                buf = self._free.pop() if self._free else None
             try:
-                self._write_chunk(c, scratch)
+                if not self.snapshot:
+                    self.ensure_writes += 1
+                    self._write_live(c, scratch)
+                    continue
+                if buf is None:
+                    buf = np.empty(self.chunk_bytes, np.uint8)
+                    self.snapshot_bytes += buf.nbytes
+                    self.snapshot_peak = max(self.snapshot_peak, self.snapshot_bytes)
+                pieces = self._copy_chunk(c, buf)
+                with self._cv:
+                    self._copies[c] = (buf, pieces)
+                    self.states[c] = ChunkState.SNAPSHOT
+                    self._cv.notify_all()
             except BaseException as e:  # noqa: BLE001 - the save fails, the update goes on
                 self._fail(e)
         self.waited_s += time.perf_counter() - t0
@@ -426,4 +535,5 @@ class SaveJob:
         return {"state": state, "bytes_done": self.bytes_done, "bytes_total": self.total_bytes,
                 "error": "" if self.error is None else f"{type(self.error).__name__}: {self.error}",
                 "seconds": self.seconds if self.done else time.monotonic() - self.started,
-                "waited_s": self.waited_s}
+                "waited_s": self.waited_s, "snapshot": self.snapshot, "snapshot_peak": self.snapshot_peak,
+                "ensure_writes": self.ensure_writes}

@@ -358,7 +358,9 @@ class ShardClient:
         st = self.stats()
         self._save_hint = (st.save_state, st.save_error)
         return {"state": st.save_state, "bytes_done": st.save_bytes_done, "bytes_total": st.save_bytes_total,
-                "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s}
+                "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s,
+                "snapshot": st.save_snapshot, "snapshot_peak": st.save_snapshot_peak,
+                "update_writes": st.save_update_writes}
 
     def wait_save(self, poll_s: float = 0.05) -> dict:
         """Block until the newest save is written (its status); fails only when the server

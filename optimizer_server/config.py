@@ -10,6 +10,7 @@ ADDRESS_ENV = "ZERO_OFFLOAD_ADDRESS"            # the launcher sets it for its w
 TOKEN_ENV = "ZERO_OFFLOAD_TOKEN"                # spawn() and the launcher pass the token so, never in argv
 RAM_FRACTION_ENV = "ZERO_OFFLOAD_MAX_RAM_FRACTION"
 TRACE_DIR_ENV = "ZERO_OFFLOAD_TRACE_DIR"        # the launcher's --trace-dir, for workers and server alike
+SAVE_RATE_ENV = "ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S"  # --save-max-bytes-per-s for a server an engine spawns
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -45,6 +46,11 @@ class ServerConfig:
         spawns can be told too.
     max_sessions: refuse a HELLO once this many shards are admitted (0: no cap); a
         node runs a handful of ranks, and each session holds a segment and a thread.
+    save_max_bytes_per_s: the most bytes per second a checkpoint save writes (0: as fast
+        as the disk takes them).  For a disk or network filesystem that the job shares
+        (its data loader, other jobs), so that a save does not starve them; the command
+        line's default comes from ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S, as for
+        max_ram_fraction.
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
@@ -60,6 +66,7 @@ class ServerConfig:
     exit_when_idle: bool = False
     max_ram_fraction: float = 0.9
     max_sessions: int = 64
+    save_max_bytes_per_s: float = 0.0
     log_level: str = "INFO"
     parent_pid: int = 0
     trace_dir: str = ""
@@ -79,6 +86,9 @@ class ServerConfig:
             raise ValueError(f"threads must be >= 0 (0 = OpenMP default), got {self.threads}")
         if not self.heartbeat_timeout_s > 0:
             raise ValueError(f"heartbeat_timeout_s must be > 0, got {self.heartbeat_timeout_s}")
+        if not (self.save_max_bytes_per_s >= 0 and self.save_max_bytes_per_s < float("inf")):
+            raise ValueError(f"save_max_bytes_per_s must be a finite number >= 0 (0: no cap), "
+                             f"got {self.save_max_bytes_per_s}")
         if not 0 <= self.max_ram_fraction <= 1:
             raise ValueError(f"max_ram_fraction must be in [0, 1] (0: no check), got {self.max_ram_fraction}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):

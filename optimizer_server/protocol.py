@@ -84,6 +84,10 @@ updates, the worker's steps include skipped ones).
 Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
 out last layer first, so that is the next forward's order) and the progress word
 counts the elements done from the shard's end (overlap_update's forward pipeline).
+Version 16 added STATS_OK.state_dtype and STATS_OK.state_bytes: the dtype the shard
+keeps its state in and the host bytes its master and moments hold; and a background
+save's snapshot (STATS_OK.save_snapshot, save_snapshot_peak, save_update_writes; its
+OK.info says "snapshot" and, without one, a "note" saying why).
 """
 from __future__ import annotations
 
@@ -94,7 +98,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -431,6 +435,11 @@ class StatsOk(Message):
     save_error: str = ""        # why it failed (the previous checkpoint stays current)
     save_seconds: float = 0.0   # how long it ran (so far)
     save_waited_s: float = 0.0  # how long updates waited for it (what it cost training)
+    save_snapshot: bool = False  # the updates during it copy what they overwrite (else they write it first)
+    save_snapshot_peak: int = 0  # host bytes its snapshot held at most
+    save_update_writes: int = 0  # chunks the updates wrote to the file themselves (no snapshot)
+    state_dtype: str = ""       # what the shard keeps master and moments in (HELLO.state_dtype)
+    state_bytes: int = 0        # the host bytes its master (the exact one's remainder) and moments hold
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ import zmq
 
 from . import ipc
 from . import protocol as P
-from .admission import Refused, Reservations, admit, shard_need
+from .admission import Refused, Reservations, admit, read_mem_available, shard_need
 from .checkpoint import CheckpointError
 from .config import TOKEN_ENV, ServerConfig
 from .files import ServerFiles
@@ -268,10 +268,11 @@ class OptimizerServer:
 
             def save():
                 try:
-                    job = shard.start_save(msg.dir)
+                    snapshot, on_done = self._snapshot_room(session, shard) if msg.background else (False, None)
+                    job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done)
                     if msg.background:
                         return {"background": True, "bytes": job.total_bytes, "updates": shard.updates,
-                                "seq": shard.save_seq}
+                                "seq": shard.save_seq, "snapshot": snapshot, "note": shard.save_note}
                     with self.tracer.span("checkpoint_save", rank=shard.rank):
                         info = job.wait()
                 except OSError as e:
@@ -281,11 +282,34 @@ class OptimizerServer:
             return self._on_thread(identity, session, shard, "SAVE", save)
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
 
+    def _snapshot_room(self, session: str, shard: Shard) -> tuple[bool, object]:
+        """A background save snapshots what the updates after it overwrite (ckpt_io): up to
+        the file's size in host RAM.  Taken only if admission's rule admits it beside what
+        admitted shards have reserved; reserved itself until the save ends, so a HELLO
+        meanwhile counts it.  Otherwise the save writes before each update overwrites,
+        as a blocking one would, and the log says why."""
+        need = shard.snapshot_bytes()
+        avail = read_mem_available() - self.reservations.outstanding
+        if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:
+            why = (f"a background save of rank {shard.rank} takes no snapshot: it needs {need / 2**30:.2f} GiB of host "
+                   f"RAM and {max(0, avail) / 2**30:.2f} GiB is available beside the shards' reservations, so the "
+                   f"updates while it writes wait for the disk (use state_dtype='bf16', or save with "
+                   f"background=False)")
+            log.warning("%s", why)
+            shard.save_note = why
+            return False, None
+        key = f"{session}/snapshot"
+        self.reservations.add(key, need)
+        shard.save_note = ""
+        return True, lambda: self.reservations.drop(key)
+
     def _stats(self, shard: Shard) -> bytes:
         sv = shard.save_status()
         return dataclasses.replace(shard.stats(), save_state=sv["state"], save_bytes_done=sv["bytes_done"],
                                    save_bytes_total=sv["bytes_total"], save_error=sv["error"],
-                                   save_seconds=sv["seconds"], save_waited_s=sv["waited_s"]).encode()
+                                   save_seconds=sv["seconds"], save_waited_s=sv["waited_s"],
+                                   save_snapshot=sv["snapshot"], save_snapshot_peak=sv["snapshot_peak"],
+                                   save_update_writes=sv["ensure_writes"]).encode()
 
     def _on_thread(self, identity: bytes, session: str, shard: Shard, what: str, fn) -> None:
         """Run a long request (INIT, LOAD, GET_MASTER, SAVE) on the shard's update thread,
@@ -326,7 +350,8 @@ class OptimizerServer:
                                          f"{e.strerror or e}; free space in /dev/shm or enlarge it (docker: "
                                          f"--shm-size)")
         try:
-            shard = Shard(session, msg, seg, layout, self.cfg.threads)
+            shard = Shard(session, msg, seg, layout, self.cfg.threads,
+                          save_max_bytes_per_s=self.cfg.save_max_bytes_per_s)
         except MemoryError:
             seg.close()
             seg.unlink()

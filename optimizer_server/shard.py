@@ -59,8 +59,11 @@ def _chunk_end(a: int) -> int:
 class Shard(ShardSpeculation, ShardCheckpoint):
     """State of one registered worker.  Created on HELLO, freed on BYE or drop."""
 
-    def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int):
+    def __init__(self, session: str, hello: P.Hello, segment: Segment, layout: ShardLayout, threads: int, *,
+                 save_max_bytes_per_s: float = 0.0):
         self.session = session
+        self.save_max_bytes_per_s = save_max_bytes_per_s  # ServerConfig's cap on a save's writes
+        self.save_note = ""  # why the newest background save took no snapshot ("" if it did)
         self.rank = hello.rank
         self.world_size = hello.world_size
         self.numel = hello.numel
@@ -406,4 +409,5 @@ class Shard(ShardSpeculation, ShardCheckpoint):
                          mean_update_s=float(np.mean(ut)) if ut else 0.0, bytes_read=self.bytes_read,
                          bytes_written=self.bytes_written, threads=self.threads, simd=cpu_adam.simd_level(),
                          speculate_dropped=self.speculate_dropped, last_drop_reason=self.last_drop_reason,
-                         speculated=self.speculative.done if self.speculative is not None else 0)
+                         speculated=self.speculative.done if self.speculative is not None else 0,
+                         state_dtype=self.arrays.state_dtype, state_bytes=self.arrays.state_bytes)

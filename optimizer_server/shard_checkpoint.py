@@ -55,11 +55,20 @@ class ShardCheckpoint:
                 "updates": self.updates, "skipped": self.skipped, "groups": self.last_groups,
                 "arrays": self.arrays.names, "array_dtypes": self.arrays.dtypes}
 
-    def start_save(self, directory: str) -> SaveJob:
+    def snapshot_bytes(self) -> int:
+        """Host RAM a save may take beyond the state: a snapshot of the whole file, at
+        most, and each writer thread's copy of one chunk (ckpt_io.SaveJob)."""
+        from .ckpt_io import IO_THREADS, SAVE_CHUNK
+        per_elem = self.arrays.saved_bytes() / max(1, self.numel)
+        return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK))
+
+    def start_save(self, directory: str, *, snapshot: bool = True, on_done=None) -> SaveJob:
         """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
         the data file (random temp name, fsync'd once, renamed), then the manifest with
         the file's checksum, then the directory's fsync.  Later updates may run while
-        it writes (``_guard``); SaveJob.wait() gives what ``save`` returns."""
+        it writes (``_guard``: with `snapshot`, they copy what they are about to
+        overwrite and go on; without, they write it first); SaveJob.wait() gives what
+        ``save`` returns.  on_done: called once the job has ended, however."""
         if self.saving:
             raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
                              "before the next one")
@@ -75,18 +84,21 @@ class ShardCheckpoint:
             return {"path": str(bin_path), "bytes": nbytes, "updates": man["updates"]}
         if self.save_job is not None:
             self._io_done += self.save_job.bytes_done
-        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish)
+        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish,
+                                max_bytes_per_s=self.save_max_bytes_per_s, snapshot=snapshot, on_done=on_done)
         self.save_seq += 1
         return self.save_job
 
     def save(self, directory: str) -> dict:
-        """A blocking save: start_save, then wait for it (the same bytes as a background one)."""
-        return self.start_save(directory).wait()
+        """A blocking save: start_save, then wait for it (the same bytes as a background one;
+        nothing updates meanwhile, so no snapshot is taken)."""
+        return self.start_save(directory, snapshot=False).wait()
 
     def save_status(self) -> dict:
         """The newest save's state ("idle" if none): STATS_OK's save_* fields."""
         if self.save_job is None:
-            return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0}
+            return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0,
+                    "snapshot": False, "snapshot_peak": 0, "ensure_writes": 0}
         return self.save_job.status()
 
     def load(self, directory: str, weights_slot: int = 0) -> dict:

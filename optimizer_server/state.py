@@ -163,6 +163,14 @@ class ShardStateArrays:
         return ["master", *self.moments]
 
     @property
+    def state_bytes(self) -> int:
+        """The host bytes the state holds privately: the master (or the exact master's
+        remainder, whose high halves are the weights slot's), the moments and int8's
+        scales; speculation's twin apart."""
+        first = self.remainder if self.exact_master else self.master
+        return first.nbytes + sum(a.nbytes for a in (*self.moments.values(), *self.scales.values()))
+
+    @property
     def dtypes(self) -> dict:
         """Each checkpointed array's dtype (the master is always saved as fp32)."""
         return {"master": "fp32", **{k: self.state_dtype for k in self.moments}}

@@ -12,6 +12,7 @@ is saved as it is).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ from zero_offload.server.atomic import atomic_write_bytes
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
+
+log = logging.getLogger("zero_offload")
 
 
 @dataclass
@@ -137,7 +140,10 @@ class EngineCheckpoint:
             meta = dict(meta, version=C.ENGINE_VERSION, world_size=W, rank=k, numel=self.numel,
                         stale=pending16 is not None)
             try:
-                client.save(str(tmp), background=background)
+                info = client.save(str(tmp), background=background)
+                if background and not info.get("snapshot", True):
+                    # said once per save: the steps while it writes wait for the disk
+                    log.warning("%s", info.get("note") or "a background save took no snapshot")
                 if background:
                     # the device weights change with the next backward or step: a thread of
                     # ours snapshots them (the engine waits for that copy, wait_snapshot(),

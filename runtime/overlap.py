@@ -81,6 +81,7 @@ class ForwardPipeline:
         ranks: it lands here, in step(), where every rank is (the all-gather)."""
         self.k = k
         self._visible.clear()
+        self.counters.overlap_steps += self.per_module  # several ranks: landed below, overlapping nothing
         if self._stream is not None:
             self._after = torch.cuda.Event()
             self._after.record(torch.cuda.current_stream(self._stream.device))
@@ -92,7 +93,9 @@ class ForwardPipeline:
             if self.k is None:
                 return
             if self._wait(need):
-                self._expose([s for s in spans if id(s) not in self._visible])
+                fresh = [s for s in spans if id(s) not in self._visible]
+                self._expose(fresh)
+                self.counters.overlap_forward_params += len(fresh)
         return before_forward
 
     def _wait(self, need: int) -> bool:

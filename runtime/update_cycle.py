@@ -14,6 +14,8 @@ Phases (CyclePhase) and the events that move between them:
     IDLE, ON_DEVICE,    restore(k): a checkpoint held      LANDED
       LANDED              update k, not yet on the device
     IN_FLIGHT           a wait that times out              IN_FLIGHT  (retry land(); nothing was lost)
+    IN_FLIGHT           land() reads an ERROR: the server  IDLE       (the error is raised; the device
+                          refused STEP k (or died)                      keeps the weights it had)
 
 Anything else is an internal error (AssertionError naming the phase).  While
 IN_FLIGHT or LANDED, ``pump(free)`` copies the published weights that lie below
@@ -32,6 +34,8 @@ import time
 
 import numpy as np
 import torch
+
+from zero_offload.server.errors import OptimizerServerError, OptimizerServerTimeoutError
 
 from .flat import FlatParams
 from .parts import ShardServer
@@ -193,7 +197,15 @@ class UpdateCycle:
             t0 = time.perf_counter()
             with self.tracer.span("wait_server"), marker("zo.wait_server", self._cuda):
                 copying = copy and self._up is not None and not self.reverse
-                done = self._wait_copying() if copying else self.client.wait_done()
+                try:
+                    done = self._wait_copying() if copying else self.client.wait_done()
+                except OptimizerServerTimeoutError:
+                    raise  # still in flight: land() again reads its DONE
+                except OptimizerServerError:
+                    # the server answered ERROR (or is gone): update k will never land, and
+                    # no DONE is coming, so a later land() (close()) must not wait for one
+                    self.step, self.phase, self.reverse = None, CyclePhase.IDLE, False
+                    raise
             self.phase = CyclePhase.LANDED
             self.counters.wait_s += time.perf_counter() - t0
             self.counters.update_s += done.update_s

@@ -246,9 +246,10 @@ def init_weights(engine: "OffloadEngine") -> None:
             engine.flat.copy_fp32_range(torch.from_numpy(c.staging[:hi - lo]), lo0 + lo, lo0 + hi)
             c.init_chunk(lo, hi)
         # which kernels the server's update runs (its CPU's SIMD level, ZERO_OFFLOAD_SIMD
-        # there, and its threads): one round trip at set-up, for stats()
+        # there, and its threads) and what its state takes: one round trip at set-up, for stats()
         st = c.stats()
-        engine._server_kernels = {"server_simd": st.simd, "server_threads": st.threads}
+        engine._server_kernels = {"server_simd": st.simd, "server_threads": st.threads,
+                                  "server_state_dtype": st.state_dtype, "server_state_bytes": st.state_bytes}
         if engine._zero_copy and engine.cfg.exact_master:
             # the model's slot holds the server's weights, which are also the exact
             # master's high halves: only the server writes them (optimizer_server.state)

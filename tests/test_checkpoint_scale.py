@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zero_offload.server import ShardClient, spawn
+from zero_offload.server.config import SAVE_RATE_ENV
 from zero_offload import OffloadConfig, OffloadEngine
 from tests.helpers.models import flat_master, gpt, gpt_batch, train_engine
 from tests.conftest import our_segments
@@ -103,13 +104,16 @@ def test_a_load_stalled_past_the_heartbeat_bound_kills_nobody(tmp_path, monkeypa
 def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path, state_dtype):
     """SAVE(background) at step k, then STEPs k+1..k+5 while it writes: the files equal a
     blocking save at step k of a twin shard byte for byte (int8: the block kernel's path).
-    Fails if the update does not wait for the chunks it overwrites (Shard._guard)."""
+    The server's writes are capped at 128 MB/s (a slow disk, made so on purpose): right
+    after SAVE answers, the save is still writing.  (Mutations: the update not waiting for
+    the chunks it overwrites (Shard._guard) fails the byte check; the server answering a
+    background SAVE only once the file is written fails the "writing" check.)"""
     n = 1 << 25  # 32M elements: 384 MiB of fp32 state, several save chunks
     rng = np.random.default_rng(SEED)
     print("seed", SEED)
     w = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float16) for _ in range(3)]
-    with spawn(threads=2) as srv:
+    with spawn(threads=2, extra_args=["--save-max-bytes-per-s", str(128e6)]) as srv:
         a, b = (ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc, state_dtype=state_dtype)
                 for _ in range(2))
         for c in (a, b):
@@ -120,13 +124,16 @@ def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path, st
         b.save(str(tmp_path / "blocking"))
         info = a.save(str(tmp_path / "background"), background=True)
         assert info["background"]
-        during = a.save_status()["state"]
+        during = a.save_status()
+        assert during["state"] == "writing" and during["bytes_done"] < during["bytes_total"], during
         for t in range(3, 8):
             a.grads[0].view(np.float16)[:] = grads[t % 3]
             a.step(t, 0, 1e-3)
         st = a.wait_save()
-        print("state right after SAVE:", during, "status:", st)
-        assert st["state"] == "done", st
+        print("right after SAVE:", during, "status:", st)
+        assert st["state"] == "done" and st["bytes_done"] == st["bytes_total"] == during["bytes_total"], st
+        # the snapshot: the steps copied what the slow writers had not reached, and never wrote
+        assert st["snapshot"] and st["update_writes"] == 0 and 0 < st["snapshot_peak"] <= st["bytes_total"], st
         for name in ("shard-r0-of-1.bin", "shard-r0-of-1.json"):
             assert filecmp.cmp(tmp_path / "blocking" / name, tmp_path / "background" / name, shallow=False), name
         # and the shard saved at step 2 went on to step 7 meanwhile
@@ -135,10 +142,14 @@ def test_background_save_holds_the_saved_step_while_later_steps_run(tmp_path, st
         b.close()
 
 
-def test_engine_background_save_resumes_bitwise(tmp_path):
+def test_engine_background_save_resumes_bitwise(tmp_path, monkeypatch):
     """engine.save_checkpoint(background=True) at step 4, five more steps, published by
     wait_checkpoint: the same bytes as a blocking save at step 4, and a resume from it
-    trains bitwise like the uninterrupted run."""
+    trains bitwise like the uninterrupted run.  The private server's saves are capped at
+    100 kB/s (ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S), so the save outlasts a step: when
+    save_checkpoint returns the server is still writing, and after a step it is still
+    not published.  (Mutation: the server answering a background SAVE only once written
+    fails the "writing" check.)"""
     torch.manual_seed(SEED)
     model = gpt()
     cfg = dict(lr=3e-3, dtype="bf16", server={"threads": 1})
@@ -147,10 +158,16 @@ def test_engine_background_save_resumes_bitwise(tmp_path):
         blocking = eng.save_checkpoint(str(tmp_path / "blocking"))
         ref_losses = train_engine(eng, gpt_batch, 5, "bf16", start=5)
         ref = flat_master(eng)
+    monkeypatch.setenv(SAVE_RATE_ENV, "100000")
     with OffloadEngine(copy.deepcopy(model), OffloadConfig(**cfg)) as eng:
+        monkeypatch.delenv(SAVE_RATE_ENV)  # the private server has it: the next engines' do not
         train_engine(eng, gpt_batch, 4, "bf16")
         path = eng.save_checkpoint(str(tmp_path / "bg"), background=True)
-        train_engine(eng, gpt_batch, 5, "bf16", start=5)
+        st = eng.client.save_status()
+        assert st["state"] == "writing" and st["bytes_done"] < st["bytes_total"], st
+        train_engine(eng, gpt_batch, 1, "bf16", start=5)
+        assert eng.checkpoint_in_flight() and not os.path.exists(path)  # not published yet
+        train_engine(eng, gpt_batch, 4, "bf16", start=6)
         assert eng.wait_checkpoint() in (path, None)  # None: a step already published it
         assert not eng.checkpoint_in_flight()
     assert os.path.basename(path) == "step-00000004" and os.path.isdir(path)

@@ -90,10 +90,15 @@ def _parts(arrays):
     return parts, base
 
 
-def test_a_save_job_writes_the_arrays_as_they_were(tmp_path):
+@pytest.mark.parametrize("snapshot", [True, False], ids=["snapshot", "no-snapshot"])
+@pytest.mark.parametrize("rate", [0.0, 2e6], ids=["full-speed", "slow-disk"])
+def test_a_save_job_writes_the_arrays_as_they_were(tmp_path, snapshot, rate):
     """Chunks of 1000 elements on 2 writer threads while the caller overwrites the arrays
     behind ensure(): the file is the arrays' bytes before any overwrite, its CRC the
-    combined one."""
+    combined one.  With a snapshot, ensure() copies a chunk nobody has reached (never
+    writes it), and on a disk slower than the overwrites (2 MB/s here, 600 kB in all)
+    the copies held host RAM; without one, ensure() writes the chunks itself.
+    (Mutation: ensure() returning without copying a pending chunk fails the bytes.)"""
     rng = np.random.default_rng(SEED)
     n = 100_003
     arrays = [rng.standard_normal(n).astype(np.float32), rng.integers(0, 2**16, n).astype(np.uint16)]
@@ -101,13 +106,21 @@ def test_a_save_job_writes_the_arrays_as_they_were(tmp_path):
     parts, total = _parts(arrays)
     got = {}
     path = tmp_path / "shard.bin"
-    job = SaveJob(path, parts, n, total, finish=lambda crc: got.setdefault("crc", crc), threads=2, chunk=1000)
+    job = SaveJob(path, parts, n, total, finish=lambda crc: got.setdefault("crc", crc), threads=2, chunk=1000,
+                  max_bytes_per_s=rate, snapshot=snapshot)
     for lo in range(n - 1000, -1, -7000):  # back to front, as a reversed STEP overwrites
         job.ensure(lo, lo + 1000)
         for a in arrays:
             a[lo:lo + 1000] = 0
     job.wait(60)
+    st = job.status()
     assert all(s is ChunkState.WRITTEN for s in job.states)
+    if snapshot:
+        assert st["ensure_writes"] == 0
+        if rate:
+            assert 0 < st["snapshot_peak"] <= total, st
+    else:
+        assert st["snapshot_peak"] == 0 and (st["ensure_writes"] > 0 or not rate), st
     assert path.read_bytes() == expect
     assert got["crc"] == zlib.crc32(expect) == file_crc(path)[0]
     assert (os.stat(path).st_mode & 0o777) == 0o600

@@ -25,7 +25,7 @@ def test_wait_done_timeout_is_retryable_and_replies_stay_paired():
         os.kill(srv.pid, signal.SIGSTOP)
         try:
             c.step_async(1, 0, 1e-3)
-            with pytest.raises(OptimizerServerTimeoutError):
+            with pytest.raises(OptimizerServerTimeoutError, match="made no progress"):
                 c.wait_done(timeout_s=0.2)
             assert c.in_flight == 1  # still in flight: nothing was lost
             for _ in range(2):  # refused, and the reply to the refused request is not read by the next

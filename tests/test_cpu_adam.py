@@ -315,35 +315,36 @@ def _bad_calls():
     n = 33
     f = lambda: np.ones(n, np.float32)  # noqa: E731
     g = np.ones(n, np.float16)
+    # (the exception, what its message must say, the call): a wrong reason fails the test
     return [
-        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(n, np.float64), step=1, lr=1e-3)),
-        (TypeError, lambda p, m, v: ca.adam_step(p, m.astype(np.float64), v, g, step=1, lr=1e-3)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(n + 1, np.float16), step=1, lr=1e-3)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, np.empty(n - 1, np.float16), step=1, lr=1e-3)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, np.ones(2 * n, np.float16)[::2], step=1, lr=1e-3)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=0, lr=1e-3)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("nan"))),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("inf"))),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta1=1.0)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta2=-0.1)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, eps=0.0)),
-        (ValueError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, num_threads=-1)),
-        (ValueError, lambda p, m, v: ca.adam_step(p.reshape(3, 11), m, v, g, step=1, lr=1e-3)),
-        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, g.view(np.uint16), step=1, lr=1e-3)),
-        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, [1.0] * n, step=1, lr=1e-3)),
-        (TypeError, lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr="x")),
-        (ValueError, lambda p, m, v: ca.lion_step(p, m, g, lr=1e-3, beta2=1.5)),
-        (ValueError, lambda p, m, v: ca.adagrad_step(p, m, g, lr=-1.0)),
+        (TypeError, 'grad must be float16', lambda p, m, v: ca.adam_step(p, m, v, np.ones(n, np.float64), step=1, lr=1e-3)),
+        (TypeError, 'exp_avg must be float32', lambda p, m, v: ca.adam_step(p, m.astype(np.float64), v, g, step=1, lr=1e-3)),
+        (ValueError, 'grad has 34 elements but param has 33', lambda p, m, v: ca.adam_step(p, m, v, np.ones(n + 1, np.float16), step=1, lr=1e-3)),
+        (ValueError, 'param_out has 32 elements', lambda p, m, v: ca.adam_step(p, m, v, g, np.empty(n - 1, np.float16), step=1, lr=1e-3)),
+        (ValueError, 'grad must be a C-contiguous', lambda p, m, v: ca.adam_step(p, m, v, np.ones(2 * n, np.float16)[::2], step=1, lr=1e-3)),
+        (ValueError, 'step must be an int >= 1', lambda p, m, v: ca.adam_step(p, m, v, g, step=0, lr=1e-3)),
+        (ValueError, 'lr must be finite, got nan', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("nan"))),
+        (ValueError, 'lr must be finite, got inf', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=float("inf"))),
+        (ValueError, 'beta1 must be in \\[0, 1\\), got 1.0', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta1=1.0)),
+        (ValueError, 'beta2 must be in \\[0, 1\\), got -0.1', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, beta2=-0.1)),
+        (ValueError, 'eps must be > 0', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, eps=0.0)),
+        (ValueError, 'num_threads must be an int >= 0', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr=1e-3, num_threads=-1)),
+        (ValueError, 'param must be 1-D', lambda p, m, v: ca.adam_step(p.reshape(3, 11), m, v, g, step=1, lr=1e-3)),
+        (TypeError, "grad_dtype='bf16'", lambda p, m, v: ca.adam_step(p, m, v, g.view(np.uint16), step=1, lr=1e-3)),
+        (TypeError, 'buffer protocol', lambda p, m, v: ca.adam_step(p, m, v, [1.0] * n, step=1, lr=1e-3)),
+        (TypeError, 'lr must be a real number', lambda p, m, v: ca.adam_step(p, m, v, g, step=1, lr="x")),
+        (ValueError, 'beta2 must be in \\[0, 1\\), got 1.5', lambda p, m, v: ca.lion_step(p, m, g, lr=1e-3, beta2=1.5)),
+        (ValueError, 'lr and weight_decay must be >= 0', lambda p, m, v: ca.adagrad_step(p, m, g, lr=-1.0)),
     ], f
 
 
 def test_bad_arguments_raise_and_change_nothing():
     calls, f = _bad_calls()
-    for exc, call in calls:
+    for exc, why, call in calls:
         p, m, v = f() * 2, f() * 3, f() * 4
         ro = f()
         ro.flags.writeable = False
-        with pytest.raises(exc):
+        with pytest.raises(exc, match=why):
             call(p, m, v)
         np.testing.assert_array_equal(p, f() * 2)
         np.testing.assert_array_equal(m, f() * 3)
@@ -353,7 +354,7 @@ def test_bad_arguments_raise_and_change_nothing():
 
 
 def test_set_simd_level_validates():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="simd level must be one of"):
         ca.set_simd_level("sse9")
     assert ca.simd_level() in ("scalar", "avx2", "avx512")
 
@@ -456,14 +457,14 @@ def test_progress_arguments_are_validated():
     n = 64
     f = lambda: np.ones(n, np.float32)  # noqa: E731
     g = np.ones(n, np.float16)
-    bad = [(TypeError, dict(progress=np.zeros(1, np.int64))),
-           (TypeError, dict(progress=np.zeros(0, np.uint64))),
-           (ValueError, dict(progress=np.zeros(2, np.uint64)[1:], progress_tag=-1)),
-           (ValueError, dict(progress=np.zeros(1, np.uint64), progress_block=-1)),
-           (ValueError, dict(progress=np.zeros(3, np.uint64).view(np.uint8)[4:12].view(np.uint64)))]
-    for exc, kw in bad:
+    bad = [(TypeError, "got format 'l' with 1", dict(progress=np.zeros(1, np.int64))),
+           (TypeError, "with 0 element", dict(progress=np.zeros(0, np.uint64))),
+           (ValueError, "progress_tag must be", dict(progress=np.zeros(2, np.uint64)[1:], progress_tag=-1)),
+           (ValueError, "progress_block must be", dict(progress=np.zeros(1, np.uint64), progress_block=-1)),
+           (ValueError, "8-byte aligned", dict(progress=np.zeros(3, np.uint64).view(np.uint8)[4:12].view(np.uint64)))]
+    for exc, why, kw in bad:
         p = f()
-        with pytest.raises(exc):
+        with pytest.raises(exc, match=why):
             ca.adam_step(p, f(), f(), g, step=1, lr=1e-3, **kw)
         np.testing.assert_array_equal(p, f())  # nothing written
 
@@ -487,9 +488,10 @@ def test_copy_grad_sumsq_copies_and_sums_like_grad_sumsq(level, gdt, n):
 
 def test_copy_grad_sumsq_validates():
     src = np.ones(8, np.float16)
-    for exc, dst, kw in [(ValueError, np.zeros(7, np.uint16), {}), (TypeError, np.zeros(8, np.float32), {}),
-                         (TypeError, np.zeros(8, np.uint16), {"grad_dtype": "fp32"})]:
-        with pytest.raises(exc):
+    for exc, why, dst, kw in [(ValueError, "dst has 7 elements", np.zeros(7, np.uint16), {}),
+                              (TypeError, "dst must hold 16-bit values", np.zeros(8, np.float32), {}),
+                              (TypeError, "grad_dtype says 'fp32'", np.zeros(8, np.uint16), {"grad_dtype": "fp32"})]:
+        with pytest.raises(exc, match=why):
             ca.copy_grad_sumsq(src, dst, **kw)
     with pytest.raises(TypeError, match="grad_dtype"):
         ca.copy_grad_sumsq(np.ones(8, np.uint16), np.zeros(8, np.uint16))  # words need a dtype keyword
@@ -519,11 +521,12 @@ def test_cast_to_16_rounds_as_torch(odt, n):
 
 
 def test_cast_to_16_validates():
-    for exc, src, dst, kw in [(ValueError, np.ones(8, np.float32), np.zeros(7, np.uint16), {"out_dtype": "bf16"}),
-                              (TypeError, np.ones(8, np.float64), np.zeros(8, np.uint16), {"out_dtype": "bf16"}),
-                              (TypeError, np.ones(8, np.float32), np.zeros(8, np.uint16), {}),
-                              (TypeError, np.ones(8, np.float32), np.zeros(8, np.float32), {})]:
-        with pytest.raises(exc):
+    for exc, why, src, dst, kw in [
+            (ValueError, "dst has 7 elements", np.ones(8, np.float32), np.zeros(7, np.uint16), {"out_dtype": "bf16"}),
+            (TypeError, "src must be float32", np.ones(8, np.float64), np.zeros(8, np.uint16), {"out_dtype": "bf16"}),
+            (TypeError, "out_dtype='bf16'", np.ones(8, np.float32), np.zeros(8, np.uint16), {}),
+            (TypeError, "dst must be float16", np.ones(8, np.float32), np.zeros(8, np.float32), {})]:
+        with pytest.raises(exc, match=why):
             ca.cast_to_16(src, dst, **kw)
 
 

@@ -238,10 +238,25 @@ def test_threads_and_sharding_change_no_bit():
         assert np.array_equal(one[k].view(np.uint8), joined.view(np.uint8)), f"sharding changes {name}"
 
 
+def _mix32(x: int) -> int:
+    """lowbias32 in Python integers: an independent reference of the kernel's mix."""
+    m = 0xffffffff
+    x ^= x >> 16
+    x = (x * 0x7feb352d) & m
+    x ^= x >> 15
+    x = (x * 0x846ca68b) & m
+    return x ^ (x >> 16)
+
+
 def test_rounding_key_depends_on_step_and_seed():
+    """Every (step, seed) its own key, each the documented mix of both, so that a resumed
+    run (same seed, same step) repeats its rounding.  (Mutation: the key ignoring the
+    seed, or a constant changed in zo_mix32, fails the reference check.)"""
     keys = {ca.rounding_key(t, s) for t in range(100) for s in range(3)}
     assert len(keys) == 300
-    assert ca.rounding_key(7, 1) == ca.rounding_key(7, 1)
+    for t, s in [(0, 0), (7, 1), (123456, 2), (2**32 + 5, 2**32 + 9)]:
+        key = _mix32(((s & 0xffffffff) ^ 0x5bd1e995))
+        assert ca.rounding_key(t, s) == _mix32((key + (t & 0xffffffff) * 0x9e3779b9) & 0xffffffff), (t, s)
 
 
 def _bad_calls(n):

@@ -14,7 +14,7 @@ import torch
 from zero_offload import OffloadConfig
 from zero_offload.demo.gpt import GPT, GPTConfig
 from tests.helpers.models import gpt, gpt_batch, mlp, mlp_batch
-from tests.helpers.overlap_runs import assert_bitwise, run, two_groups
+from tests.helpers.overlap_runs import assert_bitwise, assert_ran, run, two_groups
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -71,6 +71,7 @@ def test_slowed_server_is_bitwise_sync_and_the_forward_waited(tmp_path, monkeypa
     sync = run(tmp_path, wide_gpt, gpt_batch, "bf16", False, clip_grad_norm=1.2)
     over = run(tmp_path, wide_gpt, gpt_batch, "bf16", True, clip_grad_norm=1.2, before_step=_hold_server)
     assert over[0] == sync[0] and over[2] == sync[2]
+    assert_ran(over[4], "overlap_update")
     assert over[4]["overlap_wait_s"] > 0
 
 
@@ -100,6 +101,7 @@ def test_offload_adamw_with_overlap_is_bitwise_sync(zero_copy):
                 opt.step()
                 losses.append(float(loss.detach()))
             master = opt.master_state_dict()
+            assert_ran(opt.stats(), "overlap_update" if overlap else "sync")  # the loop's own hooks did it
         out.append((losses, master, {k: v.clone() for k, v in model.state_dict().items()}))
     assert out[0][0] == out[1][0]
     with pytest.raises(ValueError, match="model=model"):

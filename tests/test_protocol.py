@@ -112,7 +112,7 @@ def test_rejections(data, match):
 def test_truncated_messages_are_rejected():
     full = SAMPLES[0].encode()
     for cut in range(len(full)):
-        with pytest.raises(P.ProtocolError):
+        with pytest.raises(P.ProtocolError, match="not valid msgpack"):
             P.decode(full[:cut])
 
 

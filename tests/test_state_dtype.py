@@ -263,9 +263,15 @@ def test_lion_with_compact_state_trains_close_to_fp32_state(sd):
 
 
 def test_offload_adamw_takes_state_dtype():
-    """The drop-in optimizer passes state_dtype through like any OffloadConfig field."""
+    """The drop-in optimizer passes state_dtype through like any OffloadConfig field: the
+    server keeps the state in the dtype asked for, at its bytes per parameter (fp32:
+    master, m, v 12; bf16: the exact master's 2-byte remainder beside the bf16 weights, m
+    and v 6; int8: the remainder 2, m and v a byte each plus a 4-byte scale per 256 per
+    moment), and the runs train alike.  (Mutation: OffloadAdamW forcing fp32 state fails
+    the dtype and bytes checks.)"""
     losses = {}
-    for sd in ("fp32", "bf16"):
+    per_param = {"fp32": 12.0, "bf16": 6.0, "int8": 4.0 + 8 / 256}
+    for sd in ("fp32", "bf16", "int8"):
         model = gpt()
         opt = OffloadAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, dtype="bf16", state_dtype=sd,
                            server={"threads": 1})
@@ -278,9 +284,14 @@ def test_offload_adamw_takes_state_dtype():
                 opt.zero_grad()
                 out.append(float(loss.detach()))
             losses[sd] = out
+            st = opt.stats()
+            assert st["server_state_dtype"] == sd, st["server_state_dtype"]
+            got = st["server_state_bytes"] / st["shard_numel"]
+            assert abs(got - per_param[sd]) < 0.02, (sd, got)
         finally:
             opt.close()
-    assert max(abs(a - b) for a, b in zip(losses["fp32"], losses["bf16"])) < 0.05
+    for sd in ("bf16", "int8"):
+        assert max(abs(a - b) for a, b in zip(losses["fp32"], losses[sd])) < 0.05, sd
 
 
 @pytest.mark.parametrize("kw,word", [

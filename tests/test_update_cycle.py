@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from zero_offload.server.errors import OptimizerServerTimeoutError
+from zero_offload.server.errors import OptimizerServerError, OptimizerServerTimeoutError
 from zero_offload.server.protocol import Done
 from zero_offload.server.tracing import Tracer
 from zero_offload.flat import FlatParams
@@ -29,6 +29,7 @@ class FakeClient:
         self.progress = 0
         self.done = False
         self.timeouts = 0  # the next wait_done calls that time out
+        self.refuse = ""   # the next wait_done reads this ERROR (the server refused the STEP)
 
     def step_async(self, step, slot, lr, grad_scale, hparams, predict=0.0, weights_slot=0):
         self.sent.append((step, weights_slot))
@@ -38,12 +39,15 @@ class FakeClient:
         return self.progress if self.sent and self.sent[-1][0] == step else 0
 
     def reply_ready(self, timeout_s):
-        return self.done
+        return self.done or bool(self.refuse)
 
     def wait_done(self, timeout_s=None):
         if self.timeouts:
             self.timeouts -= 1
             raise OptimizerServerTimeoutError("no DONE yet")
+        if self.refuse:
+            why, self.refuse = self.refuse, ""
+            raise OptimizerServerError(why)
         assert self.done, "wait_done before the fake server finished"
         return Done(step=self.sent[-1][0], update_s=0.5)
 
@@ -142,10 +146,29 @@ def test_a_timed_out_wait_leaves_the_update_in_flight_for_a_retry():
     c, client, _ = make(True)
     send(c, 1)
     client.timeouts = 1
-    with pytest.raises(OptimizerServerTimeoutError):
+    with pytest.raises(OptimizerServerTimeoutError, match="no DONE yet"):
         c.land(copy=True)
     assert c.phase is CyclePhase.IN_FLIGHT and c.in_flight == 1  # nothing lost
     client.finish(7.0, client.sent[-1][1])
     c.land(copy=True)
     assert c.phase is CyclePhase.ON_DEVICE and float(c.flat16.float()[0]) == 7.0
     c.release()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_a_refused_update_goes_back_to_idle_and_is_not_waited_for_again(zero_copy):
+    """IN_FLIGHT -> IDLE when land() reads the server's ERROR: raised once, and a later
+    land() (close()) returns at once instead of waiting request_timeout_s for a DONE
+    that never comes; the device keeps its weights.  (Mutation: leaving the phase
+    IN_FLIGHT makes the second land() wait and then fail.)"""
+    c, client, _ = make(zero_copy)
+    before = c.flat16.clone()
+    send(c, 1)
+    client.refuse = "STEP 1 refused"
+    with pytest.raises(OptimizerServerError, match="STEP 1 refused"):
+        c.land(copy=True)
+    assert c.phase is CyclePhase.IDLE and c.in_flight is None
+    c.land(copy=True)  # nothing in flight: returns
+    assert torch.equal(c.flat16, before)
+    send(c, 2)  # and the cycle takes the next STEP
+    assert c.in_flight == 2

@@ -96,6 +96,42 @@ def test_server_sigkill_surfaces_as_named_error(tmp_path, mode, private):
            {"trials": len(detections), "max_detect_s": max(detections), "mean_detect_s": sum(detections) / 3})
 
 
+def test_a_dead_unreaped_server_is_dead_to_its_worker(tmp_path):
+    """The server is SIGKILLed and its parent (this test, as a launcher would be while it
+    is busy elsewhere) does not reap it: it stays a zombie, its pid still in /proc.  The
+    worker talking to it must still raise the named dead-server error within the usual
+    bound, not wait out request_timeout_s for a process that will never answer.
+    (Mutation: procs.pid_alive counting state Z as alive makes the worker wait: no DEAD
+    line within 30 s.)"""
+    srv = spawn(threads=1)
+    env = {"ZERO_OFFLOAD_ADDRESS": srv.address, "ZERO_OFFLOAD_TOKEN": srv.token,
+           "ZERO_OFFLOAD_REQUEST_TIMEOUT_S": "120"}
+    p = worker("sync", tmp_path / "ck", 100000, env)
+    try:
+        read_until_step(p, 3)
+        t_kill = time.monotonic()
+        os.kill(srv.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        state = ""
+        while time.monotonic() < deadline:  # the kernel makes it a zombie; nobody reaps it
+            with open(f"/proc/{srv.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state == "Z":
+                break
+            time.sleep(0.01)
+        assert state == "Z", state
+        out, err = p.communicate(timeout=30)
+        with open(f"/proc/{srv.pid}/stat") as f:  # still unreaped while the worker decided
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    finally:
+        p.kill()
+        srv.stop()  # reaps it
+    dead = [ln for ln in out.splitlines() if ln.startswith("DEAD")]
+    assert p.returncode == 3 and dead, (out, err)
+    assert float(dead[0].split()[1]) - t_kill < 5.0
+    assert "no longer running" in dead[0] and srv.address in dead[0]
+
+
 def test_resume_after_server_crash_is_bitwise(tmp_path):
     ck = tmp_path / "ck"
     with spawn(threads=1) as srv:

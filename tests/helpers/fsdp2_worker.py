@@ -19,6 +19,7 @@ each "+"-joined options:
   fromtorch  torch.optim.AdamW on the FSDP2 model itself for the first half, then
            OffloadAdamW on the same model loads its state_dict() and goes on
   dcpdict  (with fromtorch) the dict is DCP's get_optimizer_state_dict (keyed by name)
+  shadow   beside the offloaded run, teacher-forced torch AdamW fed its gradients (Shadow)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -91,6 +92,8 @@ def build(opts: set, out: str = ""):
     dpu = "dpu" in opts
     if "ref" in opts:
         return model, Reference(model, dpu)
+    if "shadow" in opts:  # its hooks first: they see each gradient shard before the engine's take it
+        model.shadow = Shadow(model)
     if "fromtorch" in opts:  # torch.optim.AdamW on the model itself until the switch
         return model, torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
     return model, offload(model, opts, out)
@@ -153,6 +156,8 @@ def run(out: str, mode: str, steps: int) -> None:
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step()
+        if "shadow" in opts:
+            model.shadow.step(norms[-1])
         opt.zero_grad()
         lt = loss.detach().float().reshape(1)
         dist.all_reduce(lt)
@@ -164,6 +169,8 @@ def run(out: str, mode: str, steps: int) -> None:
     else:
         res["stats"] = opt.stats()
         res["master"] = opt.master_state_dict()  # a collective: whole tensors from every rank's shards
+        if "shadow" in opts:
+            res["shadow"] = model.shadow.master_state_dict()
         opt.close()  # the last update lands in the local shards
     os.makedirs(os.path.join(out, mode), exist_ok=True)
     torch.save(res, os.path.join(out, mode, f"rank{rank}.pt"))
@@ -207,6 +214,33 @@ class Reference:
                                    stride=p.stride(), run_check=False)
             out[self.names[id(p)]] = d.full_tensor()
         return out
+
+
+class Shadow(Reference):
+    """Teacher forcing on FSDP2: torch.optim.AdamW over fp32 copies of the local shards,
+    fed each step the gradient shard the offloaded run's engine gets (caught by a
+    post-accumulate-grad hook registered before OffloadAdamW's, which frees it; in the
+    engine's bf16, as its proxy holds it) times torch's clip coefficient of the global
+    norm that clip_grad_norm_ returned.  Its masters never reach the model, so they
+    differ from the offloaded run's only by the order of fp32 arithmetic: a bound on
+    that difference sees every term of the update (weight decay is ~1% of it here)."""
+
+    def __init__(self, model):
+        super().__init__(model, dpu=False)
+        self.grads = {}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._take)
+
+    def _take(self, p):
+        self.grads[id(p)] = p.grad.to_local().to(torch.bfloat16).float()
+
+    @torch.no_grad()
+    def step(self, norm: float):
+        coef = min(1.0, CLIP / (norm + 1e-6))
+        for p in self.params:
+            g = self.grads.pop(id(p), None)
+            self.master[id(p)].grad = None if g is None else g * coef
+        self.opt.step()
 
 
 if __name__ == "__main__":

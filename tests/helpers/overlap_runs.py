@@ -79,9 +79,26 @@ def two_groups(model):
 
 
 
+def assert_ran(stats: dict, strategy: str) -> None:
+    """The strategy a run was given ran: bitwise-equal-to-sync is true of sync itself.
+    overlap_update: every update after the first went on into the next forward, whose
+    pre-hooks made the parameters current (those of every step after the first and
+    before the last: at least one per update); sync: none did."""
+    overlaps = "overlap" in strategy
+    assert stats.get("exact_strategy", strategy) == strategy, stats.get("exact_strategy")
+    if overlaps:
+        assert stats["overlap_steps"] == stats["updates"], (stats["overlap_steps"], stats["updates"])
+        assert stats["overlap_forward_params"] >= stats["updates"] - 1, stats["overlap_forward_params"]
+    else:
+        assert stats["overlap_steps"] == 0 and stats["overlap_forward_params"] == 0
+
+
 def assert_bitwise(over, sync, kw: dict) -> None:
     """Losses, master, m, v (the checkpoint's bytes) and the device weights equal; the clip
-    fired on some steps and not on others, and an injected overflow was skipped."""
+    fired on some steps and not on others, and an injected overflow was skipped; and the
+    strategy `over` was given ran, and sync's overlapped nothing (assert_ran)."""
+    assert_ran(over[4], over[4]["exact_strategy"])
+    assert_ran(sync[4], "sync")
     assert over[0] == sync[0], "losses"
     assert over[2] == sync[2], "master, m, v"
     for k in sync[1]:

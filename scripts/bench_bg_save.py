@@ -1,0 +1,137 @@
+"""The steps around a background save, at a user's size: does save_checkpoint(background=True)
+stop training?
+
+A model that is mostly one embedding table (cheap forward and backward on any CPU, a large
+optimizer state) trains through OffloadEngine on the CPU device against a server this script
+starts.  Per size and state dtype, in one process and one run:
+  - the steady step (median of 5; each step waits for its update, so the update is in it);
+  - a blocking save_checkpoint (the baseline a user compares with);
+  - a background save with the snapshot (the default), then one with the server's snapshot
+    turned off (--no-save-snapshot: each update writes what it overwrites first, as before
+    the snapshot): for each, how long save_checkpoint took to return, every step until the
+    save was published (the slowest and the median, against the steady step), the time to
+    publish, the server's write speed against this run's disk bound (one plain sequential
+    write of as many bytes, one fsync), and the snapshot's host RAM at its peak.
+
+    python scripts/bench_bg_save.py --sizes 0.6e9 --state-dtype fp32 --dir /var/tmp/zo-bench --write
+    python scripts/bench_bg_save.py --sizes 1e9 --state-dtype bf16 --dir /var/tmp/zo-bench --write
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from zero_offload import OffloadConfig, OffloadEngine  # noqa: E402
+from zero_offload.kernels import cpu_adam  # noqa: E402
+from zero_offload.server import spawn  # noqa: E402
+from bench_md import machine_line, update_section  # noqa: E402
+from bench_scale import Tables, disk_bound  # noqa: E402
+
+SEED = 0
+
+
+def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool) -> dict:
+    """One size, one server: steady steps, a blocking save, a background one."""
+    rows = int(n) // 64
+    torch.manual_seed(SEED)
+    model = Tables(rows)
+    extra = [] if snapshot else ["--no-save-snapshot"]
+    out = {"params": sum(p.numel() for p in model.parameters()), "state_dtype": state_dtype, "snapshot": snapshot}
+    with spawn(threads=threads, extra_args=extra) as srv:
+        cfg = OffloadConfig(lr=1e-3, dtype="bf16", state_dtype=state_dtype,
+                            server={"address": srv.address, "token": srv.token, "threads": threads})
+        eng = OffloadEngine(model, cfg)
+        gen = torch.Generator().manual_seed(SEED)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            idx = torch.randint(0, rows, (8, 64), generator=gen)
+            eng.backward(model(idx))
+            eng.step()
+            eng.synchronize()
+            return time.perf_counter() - t0
+        d = os.path.join(root, "ck")
+        try:
+            for _ in range(3):  # first touches, the exact mode's trial steps settle
+                step()
+            out["steady_step_s"] = statistics.median(step() for _ in range(5))
+            t0 = time.perf_counter()
+            path = eng.save_checkpoint(d)
+            out["blocking_save_s"] = time.perf_counter() - t0
+            out["file_bytes"] = os.path.getsize(os.path.join(path, "shard-r0-of-1.bin"))
+            step()
+            t0 = time.perf_counter()
+            eng.save_checkpoint(d, background=True)
+            out["return_s"] = time.perf_counter() - t0
+            times = []
+            while eng.checkpoint_in_flight() and len(times) < 200:
+                times.append(step())
+            eng.wait_checkpoint()
+            out["publish_s"] = time.perf_counter() - t0
+            st = eng.client.save_status()
+            out["steps"] = times
+            out["server_write_s"] = st.get("seconds", 0.0)
+            out["snapshot_peak_bytes"] = st.get("snapshot_peak", 0)
+            out["update_writes"] = st.get("update_writes", 0)
+            out["update_waited_s"] = st.get("waited_s", 0.0)
+        finally:
+            eng.close()
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def row(r: dict, bound_w: float) -> str:
+    steps = r["steps"] or [float("nan")]
+    worst, med = max(steps), statistics.median(steps)
+    gbs = r["file_bytes"] / r["server_write_s"] / 1e9 if r["server_write_s"] else float("nan")
+    return (f"| {r['params'] / 1e9:.2f}e9 | {r['state_dtype']} | {'on' if r['snapshot'] else 'off'} | "
+            f"{r['steady_step_s']:.2f} | {r['blocking_save_s']:.1f} | {r['return_s']:.2f} | {len(steps)} | "
+            f"{worst:.2f} ({worst / r['steady_step_s']:.2f}x) | {med:.2f} ({med / r['steady_step_s']:.2f}x) | "
+            f"{r['publish_s']:.1f} | {gbs:.2f} ({100 * gbs / (bound_w / 1e9):.0f}%) | "
+            f"{r['snapshot_peak_bytes'] / 2**30:.2f} |")
+
+
+HEADER = ("| params | state | snapshot | steady step s | blocking save s | background: return s | steps during it | "
+          "slowest step s (x steady) | median step s (x steady) | publish s | server write GB/s (% of disk bound) | "
+          "snapshot peak GiB |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[6e8])
+    ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dir", default="/var/tmp/zo-bench-bg")
+    ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
+    ap.add_argument("--section", default="", help="the BENCHMARKS.md section (default bench_bg_save_<dtype>)")
+    a = ap.parse_args()
+    os.makedirs(a.dir, exist_ok=True)
+    rows = []
+    for n in a.sizes:
+        res = [run(n, a.state_dtype, a.dir, a.threads, snap) for snap in (True, False)]
+        w, _ = disk_bound(a.dir, res[0]["file_bytes"])
+        for r in res:
+            print(json.dumps({k: v for k, v in r.items() if k != "steps"}), "steps", [round(t, 3) for t in r["steps"]],
+                  flush=True)
+            rows.append(row(r, w))
+        rows.append(f"| | disk bound: {w / 1e9:.2f} GB/s write | | | | | | | | | | |")
+    cmd = "python scripts/bench_bg_save.py " + " ".join(sys.argv[1:])
+    body = (f"{machine_line()}, SIMD {cpu_adam.simd_level()}; directory {a.dir}; `{cmd}`.\n\n{HEADER}\n"
+            + "\n".join(rows))
+    print(body)
+    if a.write:
+        update_section(a.section or f"bench_bg_save_{a.state_dtype}", body)
+
+
+if __name__ == "__main__":
+    main()
