@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-max-bytes-per-s", default=os.environ.get(SAVE_RATE_ENV, "0"),
                     help=f"cap a checkpoint save's writes at this many bytes per second, for a disk the job "
                          f"shares (0: no cap); default ${SAVE_RATE_ENV} or 0")
+    ap.add_argument("--no-save-snapshot", action="store_true",
+                    help="a background save takes no snapshot: the updates during it wait for the disk (benchmarks)")
     a = ap.parse_args(argv)
     try:
         ram_fraction = float(a.max_ram_fraction)
@@ -48,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
                            log_level=a.log_level, parent_pid=a.parent_pid,
                            trace_dir=a.trace_dir, max_ram_fraction=ram_fraction,
-                           max_sessions=a.max_sessions, save_max_bytes_per_s=save_rate)
+                           max_sessions=a.max_sessions, save_max_bytes_per_s=save_rate,
+                           save_snapshot=not a.no_save_snapshot)
     except ValueError as e:
         ap.error(str(e))
     if cfg.address_file:

@@ -33,6 +33,10 @@ from .ckpt_io import file_crc
 LATEST = "latest"
 STEP_PREFIX = "step-"
 TMP_PREFIX = "tmp-"
+# what the directory protocol may remove: its own step and temporary directories, by
+# their exact shape (a user's "step-best" or another tool's "tmp-x" beside them stays)
+STEP_DIR = re.compile(r"step-\d{8,}$")
+TMP_STEP_DIR = re.compile(r"tmp-step-\d{8,}$")
 SHARD_FORMAT = 2     # shard-*.json "format": the server's files
 # 2: int8 arrays hold float-like codes (e4m3 m, e5m3 v; cython_ext/_kernels_int8.h);
 # 1: int8 arrays hold the power-law codes of before (m = scale (q/127)^4, v = scale
@@ -59,11 +63,24 @@ def step_name(iteration: int) -> str:
 
 
 def saved_world_sizes(directory: Path, prefix: str) -> list[int]:
-    """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``."""
+    """The world sizes W for which directory holds ``{prefix}-r0-of-{W}.json``.  A W out of
+    [1, MAX_WORLD_SIZE] is refused here, naming the file, before anything is built from
+    it (a crafted ``shard-r0-of-999999999999.json`` made every reader list that many
+    paths and run out of memory)."""
     directory = Path(directory)
     pat = re.compile(rf"{re.escape(prefix)}-r0-of-(\d+)\.json$")
-    found = (pat.match(p.name) for p in directory.glob(f"{prefix}-r0-of-*.json")) if directory.is_dir() else ()
-    return sorted(int(m.group(1)) for m in found if m)
+    found = [(p.name, pat.match(p.name)) for p in directory.glob(f"{prefix}-r0-of-*.json")] if directory.is_dir() else []
+    out = []
+    for name, m in found:
+        if not m:
+            continue
+        digits = m.group(1)
+        if len(digits) > len(str(MAX_WORLD_SIZE)) or not 1 <= int(digits) <= MAX_WORLD_SIZE:
+            raise CheckpointError(f"{directory / name} names world size {digits[:20]}"
+                                  f"{'...' if len(digits) > 20 else ''}, not in [1, {MAX_WORLD_SIZE}]: it is not a "
+                                  f"checkpoint file of ours; remove it, or load another checkpoint")
+        out.append(int(digits))
+    return sorted(out)
 
 
 def pick_world_size(directory: Path, prefix: str, mine: int) -> int:
@@ -227,8 +244,9 @@ class CheckpointDir:
         if self.rank == 0:
             try:
                 self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-                for stale in self.root.glob(TMP_PREFIX + "*"):
-                    shutil.rmtree(stale, ignore_errors=True)
+                for stale in self.root.glob(TMP_PREFIX + STEP_PREFIX + "*"):
+                    if TMP_STEP_DIR.match(stale.name) and stale.is_dir() and not stale.is_symlink():
+                        shutil.rmtree(stale, ignore_errors=True)
             except OSError:
                 pass  # the write that follows fails and says why
         self._barrier()
@@ -268,7 +286,9 @@ class CheckpointDir:
             os.replace(tmp, final)
             fsync_dir(self.root)
             atomic_write_bytes(self.root / LATEST, final.name.encode())  # 0600, like every file here
-            old = sorted(p for p in self.root.glob(STEP_PREFIX + "*") if p.is_dir() and p.name != final.name)
+            old = sorted((p for p in self.root.glob(STEP_PREFIX + "*")
+                          if STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink() and p.name != final.name),
+                         key=lambda p: int(p.name[len(STEP_PREFIX):]))
             for p in old[:max(0, len(old) - (self.keep - 1))]:
                 shutil.rmtree(p, ignore_errors=True)
         self._barrier()

@@ -51,6 +51,9 @@ class ServerConfig:
         (its data loader, other jobs), so that a save does not starve them; the command
         line's default comes from ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S, as for
         max_ram_fraction.
+    save_snapshot: a background save snapshots what the updates during it overwrite
+        (ckpt_io.SaveJob), where host RAM allows; False: they write it to the file
+        first and wait for the disk (an A/B switch for benchmarks).
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
@@ -67,6 +70,7 @@ class ServerConfig:
     max_ram_fraction: float = 0.9
     max_sessions: int = 64
     save_max_bytes_per_s: float = 0.0
+    save_snapshot: bool = True
     log_level: str = "INFO"
     parent_pid: int = 0
     trace_dir: str = ""

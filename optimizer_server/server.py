@@ -288,6 +288,9 @@ class OptimizerServer:
         admitted shards have reserved; reserved itself until the save ends, so a HELLO
         meanwhile counts it.  Otherwise the save writes before each update overwrites,
         as a blocking one would, and the log says why."""
+        if not self.cfg.save_snapshot:
+            shard.save_note = "a background save takes no snapshot (the server runs with --no-save-snapshot)"
+            return False, None
         need = shard.snapshot_bytes()
         avail = read_mem_available() - self.reservations.outstanding
         if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:

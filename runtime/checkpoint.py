@@ -21,6 +21,7 @@ import numpy as np
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.ckpt_io import lower_this_threads_priority
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
@@ -76,6 +77,7 @@ class _EngineFiles(threading.Thread):
             finally:
                 self.live = None
                 self.copied.set()
+            lower_this_threads_priority()  # the write uses idle CPU, not the training's
             _write_engine_files(self.tmp, self.k, self.W, dev, pend, self.meta)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self.error = e

@@ -140,6 +140,8 @@ class CheckpointAPI:
         d, src, meta, metas = self.checkpoints.read_meta(
             directory, {"param_align": self.param_align, "numel": self.flat.numel, "dtype": self.cfg.dtype,
                         "optimizer": self.cfg.optimizer})
+        # the engine file's values, checked before the server's LOAD replaces its state
+        self.optimizer.check_state_dict_small(meta.get("optimizer_proxy"), where=f"checkpoint {d}")
         counts = meta.get("param_updates", [meta["updates"]] * len(self.param_updates))  # older: all, every step
         if len(counts) != len(self.param_updates):
             raise ValueError(f"checkpoint {d} counts steps for {len(counts)} parameters, this model has "

@@ -102,11 +102,36 @@ class ServerOptimizer(torch.optim.Optimizer):
                   for g in self.param_groups]
         return groups[0] if len(groups) == 1 else groups
 
-    def load_state_dict_small(self, d) -> None:
+    def check_state_dict_small(self, d, where: str = "the checkpoint") -> list[dict]:
+        """The groups' values a checkpoint holds (state_dict_small's form), checked as
+        step() would check them, before anything is loaded: a bad one found after the
+        server's LOAD would leave the run half-loaded.  ValueError naming the value."""
         groups = [d] if isinstance(d, dict) else d
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ValueError(f"{where}: optimizer_proxy must be a dict or a list of dicts, got {type(d).__name__}")
         if len(groups) != len(self.param_groups):
             raise ValueError(f"the checkpoint has {len(groups)} param group(s), this engine {len(self.param_groups)}; "
                              f"build the engine with the groups it was saved with")
+
+        def num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        for i, g in enumerate(groups):
+            bad = []
+            for k in ("lr", "weight_decay", "eps"):
+                if k in g and not (num(g[k]) and g[k] >= 0 and (k != "eps" or g[k] > 0)):
+                    bad.append(f"{k}={g[k]!r}")
+            if "betas" in g and not (isinstance(g["betas"], (list, tuple)) and len(g["betas"]) == 2
+                                     and all(num(b) and 0 <= b < 1 for b in g["betas"])):
+                bad.append(f"betas={g['betas']!r}")
+            if "params" in g:
+                bad.append("params (a group's values only)")
+            if bad:
+                raise ValueError(f"{where}: param group {i} holds {', '.join(bad)}; the file is damaged or not "
+                                 f"this engine's: load another checkpoint")
+        return groups
+
+    def load_state_dict_small(self, d) -> None:
+        groups = self.check_state_dict_small(d)
         for g, saved in zip(self.param_groups, groups):
             for k, v in saved.items():
                 g[k] = tuple(v) if isinstance(v, list) else v

@@ -109,3 +109,73 @@ def test_a_directory_not_every_rank_sees_is_refused(tmp_path):
         assert "not one filesystem for every rank" in said and "shared mount" in said, said
         assert not (tmp_path / f"ckpt-rank{r}" / "latest").exists()
     assert not list((tmp_path / "ckpt-rank0").glob("*step-*"))  # rank 0 removed its tmp-step-N
+
+
+@pytest.mark.parametrize("role", ["shard", "engine"])
+def test_a_crafted_world_size_in_a_file_name_is_refused_naming_the_file(tmp_path, role):
+    """A checkpoint beside a file named `{role}-r0-of-999999999999.json`: the engine's load
+    (the server's LOAD reads the shard files, the engine its own), zero-offload-export and
+    load_into_torch_optimizer each refuse it naming the file, before building anything
+    from that number (each made a list of 10^12 paths: out of memory), and the engine
+    goes on from the state it had.  (Mutation: saved_world_sizes without its bound runs
+    out of memory or past the test's timeout.)"""
+    from zero_offload.export import main as export_main
+    from zero_offload.torch_state import load_into_torch_optimizer
+    model = gpt()
+    with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
+        train_engine(eng, gpt_batch, 3, "bf16")
+        d = eng.save_checkpoint(str(tmp_path / "ck"))
+        crafted = os.path.join(d, f"{role}-r0-of-999999999999.json")
+        with open(crafted, "w") as f:
+            f.write("{}")
+        before = flat_master(eng)
+        with pytest.raises((OptimizerServerError, C.CheckpointError),
+                           match=f"{role}-r0-of-999999999999.json names world size 999999999999"):
+            eng.load_checkpoint(str(tmp_path / "ck"))
+        assert torch.equal(flat_master(eng), before)
+        train_engine(eng, gpt_batch, 1, "bf16", start=4)  # and it trains on
+    if role == "engine":  # the export and the way back read the engine files' world size
+        assert export_main([d, str(tmp_path / "out.safetensors")]) != 0
+        torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with pytest.raises(C.CheckpointError, match="names world size 999999999999"):
+            load_into_torch_optimizer(d, torch_opt, model)
+
+
+def test_bad_group_values_in_the_engine_file_are_refused_before_the_server_loads(tmp_path):
+    """The engine file's optimizer_proxy (the groups' lr, betas, eps, weight decay) is
+    checked before LOAD replaces the server's state: a damaged value is refused naming
+    it, and the master is what it was (it used to fail after LOAD: half loaded).
+    (Mutation: the check moved after client.load leaves the master changed.)"""
+    model = gpt()
+    with OffloadEngine(copy.deepcopy(model), cfg()) as eng:
+        train_engine(eng, gpt_batch, 3, "bf16")
+        d = eng.save_checkpoint(str(tmp_path / "ck"))
+        train_engine(eng, gpt_batch, 2, "bf16", start=4)  # away from the saved state
+        meta_path = os.path.join(d, "engine-r0-of-1.json")
+        meta = json.loads(open(meta_path).read())
+        meta["optimizer_proxy"]["lr"] = -1.0
+        open(meta_path, "w").write(json.dumps(meta))
+        before = flat_master(eng)
+        with pytest.raises(ValueError, match=r"param group 0 holds lr=-1\.0"):
+            eng.load_checkpoint(str(tmp_path / "ck"))
+        assert torch.equal(flat_master(eng), before)
+        train_engine(eng, gpt_batch, 1, "bf16", start=6)
+
+
+def test_retention_and_the_sweep_touch_only_their_own_directories(tmp_path):
+    """`keep` prunes step-NNNNNNNN directories only, and a save sweeps only the
+    tmp-step-NNNNNNNN ones a crash left: a user's step-best, another tool's tmp-x and
+    a link named like a step stay.  (Mutation: pruning every step-* removes step-best.)"""
+    tmp_path.joinpath("step-best").mkdir()
+    tmp_path.joinpath("tmp-x").mkdir()
+    tmp_path.joinpath("tmp-step-00000001").mkdir()  # a crashed save's
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    os.symlink(other, tmp_path / "step-00000000")
+    with OffloadEngine(gpt(), cfg()) as eng:
+        for k in range(3):
+            train_engine(eng, gpt_batch, 1, "bf16", start=k + 1)
+            eng.save_checkpoint(str(tmp_path), keep=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["elsewhere", "latest", "step-00000000", "step-00000003", "step-best", "tmp-x"], names
+    assert other.is_dir()
