@@ -296,8 +296,8 @@ class OptimizerServer:
         if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:
             why = (f"a background save of rank {shard.rank} takes no snapshot: it needs {need / 2**30:.2f} GiB of host "
                    f"RAM and {max(0, avail) / 2**30:.2f} GiB is available beside the shards' reservations, so the "
-                   f"updates while it writes wait for the disk (use state_dtype='bf16', or save with "
-                   f"background=False)")
+                   f"updates while it writes wait for the disk (a smaller state_dtype makes the snapshot smaller: "
+                   f"'bf16' 8, 'int8' 6 B/param against fp32's 12; or more host RAM)")
             log.warning("%s", why)
             shard.save_note = why
             return False, None

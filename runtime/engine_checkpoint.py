@@ -15,6 +15,7 @@ import torch
 from zero_offload.server import checkpoint as ckpt_format
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 
+from . import host_memory
 from .step_state import StepPhase, next_phase
 
 log = logging.getLogger("zero_offload")
@@ -49,6 +50,15 @@ class CheckpointAPI:
         (FSDP's full state dict convention), so a node holds one fp32 model, not one
         per rank.  Every rank must call it (a collective)."""
         self._check_between_steps("master_state_dict()")
+        # its fp32 copy here, and with several ranks the gathered model on those that keep it
+        gathered = self.world_size > 1 and (self.rank == 0 or not rank0_only)
+        need = 4 * (self.flat.shard_numel + (self.flat.padded_numel if gathered else 0))
+        ok = host_memory.has_room(need)
+        if self.world_size > 1:
+            ok = self.coll.all_ok(ok)
+        if not ok:
+            raise host_memory.room_error(need, "master_state_dict() (the fp32 master: 4 B/param)",
+                                         host_memory.MASTER_INSTEAD)
         shard = torch.from_numpy(self.client.get_master())
         full = shard if self.world_size == 1 else self.coll.gather_master(shard, rank0_only)
         out = OrderedDict()

@@ -3,14 +3,21 @@
 - Page-locking the shared segment for CUDA (cudaHostRegister), so the gradient
   and weight copies are DMA that overlaps compute, and unregistering it.
 - Giving the heap freed by the cast of the user's fp32 model back to the OS.
+- Refusing a whole-model copy in the worker that would not fit beside the optimizer
+  server (``has_room``): the kernel's OOM killer would pick the largest process,
+  the server, and the training state since the last checkpoint would be lost.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 
 import numpy as np
 import torch
+
+from zero_offload.server.admission import read_mem_available
+from zero_offload.server.config import RAM_FRACTION_ENV
 
 PIN_MODES = ("auto", "require", "off")
 
@@ -89,3 +96,29 @@ def return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+# what streams the master instead of holding it whole
+MASTER_INSTEAD = ("Save a checkpoint (save_checkpoint) and stream the master out of it with zero-offload-export "
+                  "(or zero_offload.export.master_state_dict_from_checkpoint, one tensor at a time)")
+
+
+def has_room(nbytes: int) -> bool:
+    """True if `nbytes` of new host memory fit in MemAvailable times the RAM fraction
+    admission uses (ZERO_OFFLOAD_MAX_RAM_FRACTION, 0.9; 0: no check); else the
+    MemoryError to raise is built by ``room_error`` (callers with several ranks agree
+    first, so that one rank's refusal is every rank's).  The server's RAM fraction
+    switch, so that 0 turns both checks off (a VM whose RAM grows as it is used)."""
+    try:
+        fraction = float(os.environ.get(RAM_FRACTION_ENV, "0.9"))
+    except ValueError:
+        fraction = 0.9
+    return not fraction or nbytes <= read_mem_available() * fraction
+
+
+def room_error(nbytes: int, what: str, instead: str) -> MemoryError:
+    return MemoryError(f"{what} needs {nbytes / 2**30:.2f} GiB of host RAM in this process and "
+                       f"{read_mem_available() / 2**30:.2f} GiB is available beside the optimizer server's state: "
+                       f"refused before anything was built (the OOM killer would take the server, and the training "
+                       f"since the last checkpoint with it). {instead} (ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this "
+                       f"check off)")

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import host_memory
+
 FILES_KEY = "files"
 # the most bytes one file of a state dict may claim when written back (a checkpoint
 # file is at most a shard's largest array, 4 B x 2^40 elements)
@@ -77,6 +79,14 @@ class InMemoryState:
             raise ValueError(f"this state dict was taken at step {self.iteration} and the optimizer is at step "
                              f"{engine.iteration} now: torch.save(opt.state_dict()) right after taking it, or "
                              f"pass state_dir='...' to save master, m and v when it is taken")
+        # the checkpoint's files are read whole into this process: the server's state bytes
+        # (master and moments as a save writes them) plus the device's 16-bit weights
+        need = int(engine.stats().get("server_state_bytes", 0)) + 4 * engine.flat.shard_numel + 2 * engine.flat.padded_numel
+        instead = ("Pass state_dir='...' to the optimizer: state_dict() then writes master and moments there "
+                   "and holds only the path")
+        if not host_memory.has_room(need):
+            raise host_memory.room_error(need, "torch.save(opt.state_dict()) without state_dir (the optimizer's "
+                                         "whole state in this process)", instead)
         tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
         try:
             step_dir = Path(engine.save_checkpoint(tmp, keep=1))

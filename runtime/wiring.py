@@ -132,6 +132,11 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
         # its copy of the model (worker_frees)
         spare = read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n) - engine._worker_peak
         undo = whole if 2 * whole <= spare else 0
+        if engine.world_size > 1:
+            # agreed before use: each rank reads its own MemAvailable (on one node, while the
+            # other ranks' servers still allocate), and a rank with speculation among its
+            # candidates calls the picker's all-reduce where one without it never does
+            undo = whole if engine.coll.all_ok(undo > 0) else 0
     else:
         undo = x.undo_log_bytes
     order = exact_mode.candidates(world_size=engine.world_size, overlap_ok=overlap_ok and auto_overlap,

@@ -85,6 +85,7 @@ def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool) -> 
                 bg["publish_s"] = time.perf_counter() - t0
                 st = eng.client.save_status()
                 bg.update(steps=times, server_write_s=st.get("seconds", 0.0), snapshot_peak_bytes=st.get("snapshot_peak", 0),
+                          snapshot_taken=bool(st.get("snapshot")),
                           update_writes=st.get("update_writes", 0), update_waited_s=st.get("waited_s", 0.0))
                 out["saves"].append(bg)
         finally:
@@ -97,7 +98,8 @@ def row(r: dict, bg: dict, which: str, bound_w: float) -> str:
     steps = bg["steps"] or [float("nan")]
     worst, med = max(steps), statistics.median(steps)
     gbs = r["file_bytes"] / bg["server_write_s"] / 1e9 if bg["server_write_s"] else float("nan")
-    return (f"| {r['params'] / 1e9:.2f}e9 | {r['state_dtype']} | {'on' if r['snapshot'] else 'off'} | {which} | "
+    snap = "off" if not r["snapshot"] else "on" if bg["snapshot_taken"] else "refused (RAM)"
+    return (f"| {r['params'] / 1e9:.2f}e9 | {r['state_dtype']} | {snap} | {which} | "
             f"{r['steady_step_s']:.2f} | {r['blocking_save_s']:.1f} | {bg['return_s']:.2f} | {len(steps)} | "
             f"{worst:.2f} ({worst / r['steady_step_s']:.2f}x) | {med:.2f} ({med / r['steady_step_s']:.2f}x) | "
             f"{bg['update_waited_s']:.2f} | {bg['publish_s']:.1f} | {gbs:.2f} ({100 * gbs / (bound_w / 1e9):.0f}%) | "

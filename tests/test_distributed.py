@@ -54,7 +54,8 @@ def two_rank_runs(tmp_path_factory):
     most of each run's time): OUT/MODE/rank*.pt.  Its tests are one xdist group
     (tests/conftest.py XDIST_GROUPS), so one worker runs them and the launch happens once."""
     d = tmp_path_factory.mktemp("two_ranks")
-    modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}"]
+    modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}",
+             f"poorrank@{MATCH_STEPS}"]
     launch_modes(d, modes, MATCH_STEPS, 600, "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
     return d
 
@@ -150,6 +151,22 @@ def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     st = res["overlap-spec-clip"][0]["stats"]
     print("rank 0 with the clip:", {k: v for k, v in st.items() if k.startswith("spec")})
     assert st["spec_kept_steps"] > 0 and st["spec_rollback_steps"] > 0, st
+
+
+def test_ranks_agree_on_the_undo_log_when_their_ram_differs(two_rank_runs):
+    """Rank 1 reads a MemAvailable of 0 (tests/helpers/dist_worker.py poorrank), rank 0 the
+    host's: each alone would size speculation's undo log differently, rank 0 would have
+    two exact-mode candidates and rank 1 one, and rank 0's picker all-reduce would pair
+    with another collective of rank 1's (a hang, or wrong sums).  Agreed at set-up (no
+    rank speculates), the run ends, both ranks trained the same candidates and kept the
+    same strategy, and their masters are one.  (Mutation: the agreement removed from
+    wiring.exact_strategies: the launch hangs or a rank fails.)"""
+    res = [torch.load(two_rank_runs / f"poorrank@{MATCH_STEPS}" / f"rank{r}.pt") for r in range(2)]
+    st = [r["stats"] for r in res]
+    assert st[0]["exact_strategy"] == st[1]["exact_strategy"] == "sync", [s["exact_strategy"] for s in st]
+    assert st[0]["spec_steps"] == st[1]["spec_steps"] == 0
+    for k in res[0]["master"]:
+        assert torch.equal(res[0]["master"][k], res[1]["master"][k]), k
 
 
 def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):

@@ -148,3 +148,35 @@ def test_a_closed_engine_goes_with_its_last_reference(kind):
     finally:
         if was:
             gc.enable()
+
+
+def test_a_whole_model_copy_that_would_not_fit_is_refused_and_the_server_lives(monkeypatch, tmp_path):
+    """master_state_dict() and torch.save(opt.state_dict()) without state_dir build a
+    whole-model copy in the worker: where MemAvailable (faked small here, as on a host
+    whose server holds most of it) cannot hold it, each is refused with a MemoryError
+    naming what streams instead, before anything is built; the server lives, training
+    goes on, and with ZERO_OFFLOAD_MAX_RAM_FRACTION=0 (the check off) both work.
+    (Mutation: the check removed from master_state_dict: it returns instead of raising.)"""
+    import io
+    from zero_offload import OffloadAdamW, host_memory
+    from tests.helpers.models import gpt, gpt_batch
+    model = gpt()
+    opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
+    try:
+        for t in range(1, 3):
+            gpt_batch(t, "bf16")(model).backward()
+            opt.step()
+            opt.zero_grad()
+        monkeypatch.setattr(host_memory, "read_mem_available", lambda: 64 << 10)  # 64 KiB left
+        with pytest.raises(MemoryError, match="master_state_dict.*zero-offload-export"):
+            opt.master_state_dict()
+        with pytest.raises(MemoryError, match="state_dict.*state_dir="):
+            torch.save(opt.state_dict(), io.BytesIO())
+        assert opt.engine._server.proc.poll() is None  # the server lives
+        gpt_batch(3, "bf16")(model).backward()
+        opt.step()  # and training goes on
+        monkeypatch.setenv("ZERO_OFFLOAD_MAX_RAM_FRACTION", "0")
+        assert set(opt.master_state_dict()) <= set(model.state_dict()) and opt.master_state_dict()
+        torch.save(opt.state_dict(), io.BytesIO())
+    finally:
+        opt.close()
