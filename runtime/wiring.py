@@ -71,6 +71,16 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     engine.distributed = False if local else process_group()
     engine.rank = dist.get_rank() if engine.distributed else 0
     engine.world_size = dist.get_world_size() if engine.distributed else 1
+    if engine.world_size > 1 and cfg.expert.compute_dtype == "auto" and engine.device.type == "cpu":
+        # agreed before use: each rank read its own CPU (or measured it), and ranks that
+        # compute in different dtypes all-gather weights of different sizes (gloo refuses,
+        # or pairs the wrong buffers); fp32 if any rank needs it
+        flag = torch.tensor([1 if engine.compute_dtype == torch.float32 else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) and engine.compute_dtype != torch.float32:
+            engine.compute_dtype = torch.float32
+            engine._compute_why = (f"another rank computes in fp32, and every rank must compute alike (this one: "
+                                   f"{engine._compute_why})")
     # one CPU rank: its 16-bit weights can live in the shared segment itself (two
     # slots: the server writes the next weights into the one the model is not
     # using, and landing an update swaps the model onto it; no copy up at all)

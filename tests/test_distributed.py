@@ -55,7 +55,7 @@ def two_rank_runs(tmp_path_factory):
     (tests/conftest.py XDIST_GROUPS), so one worker runs them and the launch happens once."""
     d = tmp_path_factory.mktemp("two_ranks")
     modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}",
-             f"poorrank@{MATCH_STEPS}"]
+             f"poorrank@{MATCH_STEPS}", f"mixedcpu@{OVERFLOW_STEPS}"]
     launch_modes(d, modes, MATCH_STEPS, 600, "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
     return d
 
@@ -165,6 +165,19 @@ def test_ranks_agree_on_the_undo_log_when_their_ram_differs(two_rank_runs):
     st = [r["stats"] for r in res]
     assert st[0]["exact_strategy"] == st[1]["exact_strategy"] == "sync", [s["exact_strategy"] for s in st]
     assert st[0]["spec_steps"] == st[1]["spec_steps"] == 0
+    for k in res[0]["master"]:
+        assert torch.equal(res[0]["master"][k], res[1]["master"][k]), k
+
+
+def test_ranks_agree_on_the_compute_dtype_when_their_cpus_differ(two_rank_runs):
+    """Rank 1 reads a CPU without native 16-bit matmul (dist_worker mixedcpu), rank 0 this
+    host's: alone, rank 1 would compute in fp32 and rank 0 in bf16, and their weights'
+    all-gather would pair buffers of different sizes.  Agreed at set-up: both compute in
+    fp32, the run ends and the ranks' masters are one.  (Mutation: the agreement removed
+    from wiring.prepare: gloo refuses the all-gather's sizes, or the ranks differ.)"""
+    res = [torch.load(two_rank_runs / f"mixedcpu@{OVERFLOW_STEPS}" / f"rank{r}.pt") for r in range(2)]
+    st = [r["stats"] for r in res]
+    assert st[0]["compute_dtype"] == st[1]["compute_dtype"] == "float32", [s["compute_dtype"] for s in st]
     for k in res[0]["master"]:
         assert torch.equal(res[0]["master"][k], res[1]["master"][k]), k
 

@@ -14,7 +14,8 @@ then a barrier) |
 unused-dpu (a layer with no gradient on any rank every third step, one only rank 0's
 rows use every third, and one never used) |
 poorrank (mode "exact" left to pick, and rank 1 reads a MemAvailable of 0: it alone would
-have no room for speculation's undo log).
+have no room for speculation's undo log) |
+mixedcpu (rank 1 reads a CPU without native 16-bit matmul: it alone would compute in fp32).
 """
 import gc
 import os
@@ -123,6 +124,10 @@ def run(out: str, mode: str, steps: int) -> None:
     if mode == "poorrank" and rank == 1:  # this rank alone sees a host with no RAM to spare
         from zero_offload import wiring
         wiring.read_mem_available = lambda: 0
+    if mode == "mixedcpu" and rank == 1:  # this rank alone sees a CPU that emulates 16-bit matmul
+        from zero_offload import compute_dtype
+        compute_dtype.cpu_flags = lambda: set()
+        compute_dtype.isa_cap = lambda: None
     model = make_model(mode)
     eng = OffloadEngine(model, config(mode), param_groups=groups(model, mode))
     dt = eng.compute_dtype  # the inputs in what the model computes with
