@@ -11,8 +11,8 @@ shard will take.  A new shard is admitted only if its need plus what the admitte
 ones reserved and have not yet made resident (their reservations less the growth of
 this process's resident memory since it started, ``Reservations.outstanding``) fits
 in MemAvailable, plus what the new worker frees after INIT, times max_ram_fraction.
-``frees_bytes`` is the client's word, so it is bounded by what a worker can free:
-the fp32 copy of its model (4 B per parameter of all ranks' shards).
+``frees_bytes`` is the client's word, so it is bounded by what the client cannot
+inflate: the fp32 copy of its own shard (4 B per parameter of it).
 """
 from __future__ import annotations
 
@@ -100,11 +100,13 @@ def admit(msg: P.Hello, *, token: str, max_ram_fraction: float, reserved: int = 
     if max_sessions and sessions >= max_sessions:
         raise Refused(P.E_RESOURCE, f"this server already serves {sessions} shards (max_sessions={max_sessions}); "
                                     f"close idle clients, or start the server with a larger --max-sessions")
-    most = 4 * msg.numel * msg.world_size  # the fp32 copy of the whole model
+    # bounded by what the client cannot inflate: this shard's own fp32 copy (its world_size
+    # is its word too: claiming 2^20 ranks once let a 29.8 GiB shard in on 21 GiB)
+    most = 4 * msg.numel
     if msg.frees_bytes > most:
-        raise Refused(P.E_INVALID, f"frees_bytes={msg.frees_bytes} exceeds what a worker can free, the fp32 copy of "
-                                   f"its model ({most} bytes for {msg.world_size} x {msg.numel} parameters); send "
-                                   f"what the worker really lets go of after INIT")
+        raise Refused(P.E_INVALID, f"frees_bytes={msg.frees_bytes} exceeds what admission counts a worker as "
+                                   f"freeing, the fp32 copy of its shard ({most} bytes for {msg.numel} parameters); "
+                                   f"send at most that")
     layout = ShardLayout(numel=msg.numel, weights_slots=msg.weights_slots, grad_slots=msg.grad_slots,
                          staging_numel=msg.staging_numel)
     need = shard_need(msg, layout)  # the undo log may fill entirely

@@ -102,6 +102,7 @@ PROTOCOL_VERSION = 16
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
+MIN_PROGRESS_BLOCK = 64                # a smaller one only multiplies a STEP's (and a SPECULATE's) pieces
 DTYPES = ("fp16", "bf16")                  # the one list of 16-bit types (config, wire, server)
 OPTIMIZERS = ("adamw", "adam", "adagrad", "lion")  # the one list of optimizers
 STATE_DTYPES = ("fp32", "bf16", "int8")    # the one list of optimizer-state dtypes (optimizer_server.state)
@@ -215,8 +216,9 @@ class Hello(Message, ShardSpec):
         _require(1 <= self.grad_slots <= MAX_GRAD_SLOTS, f"grad_slots must be 1 or 2, got {self.grad_slots}")
         _require(0 <= self.staging_numel <= MAX_NUMEL,
                  f"staging_numel must be in [0, {MAX_NUMEL}] (0: server default), got {self.staging_numel}")
-        _require(0 <= self.progress_block <= MAX_NUMEL,
-                 f"progress_block must be in [0, {MAX_NUMEL}] (0: server default), got {self.progress_block}")
+        _require(self.progress_block == 0 or MIN_PROGRESS_BLOCK <= self.progress_block <= MAX_NUMEL,
+                 f"progress_block must be 0 (server default) or in [{MIN_PROGRESS_BLOCK}, {MAX_NUMEL}], "
+                 f"got {self.progress_block}")
         _require(0 <= self.frees_bytes < 1 << 62, f"frees_bytes must be >= 0, got {self.frees_bytes}")
         _require(0 <= self.undo_log_bytes < 1 << 62, f"undo_log_bytes must be >= 0, got {self.undo_log_bytes}")
         _require(0 <= self.worker_peak_bytes < 1 << 62,

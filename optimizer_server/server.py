@@ -382,8 +382,8 @@ class OptimizerServer:
             log.debug("rank %d: SPECULATE %d dropped: %s", shard.rank, msg.step, piece)
             return
         ex = self.executors[session]
-        for a, b in piece or []:
-            ex.submit(self._traced_speculate, shard, msg.step, a, b)
+        for a, b in piece or []:  # one range: one task walks it
+            ex.submit(shard.speculate_range, a, b, lambda x, y: self._traced_speculate(shard, msg.step, x, y))
         if first and shard.speculative is not None:
             # the rest of the step comes through the ready word, not a message a bucket
             ex.submit(self._follow, shard, msg.step)

@@ -61,9 +61,12 @@ class ShardSpeculation:
     """accept_speculation / follow / speculate / rollback / _settle of Shard."""
 
     def accept_speculation(self, msg: P.Speculate) -> list[tuple[int, int]] | str | None:
-        """Socket thread: the pieces [a, b) of a usable SPECULATE to hand to the update
-        thread (``speculate``), at most a progress block each (so that a STEP waits for
-        one at most), None if it adds nothing, or why it is dropped."""
+        """Socket thread: the range [a, b) of a usable SPECULATE to hand to the update
+        thread, as one item: [(a, b)] (the update thread walks it a speculation_piece at
+        a time, so that a STEP waits for one piece at most; a list of pieces made here
+        cost the socket thread a tuple and a future per piece: with a tiny progress block
+        one SPECULATE stalled every other client), None if it adds nothing, or why it is
+        dropped."""
         if self.undo is None:
             return "this shard has no undo log (HELLO.undo_log_bytes = 0)"
         if self.phase not in (ShardPhase.READY, ShardPhase.SPECULATING):
@@ -82,11 +85,21 @@ class ShardSpeculation:
         if b <= a or self.speculative.full:
             return None
         self.speculative.queued = b
-        step = self._piece
-        return [(x, min(b, x + step)) for x in range(a, b, step)]
+        return [(a, b)]
+
+    def speculate_range(self, a: int, b: int, run=None) -> None:
+        """Update thread: [a, b) a speculation_piece at a time, until a piece does not
+        advance (the STEP came, another request closed it, or the undo log is full).
+        run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
+        run = run or self.speculate
+        for x in range(a, b, self.speculation_piece):
+            sp = self.speculative
+            if sp is None or sp.closed or sp.full or sp.done != x:
+                return
+            run(x, min(b, x + self.speculation_piece))
 
     @property
-    def _piece(self) -> int:
+    def speculation_piece(self) -> int:
         """A speculative piece's length: a progress block (int8: whole blocks)."""
         if self.arrays.state_dtype == "int8":
             return max(P.QBLOCK, self._block_floor(self.progress_block))
@@ -109,7 +122,7 @@ class ShardSpeculation:
             upto = max(said, sp.queued)  # a later SPECULATE still counts
             if upto > sp.done:
                 a = sp.done
-                run(a, min(upto, a + self._piece))
+                run(a, min(upto, a + self.speculation_piece))
                 if sp.done == a:  # it did not fit the log (full) or was closed meanwhile
                     return
                 last, delay = time.monotonic(), poll_s

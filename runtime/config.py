@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Union
 
 from zero_offload.server.config import ADDRESS_ENV, TOKEN_ENV, TRACE_DIR_ENV
-from zero_offload.server.protocol import COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, OPTIMIZERS, STATE_DTYPES
+from zero_offload.server.protocol import (COMPACT_OPTIMIZERS, DTYPES, MAX_PREDICT, MIN_PROGRESS_BLOCK, OPTIMIZERS,
+                                          STATE_DTYPES)
 
 from .exact_mode import STRATEGIES, strategy_of
 
@@ -168,8 +169,9 @@ class ExpertConfig:
             raise ValueError(f"expert.dpu_predict must be in [0, {MAX_PREDICT:g}], got {self.dpu_predict!r}")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1024):
             raise ValueError(f"expert.bucket_numel must be an int >= 1024, got {self.bucket_numel!r}")
-        if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= 1):
-            raise ValueError(f"expert.progress_block_numel must be an int >= 1, got {self.progress_block_numel!r}")
+        if not (isinstance(self.progress_block_numel, int) and self.progress_block_numel >= MIN_PROGRESS_BLOCK):
+            raise ValueError(f"expert.progress_block_numel must be an int >= {MIN_PROGRESS_BLOCK}, "
+                             f"got {self.progress_block_numel!r}")
         if not (isinstance(self.staging_numel, int) and self.staging_numel >= 0):
             raise ValueError(f"expert.staging_numel must be an int >= 0 (0: the server's default), "
                              f"got {self.staging_numel!r}")

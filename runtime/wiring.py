@@ -206,7 +206,9 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
         addr, token, proc = engine._server.address, engine._server.token, engine._server.proc
     hp = {"lr": float(cfg.lr_at(1)), "beta1": cfg.betas[0], "beta2": cfg.betas[1], "eps": cfg.eps,
           "weight_decay": cfg.weight_decay}
-    frees = worker_frees(engine)
+    # what admission counts as freed: at most this shard's fp32 copy (a worker of several
+    # ranks frees its whole model's, but the server cannot check a client's world size)
+    frees = min(worker_frees(engine), 4 * engine.flat.shard_numel)
     # the shard, described once (protocol.ShardSpec): HELLO carries it, the server's Shard keeps it
     spec = ShardSpec(rank=engine.rank, world_size=engine.world_size, numel=engine.flat.shard_numel, dtype=cfg.dtype,
                      optimizer=cfg.optimizer, hparams=hp, progress_block=cfg.expert.progress_block_numel,

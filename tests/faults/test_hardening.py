@@ -130,6 +130,66 @@ def test_a_lying_frees_bytes_and_too_many_sessions_are_refused(tmp_path):
             c.close()
 
 
+def test_frees_bytes_cannot_be_inflated_by_claiming_a_large_world(tmp_path):
+    """frees_bytes counts as freed RAM at admission; its bound was 4 B x numel x world_size
+    with the world size the client's own word, so claiming 2^20 ranks admitted a shard
+    that needed more than the host had.  Now the bound is this shard's own 4 B x numel:
+    a HELLO that claims more is refused, whatever world size it states.  (Mutation: the
+    bound multiplied by world_size again admits the claim.)"""
+    n = 1 << 20
+    with spawn(threads=1) as srv:
+        r = _hello_reply(srv.address, token=srv.token, numel=n, rank=0, world_size=1 << 20,
+                         frees_bytes=4 * n * 1024)
+        assert isinstance(r, P.Error) and r.code == P.E_INVALID and "frees_bytes" in r.message, r
+        c = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc)  # an honest one is admitted
+        c.close()
+
+
+def test_one_speculate_over_a_whole_shard_does_not_stall_the_other_clients(tmp_path):
+    """A token holder's worst SPECULATE: the smallest progress block HELLO takes (and
+    progress_block=1 refused), an undo log, and one SPECULATE with upto=numel.  The
+    socket thread hands the update thread one range (it built a tuple and a future per
+    piece: 7.7 s of every other client's STATS waiting at 131,072 elements, 226 MiB of
+    server memory); another client's STATS is answered at once meanwhile.  (Mutation:
+    pieces listed again on the socket thread: the STATS waits seconds.)"""
+    import threading
+    import time
+    n = 1 << 24  # 262,144 pieces of the smallest block
+    with spawn(threads=1) as srv:
+        r = _hello_reply(srv.address, token=srv.token, numel=n, progress_block=1)
+        assert isinstance(r, P.Error) and "progress_block" in r.message, r
+        spec = ShardClient(srv.address, srv.token, numel=n, server_proc=srv.proc, undo_log_bytes=1 << 30,
+                           progress_block=P.MIN_PROGRESS_BLOCK)
+        other = ShardClient(srv.address, srv.token, numel=1024, server_proc=srv.proc)
+        try:
+            spec.init_weights(np.ones(n, np.float32))
+            spec.grads[0].view(np.float16)[:] = 0.5
+            other.init_weights(np.ones(1024, np.float32))
+            lat = []
+            sent = threading.Event()
+
+            def poll():  # STATS in a loop from before the SPECULATE until 1 s after it
+                end = None
+                while end is None or time.monotonic() < end:
+                    if end is None and sent.is_set():
+                        end = time.monotonic() + 1.0
+                    t0 = time.monotonic()
+                    other.stats()
+                    lat.append(time.monotonic() - t0)
+            th = threading.Thread(target=poll)
+            th.start()
+            time.sleep(0.1)
+            spec.speculate(1, 0, 1e-3, 1.0, {}, upto=n)
+            sent.set()
+            th.join(60)
+            print(f"{len(lat)} STATS beside the SPECULATE, the slowest {max(lat):.3f} s")
+            assert not th.is_alive() and max(lat) < 1.0, max(lat)
+            spec.step(1, 0, 1e-3)  # and the STEP settles it
+        finally:
+            spec.close()
+            other.close()
+
+
 @pytest.mark.parametrize("edit,match", [
     (lambda m: m["hparams"].update(beta1=5.0), "beta1 must be in"),
     (lambda m: m["hparams"].update(eps=1e-45), "eps must be"),
