@@ -6,7 +6,11 @@ files of the workers and the server line up when merged
 (scripts/trace_merge.py).  Disabled, ``span`` returns a shared no-op context:
 one attribute lookup and a call, nothing recorded.
 
-Importable without torch (the server uses it too).
+Importable without torch (the server uses it too).  The directory may be one others
+can reach (``--trace-dir`` on a shared disk): it must be the user's own or sticky
+(files.check_private_dir), and each file goes through the atomic writer (a random
+temporary name opened O_EXCL|O_NOFOLLOW, then renamed), so nothing planted there
+(a file, a link) receives a trace or redirects one.
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from .atomic import atomic_write_bytes
+from .files import check_private_dir
 
 _NULL = contextlib.nullcontext()
 
@@ -30,7 +37,8 @@ class Tracer:
         self.events: list[dict] = []
         self._lock = threading.Lock()
         if self.enabled:
-            Path(trace_dir).mkdir(parents=True, exist_ok=True)
+            Path(trace_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+            check_private_dir(trace_dir, "trace")
             self.events.append({"ph": "M", "name": "process_name", "pid": self.pid,
                                 "args": {"name": f"{role}-{rank}"}})
 
@@ -68,8 +76,5 @@ class Tracer:
             data = {"traceEvents": list(self.events), "displayTimeUnit": "ms",
                     "otherData": {"role": self.role, "rank": self.rank, "clock": "CLOCK_MONOTONIC"}}
         p = self.path()
-        tmp = p + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, p)
+        atomic_write_bytes(Path(p), json.dumps(data).encode(), fsync=False)  # a trace need not survive a crash
         return p

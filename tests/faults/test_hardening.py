@@ -249,3 +249,33 @@ def test_binds_and_paths():
             P.decode(P.Save(session="s", dir=bad).encode())
     big = P.Save(session="s", dir="/" + "x" * 100).encode()
     assert len(big) < P.MAX_MESSAGE_BYTES
+
+
+def test_traces_in_a_shared_directory_overwrite_nothing_planted(tmp_path):
+    """--trace-dir on a shared disk: a directory others may write (0777, not sticky) is
+    refused naming the fix; in our own, links planted at the file's old fixed temporary
+    name and at its final name redirect nothing (the writer used to open
+    `server-0-PID.json.tmp` with open(..., "w"): a link there overwrote its target).
+    (Mutation: the plain open of a fixed .tmp name again overwrites the victim.)"""
+    from zero_offload.server.tracing import Tracer
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(RuntimeError, match="writable by other users"):
+        Tracer(str(shared), "server", 0)
+    mine = tmp_path / "mine"
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.chmod(victim, 0o600)
+    t = Tracer(str(mine), "server", 0)
+    assert (os.stat(mine).st_mode & 0o777) == 0o700
+    os.symlink(victim, t.path() + ".tmp")
+    with t.span("update", step=1):
+        pass
+    path = t.flush()
+    assert victim.read_text() == "precious"
+    assert json.loads(open(path).read())["traceEvents"][-1]["name"] == "update"
+    os.unlink(path)
+    os.symlink(victim, path)  # a link at the final name is replaced, its target untouched
+    t.flush()
+    assert victim.read_text() == "precious" and not os.path.islink(path)
