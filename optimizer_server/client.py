@@ -36,7 +36,7 @@ from zero_offload.kernels.cpu_adam import load_progress, store_progress
 from . import protocol as P
 from .config import LOOPBACK_HOSTS, tcp_host
 from .errors import OptimizerServerDeadError, OptimizerServerError, OptimizerServerTimeoutError
-from .ipc import remove_socket_files
+from .ipc import remove_dead_server_files
 from .procs import describe_exit, pid_alive
 from .shm import Segment
 from .shm import unlink as shm_unlink
@@ -155,7 +155,7 @@ class ShardClient:
             if self.segment is not None:
                 shm_unlink(self.segment.name)
             if self.address.startswith("ipc://"):
-                remove_socket_files(self.address[len("ipc://"):])
+                remove_dead_server_files(self.address[len("ipc://"):], self.server_pid)
         self._dead = OptimizerServerDeadError(
             f"optimizer server at {self.address} (pid {self.server_pid or '?'}) {why}; restart it and resume "
             f"from the last checkpoint (engine.load_checkpoint)")

@@ -117,7 +117,7 @@ class ServerFiles:
         d = data.get("private_dir")
         if (isinstance(d, str) and os.path.basename(d).startswith(ipc.PRIVATE_PREFIX)
                 and os.path.isdir(d) and not os.path.islink(d) and os.stat(d).st_uid == os.geteuid()):
-            ipc.remove_socket_files(os.path.join(d, ipc.SOCKET_NAME))
+            ipc.remove_dead_server_files(os.path.join(d, ipc.SOCKET_NAME), pid)
         reg.unlink(missing_ok=True)
 
     def take_ipc_lock(self, path: str) -> None:

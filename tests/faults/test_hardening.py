@@ -279,3 +279,39 @@ def test_traces_in_a_shared_directory_overwrite_nothing_planted(tmp_path):
     os.symlink(victim, path)  # a link at the final name is replaced, its target untouched
     t.flush()
     assert victim.read_text() == "precious" and not os.path.islink(path)
+
+
+def test_an_old_worker_leaves_a_restarted_servers_socket_alone(tmp_path):
+    """A supervisor restarts a SIGKILLed server at the same ipc:// path; a worker of the
+    dead one then notices the death: it raises the named error and leaves the new
+    server's socket and lock in place (it used to remove them: the new server lost its
+    clients, and a third server could start beside it).  A new client reaches the new
+    server, and a third server at that path is refused.  (Mutation: the client
+    removing the files unconditionally, as before, fails the checks after the death.)"""
+    from zero_offload.server.errors import OptimizerServerDeadError
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    address = f"ipc://{d}/server.sock"
+    sock, lock = d / "server.sock", d / "server.sock.lock"
+    old = spawn(threads=1, address=address)
+    c = ShardClient(address, old.token, numel=1024, server_proc=None)
+    c.init_weights(np.zeros(1024, np.float32))
+    os.kill(old.pid, signal.SIGSTOP)  # a STEP in flight when it dies: the worker waits for its DONE
+    c.step_async(1, 0, 1e-3)
+    os.kill(old.pid, signal.SIGKILL)
+    old.proc.wait(10)  # reaped: a supervisor did, and starts the next server at the same path
+    new = spawn(threads=1, address=address)
+    try:
+        with pytest.raises(OptimizerServerDeadError, match=f"pid {old.pid}"):
+            c.wait_done()
+        assert sock.exists() and lock.exists(), "the old worker removed the new server's files"
+        fresh = ShardClient(address, new.token, numel=1024, server_proc=new.proc)
+        fresh.init_weights(np.ones(1024, np.float32))
+        fresh.close()
+        with pytest.raises(RuntimeError, match="already serving"):
+            third = spawn(threads=1, address=address, ready_timeout_s=20, stderr=subprocess.PIPE)
+            third.stop()
+    finally:
+        c.close()
+        new.stop()
+        old.stop()
