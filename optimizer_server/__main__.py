@@ -8,7 +8,8 @@ import argparse
 import os
 import sys
 
-from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, SAVE_RATE_ENV, ServerConfig
+from .config import DEFAULT_HEARTBEAT_TIMEOUT_S, RAM_FRACTION_ENV, SAVE_RATE_ENV, TOKEN_ENV, ServerConfig
+from .files import read_token_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--allow-remote", action="store_true",
                     help="permit a tcp bind beyond loopback (workers must still run on this host)")
     ap.add_argument("--address-file", default="", help="write the bound address here once ready")
-    ap.add_argument("--token", default="", help="auth token (default: $ZERO_OFFLOAD_TOKEN or random)")
+    ap.add_argument("--token-file", default="",
+                    help="read the auth token from this file (yours, mode 0600); default: $ZERO_OFFLOAD_TOKEN, "
+                         "else random (written beside --address-file). Never on the command line: every user "
+                         "of the machine can read a process's arguments (ps)")
     ap.add_argument("--threads", type=int, default=0, help="OpenMP threads per update (0: OpenMP default)")
     ap.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S,
                     help="drop a worker silent for this many seconds")
@@ -34,7 +38,18 @@ def main(argv: list[str] | None = None) -> int:
                          f"shares (0: no cap); default ${SAVE_RATE_ENV} or 0")
     ap.add_argument("--no-save-snapshot", action="store_true",
                     help="a background save takes no snapshot: the updates during it wait for the disk (benchmarks)")
+    if argv is None:
+        argv = sys.argv[1:]
+    if any(x == "--token" or x.startswith("--token=") for x in argv):
+        ap.error(f"--token would put the secret in this process's arguments, which every user of the machine can "
+                 f"read (ps); pass it in ${TOKEN_ENV} or in a 0600 file named by --token-file")
     a = ap.parse_args(argv)
+    token = ""
+    if a.token_file:
+        try:
+            token = read_token_file(a.token_file)
+        except ValueError as e:
+            ap.error(str(e))
     try:
         ram_fraction = float(a.max_ram_fraction)
     except ValueError:
@@ -46,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--save-max-bytes-per-s (or ${SAVE_RATE_ENV}) must be a number >= 0, "
                  f"got {a.save_max_bytes_per_s!r}")
     try:
-        cfg = ServerConfig(address=a.address, allow_remote=a.allow_remote, address_file=a.address_file, token=a.token, threads=a.threads,
+        cfg = ServerConfig(address=a.address, allow_remote=a.allow_remote, address_file=a.address_file, token=token,
+                           threads=a.threads,
                            heartbeat_timeout_s=a.heartbeat_timeout, exit_when_idle=a.exit_when_idle,
                            log_level=a.log_level, parent_pid=a.parent_pid,
                            trace_dir=a.trace_dir, max_ram_fraction=ram_fraction,

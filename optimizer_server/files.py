@@ -76,6 +76,18 @@ def _ours(path: Path, mode_mask: int = 0o077) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & mode_mask
 
 
+def read_token_file(path: str) -> str:
+    """The token in `path`: a regular file of this user that no one else can read
+    (0600), one line; ValueError naming the fix otherwise."""
+    if not _ours(Path(path)):
+        raise ValueError(f"--token-file {path} must be a regular file of yours that others cannot read or write "
+                         f"(chmod 600), not a link")
+    token = Path(path).read_text().strip()
+    if not token or len(token) > 4096 or any(c.isspace() for c in token):
+        raise ValueError(f"--token-file {path} must hold one token (no spaces, at most 4096 characters)")
+    return token
+
+
 class ServerFiles:
     """The address file, token, segment registry and ipc lock of one server."""
 
