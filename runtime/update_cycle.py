@@ -274,8 +274,13 @@ class UpdateCycle:
 
     def release(self) -> None:
         """At close: the parameters view the shared segment, which goes away now, so
-        the model gets its weights in private memory (the user may keep using it)."""
+        the model gets its weights in private memory (the user may keep using it); and
+        no view of the segment stays here (the copy up's source), so the client can
+        unmap it: a view kept the whole unlinked segment (~4 B/param) mapped until the
+        engine object was collected."""
         if self.zero_copy:
             self.flat16 = self.flat16.clone()
             self.flat.bind(self.flat16)
+        self.quiesce()  # CUDA: the copies up have read the slot
         self._host = []
+        self._up = None

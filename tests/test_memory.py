@@ -180,3 +180,23 @@ def test_a_whole_model_copy_that_would_not_fit_is_refused_and_the_server_lives(m
         torch.save(opt.state_dict(), io.BytesIO())
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy"])
+def test_close_unmaps_the_shared_segment(zero_copy):
+    """After close() this process maps nothing of the shard's segment (it is unlinked
+    then; a view the update cycle kept, the copy up's source, held all of it mapped,
+    ~4 B/param, until the engine object was collected, and the client's unmap failed
+    in silence), while the engine object is still referenced.  (Mutation: UpdateCycle
+    .release keeping its WeightReturn: the copy path's segment stays mapped.)"""
+    from tests.helpers.models import gpt, gpt_batch, train_engine
+    eng = OffloadEngine(gpt(), OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1},
+                                             expert={"cpu_zero_copy": zero_copy}))
+    train_engine(eng, gpt_batch, 2, "bf16")
+    name = eng.client.segment.name
+    with open("/proc/self/maps") as f:
+        assert name in f.read()
+    eng.close()
+    with open("/proc/self/maps") as f:
+        assert name not in f.read(), "the closed engine still maps its segment"
+    assert eng.closed  # (the engine itself is still here)
