@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
 from zero_offload.server.state import INT8_CODES, ITEM_BYTES, ShardStateArrays
 
+from . import scratch
 from .flat import FlatParams
 
 CHUNK = 1 << 24  # elements copied at a time: 64 MiB of fp32 in the worker, whatever the model's size
@@ -203,7 +203,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
     tmp = d.begin(engine.iteration)
     # beside the checkpoints (the disk chosen for their size), where the directory
     # protocol's sweep of tmp-* does not look; removed below whatever happens
-    local_root = Path(tempfile.mkdtemp(prefix=f".local-r{g.rank}-", dir=directory))
+    local_root = scratch.make(f".local-r{g.rank}-", directory)
     err: BaseException | None = None
     files = {}
     try:
@@ -380,7 +380,7 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
     local_root = None
     try:
         try:
-            local_root = Path(tempfile.mkdtemp(prefix="zero-offload-fsdp2-"))
+            local_root = scratch.make("zero-offload-fsdp2-")
             local = local_root / "state"
             local.mkdir(mode=0o700)
             lbase, lsize = ShardStateArrays.file_layout(names, dtypes, n_local)

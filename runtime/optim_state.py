@@ -25,13 +25,14 @@ import collections
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import host_memory
+from . import host_memory, scratch
+
+SCRATCH_PREFIX = "zero-offload-state-"  # runtime.scratch: a killed process's is swept by the next
 
 FILES_KEY = "files"
 # the most bytes one file of a state dict may claim when written back (a checkpoint
@@ -87,7 +88,7 @@ class InMemoryState:
         if not host_memory.has_room(need):
             raise host_memory.room_error(need, "torch.save(opt.state_dict()) without state_dir (the optimizer's "
                                          "whole state in this process)", instead)
-        tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
+        tmp = scratch.make(SCRATCH_PREFIX)
         try:
             step_dir = Path(engine.save_checkpoint(tmp, keep=1))
             files = {}
@@ -111,7 +112,7 @@ def load_files(opt, files: dict) -> None:
     them (the checkpoint's checks run there: a damaged file is refused, naming it)."""
     if not isinstance(files, dict) or not files:
         raise ValueError("this state dict's files are missing: it was not made by OffloadAdamW.state_dict()")
-    tmp = tempfile.mkdtemp(prefix="zero-offload-state-")
+    tmp = scratch.make(SCRATCH_PREFIX)
     try:
         root = Path(tmp) / "state"
         for rel, t in files.items():

@@ -49,7 +49,6 @@ import math
 import os
 import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +57,8 @@ import torch
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
 from zero_offload.server.state import ShardStateArrays
+
+from . import scratch
 
 # torch.optim.Adam/AdamW options this server's update does not implement: a dict saved
 # with any other value is refused (its moments would mean something else here)
@@ -130,7 +131,7 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
     else:
         if directory is not None:
             os.makedirs(directory, mode=0o700, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX, dir=directory))
+        tmp = scratch.make(TMP_PREFIX, directory)
     try:
         d = Path(engine.save_checkpoint(str(tmp), keep=1))
         write_err = None

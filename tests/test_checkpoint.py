@@ -179,3 +179,33 @@ def test_retention_and_the_sweep_touch_only_their_own_directories(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["elsewhere", "latest", "step-00000000", "step-00000003", "step-best", "tmp-x"], names
     assert other.is_dir()
+
+
+def test_a_killed_calls_scratch_directory_is_swept_by_the_next(tmp_path, monkeypatch):
+    """torch.save(opt.state_dict()) without state_dir goes through a temporary checkpoint
+    in a scratch directory (runtime.scratch) that only a kill leaves behind: one whose
+    process is gone (a real pid, reaped) is removed by the next such call, while one
+    of a live process, a link and another prefix's stay.  (Mutation: sweep() not
+    called from make(): the dead one stays.)"""
+    import io
+    from zero_offload import OffloadAdamW, scratch
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(p.stdout)  # a pid that ran and is gone
+    host = scratch._host()
+    stale = tmp_path / f"zero-offload-state-{host}-{dead}-abc123"
+    (stale / "state").mkdir(parents=True)
+    live = tmp_path / f"zero-offload-state-{host}-{os.getppid()}-def456"
+    live.mkdir()
+    other = tmp_path / f"zero-offload-fsdp2-{host}-{dead}-ghi789"
+    other.mkdir()
+    os.symlink(other, tmp_path / f"zero-offload-state-{host}-{dead}-link")
+    model = gpt()
+    with OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1}) as opt:
+        gpt_batch(1, "bf16")(model).backward()
+        opt.step()
+        torch.save(opt.state_dict(), io.BytesIO())
+    names = sorted(n.name for n in tmp_path.iterdir() if n.name.startswith("zero-offload-"))
+    assert names == sorted([live.name, other.name, f"zero-offload-state-{host}-{dead}-link"]), names
