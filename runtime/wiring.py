@@ -216,17 +216,29 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                      staging_numel=cfg.expert.staging_numel, state_dtype=cfg.state_dtype,
                      exact_master=cfg.exact_master, frees_bytes=frees, undo_log_bytes=engine._undo_log_bytes,
                      worker_peak_bytes=engine._worker_peak)
+    refused: OptimizerServerError | None = None
     try:
-        engine.client = c = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
-                                        server_proc=proc)
+        engine.client = ShardClient(addr, token, spec, request_timeout_s=cfg.server.request_timeout_s,
+                                    server_proc=proc)
     except OptimizerServerError as e:
+        refused = e
         if e.code == E_RESOURCE and engine.compute_dtype != engine.dtype:
             # the server cannot know why this worker's peak is twice a 16-bit one's
-            raise OptimizerServerError(
+            refused = OptimizerServerError(
                 f"{e} (this worker computes in fp32, {engine._compute_why}: expert.compute_dtype="
                 f"{cfg.dtype!r} halves its own peak, at the cost of emulated 16-bit matmul on this CPU)",
-                code=e.code) from e
-        raise
+                code=e.code)
+            refused.__cause__ = e
+    if engine.world_size > 1 and not engine.coll.all_ok(refused is None):
+        # one rank's refusal is every rank's: the others would wait in the first
+        # collective for a rank that is gone (until the process group's timeout)
+        if refused is None:
+            refused = OptimizerServerError(
+                "another rank's optimizer server refused its shard (that rank's error says why; every rank "
+                "stops here)", code=E_RESOURCE)
+    if refused is not None:
+        raise refused
+    c = engine.client
     if engine.is_cuda:
         engine._pinned = host_memory.pin(c.segment.buffer, c.segment.size, engine.device,
                                          cfg.expert.pin_host_memory)

@@ -42,6 +42,7 @@ XDIST_GROUPS = (
     ("tests/test_distributed.py::test_overflow_on_one_rank_skips_everywhere", "two_rank_runs"),
     ("tests/test_distributed.py::test_ranks_agree_on_the_undo_log_when_their_ram_differs", "two_rank_runs"),
     ("tests/test_distributed.py::test_ranks_agree_on_the_compute_dtype_when_their_cpus_differ", "two_rank_runs"),
+    ("tests/test_distributed.py::test_a_shard_refused_on_one_rank_raises_on_every_rank", "two_rank_runs"),
     ("tests/faults/test_restart.py", "restart"),
     # the FSDP2 module fixture's one launch of 8 runs
     ("tests/test_fsdp2.py::test_offload_adamw_on_fsdp2", "fsdp2_two_ranks"),

@@ -55,7 +55,7 @@ def two_rank_runs(tmp_path_factory):
     (tests/conftest.py XDIST_GROUPS), so one worker runs them and the launch happens once."""
     d = tmp_path_factory.mktemp("two_ranks")
     modes = [*MATCH_MODES, *(f"{m}@{OVERLAP_STEPS}" for m in OVERLAP_MODES), f"overflow@{OVERFLOW_STEPS}",
-             f"poorrank@{MATCH_STEPS}", f"mixedcpu@{OVERFLOW_STEPS}"]
+             f"poorrank@{MATCH_STEPS}", f"mixedcpu@{OVERFLOW_STEPS}", "refusedrank@1"]
     launch_modes(d, modes, MATCH_STEPS, 600, "the two-rank runs hung (overlap-eval: a collective in rank 0's forward?)")
     return d
 
@@ -180,6 +180,19 @@ def test_ranks_agree_on_the_compute_dtype_when_their_cpus_differ(two_rank_runs):
     assert st[0]["compute_dtype"] == st[1]["compute_dtype"] == "float32", [s["compute_dtype"] for s in st]
     for k in res[0]["master"]:
         assert torch.equal(res[0]["master"][k], res[1]["master"][k]), k
+
+
+def test_a_shard_refused_on_one_rank_raises_on_every_rank(two_rank_runs):
+    """Rank 1 asks its server for more host RAM than the host has (dist_worker
+    refusedrank): admission refuses its HELLO alone.  Rank 0's engine raises too, saying
+    another rank was refused, instead of waiting in its first collective for a rank
+    that is gone (until the process group's 30-minute timeout); the launch ends.
+    (Mutation: the agreement removed from wiring.connect: rank 0 hangs and the launch
+    times out.)"""
+    d = two_rank_runs / "refusedrank@1"
+    r0, r1 = ((d / f"refused-rank{r}.txt").read_text() for r in range(2))
+    assert "OptimizerServerError" in r1 and "needs" in r1 and "host RAM" in r1, r1
+    assert "OptimizerServerError" in r0 and "another rank's optimizer server refused its shard" in r0, r0
 
 
 def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):

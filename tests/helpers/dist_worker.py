@@ -15,7 +15,9 @@ unused-dpu (a layer with no gradient on any rank every third step, one only rank
 rows use every third, and one never used) |
 poorrank (mode "exact" left to pick, and rank 1 reads a MemAvailable of 0: it alone would
 have no room for speculation's undo log) |
-mixedcpu (rank 1 reads a CPU without native 16-bit matmul: it alone would compute in fp32).
+mixedcpu (rank 1 reads a CPU without native 16-bit matmul: it alone would compute in fp32) |
+refusedrank (rank 1 claims a worker peak no host has: its server refuses its shard alone;
+each rank writes what it raised to OUT_DIR/refused-rank{r}.txt).
 """
 import gc
 import os
@@ -124,6 +126,22 @@ def run(out: str, mode: str, steps: int) -> None:
     if mode == "poorrank" and rank == 1:  # this rank alone sees a host with no RAM to spare
         from zero_offload import wiring
         wiring.read_mem_available = lambda: 0
+    if mode == "refusedrank":
+        if rank == 1:  # this rank alone asks for more host RAM than there is
+            from zero_offload import wiring
+            wiring.worker_peak_bytes = lambda engine, cfg: 1 << 50
+        try:
+            model = make_model(mode)
+            with OffloadEngine(model, config(mode)) as eng:  # and a step: its collectives
+                x, y = global_batch(1)
+                eng.backward(torch.nn.functional.mse_loss(model(x.to(eng.compute_dtype)).float(), y))
+                eng.step()
+            said = "no error"
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            said = f"{type(e).__name__}: {e}"
+        with open(os.path.join(out, f"refused-rank{rank}.txt"), "w") as f:
+            f.write(said)
+        return
     if mode == "mixedcpu" and rank == 1:  # this rank alone sees a CPU that emulates 16-bit matmul
         from zero_offload import compute_dtype
         compute_dtype.cpu_flags = lambda: set()
