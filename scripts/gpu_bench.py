@@ -108,6 +108,7 @@ def make_model(mc: GPTConfig, dev=None) -> GPT:
     with torch.device("meta"):
         m = GPT(mc)
     m.load_state_dict({k: v.clone() for k, v in _WEIGHTS[key].items()}, assign=True)
+    m.head.weight = m.tok.weight  # assign=True gave the head a tensor of its own: tied again, as GPT builds it
     return m
 
 
@@ -115,6 +116,73 @@ def count_params(mc: GPTConfig) -> int:
     """The model's size without building it: on the meta device (no 6 GB of fp32 for the 1.5B)."""
     with torch.device("meta"):
         return GPT(mc).num_params()
+
+
+class Skipped(Exception):
+    """A variant that cannot run here (its table row says why)."""
+
+
+def run_deepspeed(mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype: str) -> dict:
+    """The same model and batch under DeepSpeed's ZeRO-Offload: ZeRO-2 with
+    offload_optimizer to the CPU (DeepSpeedCPUAdam, pinned memory), overlap_comm, the
+    same lr, weight decay and clip, one process (a process group of one).  Its CPU Adam
+    op builds on first use with the machine's compiler and ninja: a failure there is
+    this variant's FAILED row, and the table goes on."""
+    if dev.type != "cuda":
+        raise Skipped("DeepSpeed's ZeRO-Offload needs a CUDA device")
+    try:
+        import deepspeed
+    except ImportError as e:
+        raise Skipped(f"deepspeed is not installed ({e}): carry ../shared/wheels in .whl/") from None
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        deepspeed.init_distributed(dist_backend="nccl")
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    host = HostSampler().start()
+    host0 = host.now()
+    model = make_model(mc, dev)
+    n = model.num_params()
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+              "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                    "overlap_comm": True, "contiguous_gradients": True},
+              "steps_per_print": 1 << 30}
+    eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, mc.vocab_size, (batch, mc.seq_len + 1), generator=gen).to(dev)
+    x, y = idx[:, :-1], idx[:, 1:]
+    times, state_bytes = [], 0
+    try:
+        for i in range(steps + warm):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            loss = eng(x, y)
+            eng.backward(loss)
+            del loss
+            eng.step()
+            torch.cuda.synchronize(dev)
+            if i >= warm:
+                times.append(time.perf_counter() - t0)
+            if i == 0:
+                state_bytes = torch.cuda.memory_allocated(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        host_steady = host.now()
+    finally:
+        host.stop()
+        del eng, model
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"step_s": statistics.median(times), "state_bytes": state_bytes, "peak_bytes": peak, "pinned": None,
+            "early_up": None, "server_update_s": None, "host_peak_B": (host.peak - host0) / n,
+            "host_steady_B": (host_steady - host0) / n}
 
 
 def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype: str) -> dict:
@@ -125,6 +193,8 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     dpu-after: weights up in one piece after DONE (the A/B for copying them inside backward).
     A suffix ":bf16" or ":int8" sets the server's state dtype (fp32 otherwise)."""
     kind, _, state_dtype = kind.partition(":")
+    if kind == "deepspeed":
+        return run_deepspeed(mc, dev, batch, steps, warm, dtype)
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -200,13 +270,16 @@ def _on_sigterm(*_):
 def table(res: dict) -> str:
     """The compact table of what finished (and which variants failed), from the results."""
     rows = [(k, v) for k, v in res.items()
-            if isinstance(v, dict) and "_b" in k and ("step_s" in v or "error" in v)]
+            if isinstance(v, dict) and "_b" in k and ("step_s" in v or "error" in v or "skipped" in v)]
     out = ["| batch | variant | ms/step | TFLOPS | model states GiB | peak GiB | host B/param, peak | vs GPU-only "
            "| server update ms/step |", "|---|---|---|---|---|---|---|---|---|"]
     for key, r in rows:
         kind, b = key.rsplit("_b", 1)
         if "error" in r:
             out.append(f"| {b} | {kind} | FAILED: {r['error'][:120]} | | | | | | |")
+            continue
+        if "skipped" in r:
+            out.append(f"| {b} | {kind} | skipped: {r['skipped'][:120]} | | | | | | |")
             continue
         base = res.get(f"baseline_b{b}", {}).get("step_s")
         out.append(f"| {b}x{res.get('seq_len', '?')} | {kind} | {r['step_s'] * 1e3:.0f} | {r.get('tflops', 0):.1f} | "
@@ -266,7 +339,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d-model", type=int, default=1600)
     ap.add_argument("--heads", type=int, default=25)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batches", default="4,16")
+    ap.add_argument("--batches", default="16,4", help="the first runs first, with every variant users ask about")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--kinds", default="",
@@ -277,7 +350,7 @@ def main(argv=None) -> int:
         return 0
     if a.dry_run:
         dev = torch.device("cpu")
-        a.layers, a.d_model, a.heads, a.seq_len, a.batches, a.steps = 2, 64, 2, 32, "2,4", 2
+        a.layers, a.d_model, a.heads, a.seq_len, a.batches, a.steps = 2, 64, 2, 32, "4,2", 2
     else:
         if not torch.cuda.is_available():
             print("no CUDA device; skipped")
@@ -311,9 +384,13 @@ def main(argv=None) -> int:
         res["params"] = n_params
         save()
         fpt = flops_per_token(mc, n_params)
+        # what users ask first runs first (the deadline cuts the end): the largest batch,
+        # GPU-only, DPU with bf16 state, with fp32 state, sync, DeepSpeed side by side; then
+        # the smaller batch and the A/B variants
         kinds_last = ("overlap-spec", "dpu-after")
         for b in batches:
-            kinds = ("baseline", "sync", "dpu", "overlap") + (kinds_last if b == batches[-1] else ())
+            kinds = (("baseline", "dpu:bf16", "dpu", "sync", "deepspeed", "overlap") if b == batches[0]
+                     else ("baseline", "sync", "dpu", "overlap")) + (kinds_last if b == batches[-1] else ())
             if a.kinds:
                 kinds = tuple(k for k in a.kinds.split(",") if k)
             if a.inject_failure and b == batches[0]:
@@ -327,6 +404,11 @@ def main(argv=None) -> int:
                     r = run(kind, mc, dev, b, a.steps, 2, a.dtype)
                 except Deadline:
                     raise
+                except Skipped as e:
+                    res[f"{kind}_b{b}"] = {"skipped": str(e)}
+                    print(f"(c) batch {b} {kind}: skipped: {e}", flush=True)
+                    save()
+                    continue
                 except Exception as e:  # noqa: BLE001 - one variant's failure must not cost the table
                     res[f"{kind}_b{b}"] = {"error": f"{type(e).__name__}: {e}"}
                     print(f"(c) batch {b} {kind}: FAILED {type(e).__name__}: {e}", flush=True)
@@ -343,12 +425,15 @@ def main(argv=None) -> int:
                       + ("" if r["early_up"] is None else f", {100 * r['early_up']:.0f}% of weights up early")
                       + ("" if r["server_update_s"] is None else f", server update {r['server_update_s'] * 1e3:.0f} ms")
                       + ("" if r["pinned"] is not False else ", host segment NOT page-locked"), flush=True)
-        _derived(res, dev, batches, n_params)
     except Deadline as e:
         res["stopped"] = str(e)
         print(f"stopped early ({e}): the table of what finished", flush=True)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:  # the derived lines from whatever finished, deadline or not
+            _derived(res, dev, batches, res.get("params", 0))
+        except Exception as e:  # noqa: BLE001 - the table still prints
+            res["derived_error"] = f"{type(e).__name__}: {e}"
         save()
         print("\n" + table(res), flush=True)
     return 0
@@ -358,7 +443,7 @@ def _derived(res: dict, dev, batches: list, n_params: int) -> None:
     """(b) model-state bytes per parameter on the device, (d) the capacity estimate."""
     b0 = batches[0]
     base, eng = res.get(f"baseline_b{b0}", {}), res.get(f"sync_b{b0}", {})
-    if dev.type != "cuda" or "state_bytes" not in base or "state_bytes" not in eng:
+    if dev.type != "cuda" or not n_params or "state_bytes" not in base or "state_bytes" not in eng:
         return
     bb, eb = base["state_bytes"] / n_params, eng["state_bytes"] / n_params
     res["state_bytes_per_param"] = {"baseline": bb, "engine": eb, "ratio": bb / eb if eb else float("nan")}

@@ -74,7 +74,8 @@ else
 fi
 "$PY" -c "from zero_offload.kernels import cpu_adam as c; print('simd', c.simd_level(), 'openmp', c.openmp_enabled())"
 echo "== cuda tests ($((SECONDS - T0)) s so far)"
-timeout 100 "$PY" -m pytest -o addopts="" -v --durations=0 -m cuda tests/test_cuda.py -p no:cacheprovider \
+# --timeout-method=thread: a hang inside C (NCCL, a stream sync) still ends with every thread's stack
+timeout 100 "$PY" -m pytest -o addopts="" -v --durations=0 --timeout-method=thread -m cuda tests/test_cuda.py -p no:cacheprovider \
   2>&1 | tee "$OUT/cuda_tests.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|error|slowest|[0-9]s (call|setup)" | tail -60
 tests_rc=${PIPESTATUS[0]}
 echo "== the CPU update at the server's threads ($((SECONDS - T0)) s so far)"

@@ -170,16 +170,21 @@ def _gpu_check(tmp_path, **env):
 def test_gpu_check_dry_run(tmp_path):
     """gpu_check.sh --dry-run: every step of the prepared GPU run (machine facts, imports,
     build, the cuda tests, which skip, the benchmark at tiny sizes with a variant that
-    raises, the JSON, the summary table) on the CPU."""
+    raises, the JSON, the summary table) on the CPU.  The largest batch first, its
+    variants in the order users ask about (GPU-only, DPU with bf16 state, with fp32
+    state, sync, DeepSpeed: a row that says it was skipped without CUDA)."""
     r = _gpu_check(tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "/dev/shm" in r.stdout and "cuda tests rc=0, bench rc=0" in r.stdout, r.stdout[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert {"sync_b2", "dpu_b4", "dpu-after_b4"} <= set(res)
-    assert "injected failure" in res["broken_b2"]["error"]          # one variant failed ...
+    assert {"sync_b2", "dpu_b4", "dpu:bf16_b4", "dpu-after_b2"} <= set(res)
+    order = [k for k in res if k.endswith("_b4")]
+    assert order[:6] == ["baseline_b4", "broken_b4", "dpu:bf16_b4", "dpu_b4", "sync_b4", "deepspeed_b4"], order
+    assert "injected failure" in res["broken_b4"]["error"]          # one variant failed ...
     summary = r.stdout.split("== summary", 1)[1]
-    assert "| 2 | broken | FAILED: RuntimeError: injected failure" in summary  # ... and said so
-    assert "| 4x32 | dpu-after |" in summary                        # the rest ran on
+    assert "| 4 | broken | FAILED: RuntimeError: injected failure" in summary  # ... and said so
+    assert "| 4 | deepspeed | skipped: DeepSpeed's ZeRO-Offload needs a CUDA device" in summary
+    assert "| 2x32 | dpu-after |" in summary                        # the rest ran on
 
 
 def test_gpu_check_prints_the_table_when_the_bench_is_killed(tmp_path):
@@ -188,7 +193,7 @@ def test_gpu_check_prints_the_table_when_the_bench_is_killed(tmp_path):
     summary table of what finished still prints."""
     r = _gpu_check(tmp_path, GPU_CHECK_BENCH_S="12", GPU_CHECK_INJECT_HANG="1")
     summary = r.stdout.split("== summary", 1)[1]
-    assert "| batch | variant |" in summary and "| 2x32 | baseline |" in summary, r.stdout[-3000:]
+    assert "| batch | variant |" in summary and "| 4x32 | baseline |" in summary, r.stdout[-3000:]
     res = json.loads((tmp_path / "gpu_results.json").read_text())
-    assert "dpu-after_b4" not in res  # it was stopped before the end
+    assert "dpu-after_b2" not in res  # it was stopped before the end
     assert "bench rc=124" in r.stdout or res.get("stopped"), r.stdout[-2000:]
