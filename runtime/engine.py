@@ -47,6 +47,7 @@ import torch
 
 from zero_offload.server.client import ShardClient
 from zero_offload.server.errors import OptimizerServerError
+from zero_offload.server.protocol import E_ORDER
 
 from . import clipping, exact_mode, owners, step_message, wiring
 from .checkpoint import EngineCheckpoint
@@ -168,7 +169,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         """Apply the gradients of the last backward (see the module docstring for DPU)."""
-        self._check_open()
+        self._check_trainable()
         if self.phase is not StepPhase.GRADS_READY:
             raise RuntimeError("step() before backward(): call engine.backward(loss) on the last micro-batch first")
         self.phase = next_phase(self.phase, "step")
@@ -264,6 +265,16 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
     def _check_open(self) -> None:
         if self.phase is StepPhase.CLOSED:
             raise RuntimeError("the engine is closed")
+
+    def _check_trainable(self) -> None:
+        """Before a backward or a step: no update was refused since set-up or the last load
+        (the engine counted it, the server did not: every later STEP would be out of order)."""
+        self._check_open()
+        if self.cycle is not None and self.cycle.refused:
+            raise OptimizerServerError(
+                f"the optimizer server refused {self.cycle.refused}; this engine's step count and the server's "
+                f"state no longer agree, so it trains no further: load_checkpoint (the last checkpoint) to go on, "
+                f"or close it", code=E_ORDER)
 
     def close(self) -> None:
         """Land the last update on the device, say BYE, stop a private server."""

@@ -24,7 +24,7 @@ class BackwardAPI:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch; on the last one of a step the gradients
         stream to the host as buckets complete."""
-        self._check_open()
+        self._check_trainable()
         if self.backward_mode == "hooks":
             raise RuntimeError("this engine was built with backward_mode='hooks': call loss.backward() itself")
         if self.phase is StepPhase.GRADS_READY:
@@ -47,7 +47,7 @@ class BackwardAPI:
 
     def _begin_pass(self) -> None:
         """backward_mode "hooks": the first gradient hook of a loss.backward()."""
-        self._check_open()
+        self._check_trainable()
         if self.phase is StepPhase.GRADS_READY:
             raise RuntimeError(f"a second backward before step(): call step() after each backward, or, to "
                                f"accumulate gradients over micro-batches, say how many with grad_accumulation_steps "

@@ -80,6 +80,7 @@ class UpdateCycle:
         self.phase = CyclePhase.IDLE
         self._reads = None  # CUDA: an event after the forward pipeline's copies from the incoming slot
         self.step: int | None = None  # the update IN_FLIGHT or LANDED
+        self.refused: str | None = None  # the server refused an update (land()): why, until reset()
         self.reverse = False          # that update runs back to front (published counts from the end)
         if zero_copy:
             assert len(self._host) == 2, "cpu_zero_copy needs two weights slots"
@@ -201,9 +202,10 @@ class UpdateCycle:
                     done = self._wait_copying() if copying else self.client.wait_done()
                 except OptimizerServerTimeoutError:
                     raise  # still in flight: land() again reads its DONE
-                except OptimizerServerError:
+                except OptimizerServerError as e:
                     # the server answered ERROR (or is gone): update k will never land, and
                     # no DONE is coming, so a later land() (close()) must not wait for one
+                    self.refused = f"update {self.step}: {e}"
                     self.step, self.phase, self.reverse = None, CyclePhase.IDLE, False
                     raise
             self.phase = CyclePhase.LANDED
@@ -257,6 +259,7 @@ class UpdateCycle:
         """The device weights were replaced (a checkpoint was loaded into flat16)."""
         self._expect("reset", CyclePhase.IDLE, CyclePhase.ON_DEVICE, CyclePhase.LANDED)
         self.step, self.phase, self.reverse = None, CyclePhase.IDLE, False
+        self.refused = None  # a loaded state: the engine and the server agree again
 
     def restore(self, k: int) -> None:
         """The incoming slot holds update k's weights (read from a checkpoint); they

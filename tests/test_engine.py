@@ -159,14 +159,17 @@ def test_overflow_skips_and_leaves_state_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["exact", "dpu"])
-def test_close_after_a_refused_step_returns_at_once(mode):
+def test_close_after_a_refused_step_returns_at_once(mode, tmp_path):
     """The server refuses a STEP (an eps below fp32's smallest normal, which it checks and
     this engine's step message is made to carry): step() (or, under DPU, the backward
     that lands it) raises the server's words, and close() returns within a second or
     two, not after server.request_timeout_s (here 60 s; it used to spin in
-    UpdateCycle._wait_copying for all of it), with no server or segment left.
-    (Mutation: UpdateCycle.land leaving the refused update IN_FLIGHT makes close() take
-    the 60 s.)"""
+    UpdateCycle._wait_copying for all of it), with no server or segment left.  Before
+    that, a further step is refused naming the fix (the engine counted the refused
+    update, the server did not: it used to fail as "STEP 4 out of order"), and
+    load_checkpoint of the last checkpoint trains on.  (Mutations: UpdateCycle.land
+    leaving the refused update IN_FLIGHT makes close() take the 60 s; _check_trainable
+    called neither from backward() nor step() lets the next step fail out of order.)"""
     import time
     from zero_offload.server.errors import OptimizerServerError
     from tests.conftest import our_segments
@@ -174,10 +177,18 @@ def test_close_after_a_refused_step_returns_at_once(mode):
     eng = OffloadEngine(mlp(), OffloadConfig(lr=1e-2, dtype="fp16", mode=mode, server={"threads": 1, "request_timeout_s": 60},
                                              expert={"dpu_warmup_steps": 1}))
     train_engine(eng, mlp_batch, 2, "fp16")
+    ck = eng.save_checkpoint(str(tmp_path / "ck"))
     real = eng.optimizer.step_hparams
     eng.optimizer.step_hparams = lambda: [dict(h, eps=1e-40) for h in real()]
     with pytest.raises(OptimizerServerError, match="eps must be >= 1.18e-38"):
         train_engine(eng, mlp_batch, 2, "fp16", start=3)  # DPU: the next backward lands it
+    eng.optimizer.step_hparams = real
+    # the engine counted the refused update, the server did not: it says so, and a load heals it
+    with pytest.raises(OptimizerServerError, match="refused update 3.*load_checkpoint"):
+        train_engine(eng, mlp_batch, 1, "fp16", start=4)
+    eng.load_checkpoint(ck)
+    train_engine(eng, mlp_batch, 2, "fp16", start=3)
+    assert eng.stats()["updates"] == 4
     server = eng._server.proc
     t0 = time.monotonic()
     eng.close()
