@@ -190,6 +190,26 @@ def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_TH
         os.close(fd)
 
 
+def parallel_read_crc(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> list:
+    """parallel_read, checksumming each piece on the thread that read it: the
+    [(file offset, length, CRC-32)] pieces (combine_pieces makes the file's CRC), so a
+    file is verified in the pass that reads it."""
+    view = memoryview(out).cast("B")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def piece(a: int, b: int) -> tuple[int, int, int]:
+        _pread_exact(fd, view[a:b], offset + a, str(path))
+        return offset + a, b - a, zlib.crc32(view[a:b])
+    try:
+        spans = _spans(len(view), IO_CHUNK_BYTES)
+        if len(spans) <= 1 or threads <= 1:
+            return [piece(a, b) for a, b in spans]
+        with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-read") as ex:
+            return list(ex.map(lambda s: piece(*s), spans))
+    finally:
+        os.close(fd)
+
+
 def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
     """(CRC-32, size) of a whole file, its pieces read and checksummed on several threads
     (each thread one reused buffer)."""

@@ -238,8 +238,13 @@ class OptimizerServer:
             return self._on_thread(identity, session, shard, "INIT", lambda: shard.init_chunk(msg.offset, msg.count))
         if isinstance(msg, P.Load):
             def load():
+                # a one-pass LOAD holds a second state until the file verifies: what
+                # admission's rule admits beside the shards' reservations
+                room = read_mem_available() - self.reservations.outstanding
+                if self.cfg.max_ram_fraction:
+                    room = int(room * self.cfg.max_ram_fraction)
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    return shard.load(msg.dir, msg.weights_slot)
+                    return shard.load(msg.dir, msg.weights_slot, room=max(0, room))
             return self._on_thread(identity, session, shard, "LOAD", load)
         if not shard.initialized:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))

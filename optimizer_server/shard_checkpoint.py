@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from . import checkpoint as C
 from . import protocol as P
 from .shard_phase import ShardPhase
 from .atomic import atomic_write_bytes, fsync_dir
-from .ckpt_io import SaveJob
+from .ckpt_io import SaveJob, combine_pieces
 from .state import ShardStateArrays
 
 
@@ -101,10 +103,21 @@ class ShardCheckpoint:
                     "snapshot": False, "snapshot_peak": 0, "ensure_writes": 0}
         return self.save_job.status()
 
-    def load(self, directory: str, weights_slot: int = 0) -> dict:
+    def verified_read_bytes(self) -> int:
+        """Host RAM a one-pass LOAD takes beside the running state: a second state, and
+        the exact master's high halves until the file has verified."""
+        return self.arrays.state_bytes + (2 * self.numel if self.arrays.exact_master else 0)
+
+    def load(self, directory: str, weights_slot: int = 0, room: int = 0) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
         another (optimizer_server.reshard): every rank's manifest must agree, and
-        every file read must match its checksum, before any state is touched."""
+        every file read must match its checksum, before any state is touched.
+
+        room: host bytes the server admits beside the running state.  Where the shard's
+        own file of the same world size is read whole and a second state fits in room,
+        one pass reads it into a new state, checksumming as it reads, and the new state
+        replaces the running one only once the file has verified (``_load_one_pass``).
+        Otherwise every file is verified first, then read (two passes over the disk)."""
         d = Path(directory)
         src = C.pick_world_size(d, C.SHARD, self.world_size)
         man_paths = [C.rank_file(d, C.SHARD, k, src, ".json") for k in range(src)]
@@ -147,9 +160,15 @@ class ShardCheckpoint:
             size = path.stat().st_size if path.exists() else -1
             if size != expect:
                 raise ValueError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
+        man = mans[0]
+        mine_k = mans[self.rank] if src == self.world_size else None
+        if (mine_k is not None and mine_k.get("checksum") and self.arrays.can_read_verified(saved_dtypes)
+                and self.verified_read_bytes() <= room):
+            self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, weights_slot, expect)
+            return dict(self._loaded(man, weights_slot), passes=1)
+        for k, path in enumerate(bins):
             if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
                 C.verify(path, mans[k].get("checksum"))
-        man = mans[0]
         # Straight into the state arrays: temporaries would double the server's
         # memory (12 B/param) exactly when resuming, the moment a job that fits
         # would OOM.  A read that fails midway leaves a mix, so the shard is marked
@@ -163,6 +182,35 @@ class ShardCheckpoint:
         except OSError as e:
             raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
+        return dict(self._loaded(man, weights_slot), passes=2)
+
+    def _load_one_pass(self, path: Path, checksum: str, dtypes: dict, weights_slot: int, expect: int) -> None:
+        """The shard's own file, read once into a new state while its checksum is computed;
+        the running state (and the weights slot) untouched until it has verified."""
+        new = ShardStateArrays(self.optimizer, self.numel, state_dtype=self.arrays.state_dtype,
+                               exact_master=self.arrays.exact_master, seed=self.arrays.seed)
+        hi = np.empty(self.numel, np.uint16) if new.exact_master else None
+        try:
+            pieces = new.read_verified(path, dtypes, hi, self.threads)
+        except OSError as e:
+            raise OSError(f"reading checkpoint file {path} failed ({e}); this shard's state is untouched") from e
+        got = C.checksum_str(combine_pieces(pieces, size=expect))
+        if got != checksum:
+            raise C.CheckpointError(f"checkpoint file {path} is corrupt: its checksum is {got}, the manifest says "
+                                    f"{checksum}; load another checkpoint (an earlier step-N beside it)")
+        self._await_save()  # (nothing is saving the old state any more: LOAD replaces it)
+        twin = self.arrays.twin is not None
+        self.arrays = new  # the old state goes with its last reference
+        if twin:  # speculation's twin, as HELLO granted it
+            new.make_twin()
+        if hi is not None:
+            np.copyto(self.weights16_slots[weights_slot], hi)
+            new.hi_slot = weights_slot
+        self._state_dirty = True
+        self._load_bytes += expect
+
+    def _loaded(self, man: dict, weights_slot: int) -> dict:
+        """After either way of reading: the counters, the weights slot, READY."""
         self.updates = C.manifest_updates(man)
         self.skipped = int(man.get("skipped", 0))
         self.hparams.update(man.get("hparams", {}))

@@ -45,6 +45,7 @@ import numpy as np
 from zero_offload.kernels import cpu_adam
 
 from .checkpoint import LEGACY_INT8
+from .ckpt_io import IO_THREADS, parallel_read_crc
 from .protocol import COMPACT_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
 from .update_rules import rule_for
@@ -58,6 +59,7 @@ STATE_ARRAYS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg
 # fp32 elements converted per piece on save and load (a reused buffer, 64 MiB):
 # host RAM is tightest exactly then, so nothing the size of the shard is allocated
 CONVERT_CHUNK = 1 << 24
+HUGE_ARRAY_BYTES = 32 << 20  # _zeros64: arrays from this size on huge pages
 
 
 def _widen(w: np.ndarray) -> np.ndarray:
@@ -66,8 +68,14 @@ def _widen(w: np.ndarray) -> np.ndarray:
 
 def _zeros64(numel: int, dtype=np.float32) -> np.ndarray:
     """np.zeros(numel, dtype) starting on a 64-byte line: the twin's out-of-place
-    update streams its stores, which need the state's arrays aligned alike."""
+    update streams its stores, which need the state's arrays aligned alike.  A large
+    one is an anonymous map on transparent huge pages (zeros too, untouched until
+    written, page-aligned): first touches of 4 KiB pages ran at 0.7-2 GB/s where 2 MiB
+    ones ran at 5-8 on a 2-core VM, and a LOAD or an update first writes GBs of them."""
     item = np.dtype(dtype).itemsize
+    if numel * item >= HUGE_ARRAY_BYTES:
+        from .ckpt_io import chunk_buffer
+        return chunk_buffer(numel * item).view(dtype)
     buf = np.zeros(numel + 64 // item, dtype)
     off = (-buf.ctypes.data % 64) // item
     return buf[off:off + numel]
@@ -372,6 +380,35 @@ class ShardStateArrays:
             if want == "int8":  # lo is on a block (HELLO), and so is every file's start
                 read_range(bins, nblocks(per_file), src.scale_base, lo // QBLOCK, lo // QBLOCK + nblocks(n),
                            self.scales[name])
+
+    def can_read_verified(self, dtypes: dict) -> bool:
+        """read_verified takes a file whose arrays are in this state's dtypes (the master
+        fp32, which the exact master splits); any other conversion goes the two-pass way."""
+        return all(dtypes.get(name, "fp32") == ("fp32" if name == "master" else self.state_dtype)
+                   for name in self.names)
+
+    def read_verified(self, path, dtypes: dict, hi_out: np.ndarray | None, threads: int) -> list:
+        """One pass over one whole shard file of this shard's size into this state, which
+        nothing uses yet (Shard.load swaps it in once the file verified): every array
+        read where it will live (the exact master's high halves into hi_out, for the
+        weights slot), each piece checksummed as it is read.  Returns the pieces'
+        (offset, length, CRC) for combine_pieces."""
+        n = self.numel
+        bases, _ = self.file_layout(self.names, dtypes, n)
+        pieces = []
+        for name in self.names:
+            if name == "master" and self.exact_master:
+                buf = np.empty(min(CONVERT_CHUNK, max(n, 1)), np.float32)
+                for a in range(0, n, CONVERT_CHUNK):
+                    b = min(n, a + CONVERT_CHUNK)
+                    pieces += parallel_read_crc(path, bases[name] + 4 * a, buf[:b - a], threads=IO_THREADS)
+                    cpu_adam.split_master(buf[:b - a], hi_out[a:b], self.remainder[a:b], num_threads=threads)
+                continue
+            dst = self.master if name == "master" else self.moments[name]
+            pieces += parallel_read_crc(path, bases[name], dst, threads=IO_THREADS)
+            if name in self.scales:
+                pieces += parallel_read_crc(path, bases[name + ".scale"], self.scales[name], threads=IO_THREADS)
+        return pieces
 
     def _read_converted(self, src: "_Source", lo: int, want: str, dst, threads: int, scales=None) -> None:
         """Read src's range [lo, lo + numel) piece by piece, as fp32, into dst in `want`:

@@ -787,3 +787,60 @@ def test_update_rules_cover_exactly_what_hello_accepts():
     assert set(RULES) == admitted
     with pytest.raises(ValueError, match="no update rule"):
         rule_for("adagrad", "bf16")
+
+
+@pytest.mark.parametrize("hello", [dict(), dict(dtype="bf16", state_dtype="bf16", exact_master=True)],
+                         ids=["fp32-state", "bf16-exact"])
+def test_load_reads_its_file_once_and_a_corrupt_one_changes_nothing(tmp_path, hello):
+    """LOAD of the shard's own file (same world size, same dtypes) in one pass: read into a
+    new state while its checksum is computed, swapped in once it verifies (passes=1,
+    bitwise the two-pass load, which it takes where the server admits no second
+    state: room=0).  A flipped bit is refused naming the file, with the running master,
+    moments and weights slot untouched.  (Mutation: swapping the new state in before
+    the checksum is compared: the corrupt file's bytes reach the state.)"""
+    from zero_offload.server import checkpoint as C
+    n = 5000
+    rng = seeded_rng()
+    sh = _shard(numel=n, **hello)
+
+    def step(scale: float = 0.1) -> None:  # one STEP on fresh seeded gradients
+        g = (rng.standard_normal(n) * scale).astype(np.float32)
+        sh.grads[0][:] = g.astype(np.float16).view(np.uint16) if sh.dtype == "fp16" else \
+            (g.view(np.uint32) >> 16).astype(np.uint16)
+        msg = P.Step(session="s", step=sh.updates + 1, grad_slot=0, lr=1e-2)
+        assert sh.accept_step(msg) is None
+        sh.step(msg)
+        sh.finish_update()
+    try:
+        _init_ones(sh)
+        step()
+        step()
+        sh.save(str(tmp_path / "ck"))
+        saved = [_master(sh).copy()] + [a.copy() for a in sh.arrays.moments.values()]
+        w_saved = sh.weights16.copy()
+        step()  # away from the saved state
+        moved = [_master(sh).copy()] + [a.copy() for a in sh.arrays.moments.values()]
+        assert not np.array_equal(moved[0], saved[0])
+        info = sh.load(str(tmp_path / "ck"), room=1 << 40)
+        assert info["passes"] == 1
+        got = [_master(sh)] + list(sh.arrays.moments.values())
+        for a, b in zip(got, saved):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        assert np.array_equal(sh.weights16, w_saved)
+        assert sh.load(str(tmp_path / "ck"), room=0)["passes"] == 2  # no room: verify, then read
+        for a, b in zip([_master(sh)] + list(sh.arrays.moments.values()), saved):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        # a flipped bit in the moments: refused, nothing changed
+        step()
+        before = [_master(sh).copy()] + [a.copy() for a in sh.arrays.moments.values()] + [sh.weights16.copy()]
+        f = tmp_path / "ck" / "shard-r0-of-1.bin"
+        data = bytearray(f.read_bytes())
+        data[len(data) * 2 // 3] ^= 0x04
+        f.write_bytes(bytes(data))
+        with pytest.raises(C.CheckpointError, match="shard-r0-of-1.bin is corrupt"):
+            sh.load(str(tmp_path / "ck"), room=1 << 40)
+        after = [_master(sh)] + list(sh.arrays.moments.values()) + [sh.weights16]
+        for a, b in zip(after, before):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    finally:
+        sh.close()
