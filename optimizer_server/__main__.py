@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(x == "--token" or x.startswith("--token=") for x in argv):
         ap.error(f"--token would put the secret in this process's arguments, which every user of the machine can "
                  f"read (ps); pass it in ${TOKEN_ENV} or in a 0600 file named by --token-file")
+    ap.add_argument("--two-pass-load", action="store_true",
+                    help="LOAD verifies every file, then reads it, even where one pass would do (benchmarks)")
     a = ap.parse_args(argv)
     token = ""
     if a.token_file:
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                            log_level=a.log_level, parent_pid=a.parent_pid,
                            trace_dir=a.trace_dir, max_ram_fraction=ram_fraction,
                            max_sessions=a.max_sessions, save_max_bytes_per_s=save_rate,
-                           save_snapshot=not a.no_save_snapshot)
+                           save_snapshot=not a.no_save_snapshot, load_one_pass=not a.two_pass_load)
     except ValueError as e:
         ap.error(str(e))
     if cfg.address_file:

@@ -54,6 +54,9 @@ class ServerConfig:
     save_snapshot: a background save snapshots what the updates during it overwrite
         (ckpt_io.SaveJob), where host RAM allows; False: they write it to the file
         first and wait for the disk (an A/B switch for benchmarks).
+    load_one_pass: a LOAD reads a rank's own file once, into a new state it swaps in
+        once the file verified, where host RAM admits that second state; False: it
+        always verifies every file first, then reads (an A/B switch for benchmarks).
     log_level: logging level name.
     parent_pid: exit when this process is gone (spawn() sets it: a killed trainer or
         launcher leaves no orphan server).  0 = run on its own.
@@ -71,6 +74,7 @@ class ServerConfig:
     max_sessions: int = 64
     save_max_bytes_per_s: float = 0.0
     save_snapshot: bool = True
+    load_one_pass: bool = True
     log_level: str = "INFO"
     parent_pid: int = 0
     trace_dir: str = ""

@@ -243,6 +243,8 @@ class OptimizerServer:
                 room = read_mem_available() - self.reservations.outstanding
                 if self.cfg.max_ram_fraction:
                     room = int(room * self.cfg.max_ram_fraction)
+                if not self.cfg.load_one_pass:
+                    room = 0
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
                     return shard.load(msg.dir, msg.weights_slot, room=max(0, room))
             return self._on_thread(identity, session, shard, "LOAD", load)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 
 from . import checkpoint as C
 from . import protocol as P
@@ -104,9 +103,8 @@ class ShardCheckpoint:
         return self.save_job.status()
 
     def verified_read_bytes(self) -> int:
-        """Host RAM a one-pass LOAD takes beside the running state: a second state, and
-        the exact master's high halves until the file has verified."""
-        return self.arrays.state_bytes + (2 * self.numel if self.arrays.exact_master else 0)
+        """Host RAM a one-pass LOAD takes beside the running state: a second state."""
+        return self.arrays.state_bytes
 
     def load(self, directory: str, weights_slot: int = 0, room: int = 0) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
@@ -164,7 +162,7 @@ class ShardCheckpoint:
         mine_k = mans[self.rank] if src == self.world_size else None
         if (mine_k is not None and mine_k.get("checksum") and self.arrays.can_read_verified(saved_dtypes)
                 and self.verified_read_bytes() <= room):
-            self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, weights_slot, expect)
+            self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, expect)
             return dict(self._loaded(man, weights_slot), passes=1)
         for k, path in enumerate(bins):
             if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
@@ -184,14 +182,13 @@ class ShardCheckpoint:
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
         return dict(self._loaded(man, weights_slot), passes=2)
 
-    def _load_one_pass(self, path: Path, checksum: str, dtypes: dict, weights_slot: int, expect: int) -> None:
+    def _load_one_pass(self, path: Path, checksum: str, dtypes: dict, expect: int) -> None:
         """The shard's own file, read once into a new state while its checksum is computed;
-        the running state (and the weights slot) untouched until it has verified."""
+        the running state untouched until it has verified."""
         new = ShardStateArrays(self.optimizer, self.numel, state_dtype=self.arrays.state_dtype,
                                exact_master=self.arrays.exact_master, seed=self.arrays.seed)
-        hi = np.empty(self.numel, np.uint16) if new.exact_master else None
         try:
-            pieces = new.read_verified(path, dtypes, hi, self.threads)
+            pieces = new.read_verified(path, dtypes)
         except OSError as e:
             raise OSError(f"reading checkpoint file {path} failed ({e}); this shard's state is untouched") from e
         got = C.checksum_str(combine_pieces(pieces, size=expect))
@@ -203,9 +200,6 @@ class ShardCheckpoint:
         self.arrays = new  # the old state goes with its last reference
         if twin:  # speculation's twin, as HELLO granted it
             new.make_twin()
-        if hi is not None:
-            np.copyto(self.weights16_slots[weights_slot], hi)
-            new.hi_slot = weights_slot
         self._state_dirty = True
         self._load_bytes += expect
 
