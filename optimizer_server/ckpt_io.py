@@ -175,31 +175,23 @@ def _spans(total: int, step: int) -> list[tuple[int, int]]:
 def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> None:
     """out's bytes = the file's bytes [offset, offset + out.nbytes), read in large
     pieces on several threads."""
-    view = memoryview(out).cast("B")
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        spans = _spans(len(view), IO_CHUNK_BYTES)
-        if len(spans) <= 1 or threads <= 1:
-            for a, b in spans:
-                _pread_exact(fd, view[a:b], offset + a, str(path))
-            return
-        with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-read") as ex:
-            for f in [ex.submit(_pread_exact, fd, view[a:b], offset + a, str(path)) for a, b in spans]:
-                f.result()
-    finally:
-        os.close(fd)
+    _read_pieces(path, offset, out, threads, checksum=False)
 
 
 def parallel_read_crc(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> list:
     """parallel_read, checksumming each piece on the thread that read it: the
     [(file offset, length, CRC-32)] pieces (combine_pieces makes the file's CRC), so a
     file is verified in the pass that reads it."""
+    return _read_pieces(path, offset, out, threads, checksum=True)
+
+
+def _read_pieces(path: Path, offset: int, out: np.ndarray, threads: int, checksum: bool) -> list:
     view = memoryview(out).cast("B")
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
     def piece(a: int, b: int) -> tuple[int, int, int]:
         _pread_exact(fd, view[a:b], offset + a, str(path))
-        return offset + a, b - a, zlib.crc32(view[a:b])
+        return offset + a, b - a, zlib.crc32(view[a:b]) if checksum else 0
     try:
         spans = _spans(len(view), IO_CHUNK_BYTES)
         if len(spans) <= 1 or threads <= 1:
