@@ -215,8 +215,10 @@ class OffloadConfig:
     """Decoupled (adamw, lion) or L2 (adam, adagrad)."""
     optimizer: str = "adamw"
     """"adamw" (decoupled decay), "adam" (L2), "adagrad" or "lion"."""
-    dtype: str = "fp16"
-    """The 16-bit type of the weights and gradients on the device: "fp16" or "bf16"."""
+    dtype: str = "bf16"
+    """The 16-bit type of the weights and gradients on the device: "bf16" (the default, as
+    OffloadAdamW's: fp32's exponent range, no loss scaling) or "fp16" (needs loss scaling:
+    OffloadEngine's backward(loss) does it, loss_scaling says how)."""
     state_dtype: str = "fp32"
     """The optimizer state's dtype on the server (adam/adamw/lion): "fp32" (12 B/param of
     master, m and v, plus 4 shared); "bf16": m and v in bf16 with stochastic rounding, and

@@ -264,3 +264,21 @@ def test_start_imports_neither_dynamo_nor_dtensor():
     r = subprocess.run([sys.executable, "-c", START_SCRIPT], capture_output=True, text=True, timeout=120, cwd=root,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_an_offload_config_with_only_its_own_fields_works_as_given():
+    """OffloadAdamW(..., offload=OffloadConfig(state_dtype="bf16")), as a new user writes it:
+    OffloadConfig's dtype defaults to bf16, as OffloadAdamW's does, so it trains (it was
+    refused: "dtype='fp16' needs loss scaling", for an fp16 nobody asked for) and the
+    server keeps the state dtype the config set.  (Mutation: OffloadConfig's default
+    back to fp16: refused at construction.)"""
+    from zero_offload import OffloadConfig
+    model = gpt()
+    with OffloadAdamW(model.parameters(), lr=1e-3, model=model,
+                      offload=OffloadConfig(state_dtype="bf16", server={"threads": 1})) as opt:
+        for t in range(1, 3):
+            gpt_batch(t, "bf16")(model).backward()
+            opt.step()
+            opt.zero_grad()
+        st = opt.stats()
+    assert st["server_state_dtype"] == "bf16" and st["updates"] == 2
