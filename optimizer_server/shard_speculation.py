@@ -92,11 +92,12 @@ class ShardSpeculation:
         advance (the STEP came, another request closed it, or the undo log is full).
         run(a, b): speculate one piece (default: ``speculate``; the server traces it)."""
         run = run or self.speculate
-        for x in range(a, b, self.speculation_piece):
+        piece = self.speculation_piece
+        for x in range(a, b, piece):
+            run(x, min(b, x + piece))  # (it returns at once where the speculation is over)
             sp = self.speculative
-            if sp is None or sp.closed or sp.full or sp.done != x:
+            if sp is None or sp.done != min(b, x + piece):
                 return
-            run(x, min(b, x + self.speculation_piece))
 
     @property
     def speculation_piece(self) -> int:
