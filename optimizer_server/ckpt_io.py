@@ -457,15 +457,22 @@ class SaveJob:
                 pending = sum(st is ChunkState.PENDING for st in self.states)
                 if made >= pending - len(self._writers) or len(self._free) >= pending:
                     return
-            buf = chunk_buffer(self.chunk_bytes)
+            buf = self._snapshot_buffer()
             buf[::4096] = 0  # one write per page commits it (a huge page takes one per 2 MiB too)
             with self._cv:
                 if self.done:
                     return
                 self._free.append(buf)
-                self.snapshot_bytes += buf.nbytes
-                self.snapshot_peak = max(self.snapshot_peak, self.snapshot_bytes)
             made += 1
+
+    def _snapshot_buffer(self) -> np.ndarray:
+        """A new snapshot buffer of one chunk, counted (the prefault thread and the update
+        thread both make them)."""
+        buf = chunk_buffer(self.chunk_bytes)
+        with self._cv:
+            self.snapshot_bytes += buf.nbytes
+            self.snapshot_peak = max(self.snapshot_peak, self.snapshot_bytes)
+        return buf
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -564,16 +571,14 @@ class SaveJob:
                 if self.states[c] is not ChunkState.PENDING or self.error is not None or self._cancelled:
                     continue  # copied or written (or the save failed: nothing is owed to it any more)
                 self.states[c] = ChunkState.COPYING
-                buf = self._free.pop() if self._free else None
+                buf = self._free.pop() if self.snapshot and self._free else None
             try:
                 if not self.snapshot:
                     self.ensure_writes += 1
                     self._write_live(c, scratch)
                     continue
                 if buf is None:
-                    buf = chunk_buffer(self.chunk_bytes)
-                    self.snapshot_bytes += buf.nbytes
-                    self.snapshot_peak = max(self.snapshot_peak, self.snapshot_bytes)
+                    buf = self._snapshot_buffer()
                 pieces = self._copy_chunk(c, buf)
                 with self._cv:
                     self._copies[c] = (buf, pieces)

@@ -240,13 +240,9 @@ class OptimizerServer:
             def load():
                 # a one-pass LOAD holds a second state until the file verifies: what
                 # admission's rule admits beside the shards' reservations
-                room = read_mem_available() - self.reservations.outstanding
-                if self.cfg.max_ram_fraction:
-                    room = int(room * self.cfg.max_ram_fraction)
-                if not self.cfg.load_one_pass:
-                    room = 0
+                room = self._ram_room() if self.cfg.load_one_pass else 0
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    return shard.load(msg.dir, msg.weights_slot, room=max(0, room))
+                    return shard.load(msg.dir, msg.weights_slot, room=room)
             return self._on_thread(identity, session, shard, "LOAD", load)
         if not shard.initialized:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
@@ -289,6 +285,13 @@ class OptimizerServer:
             return self._on_thread(identity, session, shard, "SAVE", save)
         return P.error(P.E_DECODE, f"{msg.TYPE} is not a request")
 
+    def _ram_room(self) -> int:
+        """Host bytes admission's rule admits now beyond the admitted shards: MemAvailable
+        less what they reserved and have not yet touched, times max_ram_fraction (where
+        the check is on).  What a snapshot or a one-pass LOAD may take."""
+        room = max(0, read_mem_available() - self.reservations.outstanding)
+        return int(room * self.cfg.max_ram_fraction) if self.cfg.max_ram_fraction else room
+
     def _snapshot_room(self, session: str, shard: Shard) -> tuple[bool, object]:
         """A background save snapshots what the updates after it overwrite (ckpt_io): up to
         the file's size in host RAM.  Taken only if admission's rule admits it beside what
@@ -298,11 +301,10 @@ class OptimizerServer:
         if not self.cfg.save_snapshot:
             shard.save_note = "a background save takes no snapshot (the server runs with --no-save-snapshot)"
             return False, None
-        need = shard.snapshot_bytes()
-        avail = read_mem_available() - self.reservations.outstanding
-        if self.cfg.max_ram_fraction and need > avail * self.cfg.max_ram_fraction:
+        need, room = shard.snapshot_bytes(), self._ram_room()
+        if self.cfg.max_ram_fraction and need > room:
             why = (f"a background save of rank {shard.rank} takes no snapshot: it needs {need / 2**30:.2f} GiB of host "
-                   f"RAM and {max(0, avail) / 2**30:.2f} GiB is available beside the shards' reservations, so the "
+                   f"RAM and {room / 2**30:.2f} GiB is admissible beside the shards' reservations, so the "
                    f"updates while it writes wait for the disk (a smaller state_dtype makes the snapshot smaller: "
                    f"'bf16' 8, 'int8' 6 B/param against fp32's 12; or more host RAM)")
             log.warning("%s", why)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from . import checkpoint as C
 from . import protocol as P
 from .shard_phase import ShardPhase
 from .atomic import atomic_write_bytes, fsync_dir
-from .ckpt_io import SaveJob, combine_pieces
+from .ckpt_io import IO_THREADS, SAVE_CHUNK, SaveJob, combine_pieces
 from .state import ShardStateArrays
 
 
@@ -59,7 +58,6 @@ class ShardCheckpoint:
     def snapshot_bytes(self) -> int:
         """Host RAM a save may take beyond the state: a snapshot of the whole file, at
         most, and each writer thread's copy of one chunk (ckpt_io.SaveJob)."""
-        from .ckpt_io import IO_THREADS, SAVE_CHUNK
         per_elem = self.arrays.saved_bytes() / max(1, self.numel)
         return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK))
 

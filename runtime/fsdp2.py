@@ -47,7 +47,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import owners
+from . import host_memory, owners
 
 
 def dtensor_class():
@@ -169,8 +169,6 @@ class LocalShards:
         names, of which the first, its named_parameters() name, is the key) from every
         rank's local masters, and the frozen parameters' values in fp32 (a collective
         over FSDP2's group: each rank calls it)."""
-        from . import host_memory
-        from .host_memory import MASTER_INSTEAD
         need = 4 * sum(p.numel() for p in (*self.params, *self.frozen))  # every rank gets the whole model
         ok = torch.tensor([float(host_memory.has_room(need))],
                           device=self.coll_device)
@@ -178,7 +176,7 @@ class LocalShards:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         if not float(ok[0]):
             raise host_memory.room_error(need, "master_state_dict() of an FSDP2 model (the whole fp32 model on "
-                                         "every rank)", MASTER_INSTEAD)
+                                         "every rank)", host_memory.MASTER_INSTEAD)
         DTensor = dtensor_class()
         out = {}
         for p in self.frozen:
