@@ -103,12 +103,28 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
 
 
 def zeros_crc(n: int) -> int:
-    """CRC-32 of n zero bytes (a file's holes: ftruncate'd and never written)."""
-    crc, step = 0, 1 << 20
-    block = zlib.crc32(bytes(min(n, step)))
-    for a in range(0, n, step):
-        m = min(step, n - a)
-        crc = crc32_combine(crc, block if m == step else zlib.crc32(bytes(m)), m)
+    """CRC-32 of n zero bytes (a file's holes: ftruncate'd and never written): runs of
+    zeros doubled, one combine per bit of n (a hole of GBs costs microseconds)."""
+    crc, run, run_len = 0, zlib.crc32(b"\0"), 1
+    while n:
+        if n & 1:
+            crc = crc32_combine(crc, run, run_len)
+        run, run_len = crc32_combine(run, run, run_len), 2 * run_len
+        n >>= 1
+    return crc
+
+
+def combine_disjoint(crcs: list[int], size: int) -> int:
+    """The CRC-32 of a file of `size` bytes whose writers wrote disjoint ranges of it,
+    from each writer's CRC of the file as if only its ranges held data (zeros elsewhere:
+    combine_pieces(its pieces, size)).  CRC-32 is affine over GF(2): for equal lengths
+    crc(x ^ y) = crc(x) ^ crc(y) ^ crc(zeros), and the file is the XOR of the writers'
+    masked files, so each writer sends one number, whatever its pieces."""
+    crc = 0
+    for c in crcs:
+        crc ^= c
+    if len(crcs) % 2 == 0:
+        crc ^= zeros_crc(size)
     return crc
 
 
@@ -298,12 +314,22 @@ class SaveJob:
     ``wait`` blocks until the file is complete (or failed), ``cancel`` stops it and
     removes the temporary file.  ``finish(crc)`` is called on a writer thread after
     the last chunk, with the file fsync'd and renamed into place.  snapshot: ensure()
-    copies chunks into host RAM (up to the file's size) instead of writing them."""
+    copies chunks into host RAM (up to the file's size) instead of writing them.
+
+    pieces (a piece_map.PieceMap): the file is a checkpoint's shared file of
+    `file_size` bytes that exists already (its maker created it at that size); each
+    part's elements go where the map puts them in it (parts' bases are the shared
+    layout's), in place (no temporary, no rename: the file lies in the checkpoint's
+    temporary directory), and ``finish`` gets the CRC of the file as if only this
+    job's bytes were in it (ckpt_io.combine_disjoint joins the writers')."""
 
     def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
                  finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK,
-                 max_bytes_per_s: float = 0.0, snapshot: bool = True, on_done: Callable[[], None] | None = None):
+                 max_bytes_per_s: float = 0.0, snapshot: bool = True, on_done: Callable[[], None] | None = None,
+                 pieces=None, file_size: int = 0):
         self.path = Path(path)
+        self.place = pieces
+        self.file_size = file_size
         self.max_bytes_per_s = max_bytes_per_s  # 0: as fast as the disk takes them (ServerConfig)
         self._paced = 0  # bytes counted against that cap so far
         self.snapshot = snapshot
@@ -332,8 +358,24 @@ class SaveJob:
         self._cv = threading.Condition()
         self._done = threading.Event()
         self.chunk_bytes = max((self._chunk_size(c) for c in range(self.n_chunks)), default=0)
-        self.tmp = temp_name(self.path)  # random, opened O_EXCL|O_NOFOLLOW (optimizer_server.atomic)
-        self.fd = os.open(self.tmp, EXCL_FLAGS, FILE_MODE)
+        if pieces is not None:
+            if any(p.per != 1 for p in parts):
+                raise ValueError("a piece map places elements, not int8 blocks: int8 state cannot be placed")
+            self.tmp = None
+            # every rank's server opens the one shared file; whichever comes first makes it
+            # (an ftruncate to the same size by another leaves what is written alone)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                              FILE_MODE)
+            size = os.fstat(self.fd).st_size
+            if size not in (0, file_size):
+                os.close(self.fd)
+                raise OSError(f"checkpoint file {self.path} has {size} bytes, the shared layout {file_size}")
+            if size == 0:
+                os.ftruncate(self.fd, file_size)
+            total_bytes = file_size  # fallocate'd below (by each writer: the blocks once)
+        else:
+            self.tmp = temp_name(self.path)  # random, opened O_EXCL|O_NOFOLLOW (optimizer_server.atomic)
+            self.fd = os.open(self.tmp, EXCL_FLAGS, FILE_MODE)
         try:
             if total_bytes:
                 os.posix_fallocate(self.fd, 0, total_bytes)  # a full disk fails here, not midway
@@ -401,9 +443,18 @@ class SaveJob:
             got = np.frombuffer(part.get(ia, ib, dst if part.scratch_bytes else None), np.uint8)
             if not np.may_share_memory(got, dst):
                 dst[:] = got
-            pieces.append((part.base + ia * part.itemsize, dst))
+            pieces += self._placed(part, ia, dst)
             at += n
         return pieces
+
+    def _placed(self, part: Part, ia: int, view) -> list:
+        """[(file offset, bytes)] of part's items from ia on (view: their bytes): one
+        run, or, with a piece map, the runs it puts in the shared file."""
+        if self.place is None:
+            return [(part.base + ia * part.itemsize, view)]
+        k = part.itemsize
+        return [(part.base + f * k, view[(x - ia) * k:(y - ia) * k])
+                for x, y, f in self.place.split(ia, ia + len(view) // k)]
 
     def _write_pieces(self, c: int, pieces: list) -> None:
         """pwrite chunk c's private copy, then WRITTEN."""
@@ -430,7 +481,7 @@ class SaveJob:
                 buf = scratch.get(i)
                 if buf is None:
                     buf = scratch[i] = np.empty(part.scratch_bytes, np.uint8)
-            pieces.append((part.base + ia * part.itemsize, np.frombuffer(part.get(ia, ib, buf), np.uint8)))
+            pieces += self._placed(part, ia, np.frombuffer(part.get(ia, ib, buf), np.uint8))
         self._write_pieces(c, pieces)
 
     def _pace(self, nbytes: int) -> None:
@@ -519,8 +570,11 @@ class SaveJob:
                 os.fsync(self.fd)
                 os.close(self.fd)
                 self.fd = -1
-                os.replace(self.tmp, self.path)
-                crc = combine_pieces(self.crcs) if self.total_bytes else 0
+                if self.place is not None:  # in place: this job's bytes, holes as zeros
+                    crc = combine_pieces(self.crcs, size=self.file_size)
+                else:
+                    os.replace(self.tmp, self.path)
+                    crc = combine_pieces(self.crcs) if self.total_bytes else 0
                 self.result = self._finish(crc)
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
@@ -550,6 +604,8 @@ class SaveJob:
             except OSError:
                 pass
             self.fd = -1
+        if self.tmp is None:
+            return  # the shared file is its maker's (the checkpoint's directory goes if the save fails)
         try:
             os.unlink(self.tmp)
         except OSError:

@@ -337,13 +337,15 @@ class ShardClient:
             out[lo:hi] = self.staging[:hi - lo]
         return out
 
-    def save(self, directory: str, background: bool = False) -> dict:
+    def save(self, directory: str, background: bool = False, pieces=None) -> dict:
         """SAVE this shard into directory (made absolute here: the server's cwd is not
         ours).  background: the reply comes once the save has started; save_status()
-        says when it is done, and STEPs may run meanwhile."""
+        says when it is done, and STEPs may run meanwhile.  pieces (a piece_map.PieceMap):
+        into the shared one-rank file there, at the map's places (SAVE.pieces)."""
         self._check_usable()
-        info = self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background),
-                             P.Ok).info
+        placed = {} if pieces is None else {"pieces": pieces.to_bytes(), "flat_numel": pieces.flat_numel}
+        info = self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background,
+                                    **placed), P.Ok).info
         self._save_seq = int(info.get("seq", 0))
         self._save_hint = ("writing" if background else "done", "")
         return info
@@ -360,7 +362,7 @@ class ShardClient:
         return {"state": st.save_state, "bytes_done": st.save_bytes_done, "bytes_total": st.save_bytes_total,
                 "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s,
                 "snapshot": st.save_snapshot, "snapshot_peak": st.save_snapshot_peak,
-                "update_writes": st.save_update_writes}
+                "update_writes": st.save_update_writes, "crc": st.save_crc}
 
     def wait_save(self, poll_s: float = 0.05) -> dict:
         """Block until the newest save is written (its status); fails only when the server
@@ -379,11 +381,14 @@ class ShardClient:
                     f"request_timeout_s if the disk is this slow")
             time.sleep(poll_s)
 
-    def load(self, directory: str, weights_slot: int = 0) -> dict:
-        """LOAD a checkpoint; weights_slot: the weights slot that gets its weights."""
+    def load(self, directory: str, weights_slot: int = 0, pieces=None, verified: bool = False) -> dict:
+        """LOAD a checkpoint; weights_slot: the weights slot that gets its weights; pieces
+        (a piece_map.PieceMap): where the shard's elements lie in its flat space
+        (LOAD.pieces); verified: the caller checked the files' checksums."""
         self._check_usable()
-        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory), weights_slot=weights_slot),
-                             P.Ok).info
+        placed = {} if pieces is None else {"pieces": pieces.to_bytes(), "flat_numel": pieces.flat_numel}
+        return self._request(P.Load(session=self.session, dir=os.path.abspath(directory), weights_slot=weights_slot,
+                                    verified=verified, **placed), P.Ok).info
 
     def stats(self) -> P.StatsOk:
         self._check_usable()

@@ -88,6 +88,10 @@ Version 16 added STATS_OK.state_dtype and STATS_OK.state_bytes: the dtype the sh
 keeps its state in and the host bytes its master and moments hold; and a background
 save's snapshot (STATS_OK.save_snapshot, save_snapshot_peak, save_update_writes; its
 OK.info says "snapshot" and, without one, a "note" saying why).
+Version 17 added SAVE.pieces / LOAD.pieces with flat_numel (piece_map): an FSDP2 rank's
+server writes its rows straight into a checkpoint's shared one-rank file, and reads them
+back out of any checkpoint; STATS_OK.save_crc gives such a save's masked CRC, SAVE's
+OK.info its "manifest", and LOAD.verified says the ranks checked the files together.
 """
 from __future__ import annotations
 
@@ -98,7 +102,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 MAX_MESSAGE_BYTES = 64 * 1024          # a control message is never larger
 MAX_NUMEL = (1 << 40) - 1              # one shard's length: the progress word's 40-bit count
 DEFAULT_PROGRESS_BLOCK = 1 << 20       # elements per progress publication (2 MiB of 16-bit weights)
@@ -110,6 +114,7 @@ COMPACT_OPTIMIZERS = ("adamw", "adam", "lion")  # the optimizers that take a sta
 QBLOCK = 256                           # elements per int8 block (one scale per moment); cython_ext agrees
 MAX_PREDICT = 4.0                      # STEP.predict (and OffloadConfig.dpu_predict) lie in [0, MAX_PREDICT]
 MAX_GRAD_SLOTS = 2
+MAX_PIECES = 2048                      # SAVE/LOAD.pieces (piece_map.MAX_PIECES): 48 KiB of the message
 MAX_GROUPS = 512                       # ranges in one STEP (each 8 numbers, <= 72 B: well inside the message)
 GROUP_FIELDS = ("offset", "count", "lr", "beta1", "beta2", "eps", "weight_decay", "updates")
 DEFAULT_STAGING_NUMEL = 1 << 24        # fp32 elements per INIT/GET_MASTER chunk (64 MiB)
@@ -136,6 +141,7 @@ _CHECKS = {
     bool: (lambda x: isinstance(x, bool), "a bool"),
     dict: (lambda x: isinstance(x, dict), "a map"),
     list: (lambda x: isinstance(x, list), "a list"),
+    bytes: (lambda x: isinstance(x, bytes), "bytes"),
 }
 
 
@@ -245,6 +251,13 @@ MAX_PATH = 4096
 def _check_abs_dir(d: str) -> None:
     _require(0 < len(d) <= MAX_PATH and d.startswith("/") and "\0" not in d,
              f"a checkpoint directory must be an absolute path of at most {MAX_PATH} bytes, got {d[:100]!r}")
+
+
+def _check_pieces(pieces: bytes, flat_numel: int) -> None:
+    _require(0 <= flat_numel <= MAX_NUMEL, f"flat_numel must be in [0, {MAX_NUMEL}], got {flat_numel}")
+    _require(len(pieces) % 24 == 0 and len(pieces) <= 24 * MAX_PIECES,
+             f"pieces must be whole 24-byte pieces, at most {MAX_PIECES}; got {len(pieces)} bytes")
+    _require(flat_numel > 0 or not pieces, "pieces without a flat_numel")
 
 
 def _check_range(offset: int, count: int) -> None:
@@ -394,9 +407,15 @@ class Save(Message):
     session: str
     dir: str                 # absolute: a relative path would be the server's cwd, not the worker's
     background: bool = False  # answer once started; STATS_OK.save_state says when it is done
+    # flat_numel > 0: write into dir's shared one-rank file of that layout, where `pieces`
+    # (piece_map.PieceMap bytes) put the shard's elements; no manifest, and the result's
+    # crc (STATS_OK.save_crc) is the shard's masked CRC
+    pieces: bytes = b""
+    flat_numel: int = 0
 
     def validate(self) -> None:
         _check_abs_dir(self.dir)
+        _check_pieces(self.pieces, self.flat_numel)
 
 
 @dataclass(kw_only=True)
@@ -405,10 +424,14 @@ class Load(Message):
     session: str
     dir: str
     weights_slot: int = 0  # the weights slot that gets the loaded weights (the exact master's high halves)
+    pieces: bytes = b""    # flat_numel > 0: the shard's elements lie there in the flat space (SAVE.pieces)
+    flat_numel: int = 0
+    verified: bool = False  # the worker checked the files' checksums (FSDP2's ranks together): read only
 
     def validate(self) -> None:
         _require(0 <= self.weights_slot < 2, f"weights_slot must be 0 or 1, got {self.weights_slot}")
         _check_abs_dir(self.dir)
+        _check_pieces(self.pieces, self.flat_numel)
 
 
 @dataclass(kw_only=True)
@@ -442,6 +465,7 @@ class StatsOk(Message):
     save_update_writes: int = 0  # chunks the updates wrote to the file themselves (no snapshot)
     state_dtype: str = ""       # what the shard keeps master and moments in (HELLO.state_dtype)
     state_bytes: int = 0        # the host bytes its master (the exact one's remainder) and moments hold
+    save_crc: int = -1          # a done SAVE with pieces: the shard's masked CRC (ckpt_io.combine_disjoint)
 
 
 @dataclass(kw_only=True)

@@ -32,6 +32,7 @@ from .admission import Refused, Reservations, admit, read_mem_available, shard_n
 from .checkpoint import CheckpointError
 from .config import TOKEN_ENV, ServerConfig
 from .files import ServerFiles
+from .piece_map import PieceMap
 from .procs import pid_alive
 from .shard import Shard
 from .shm import Segment
@@ -241,8 +242,9 @@ class OptimizerServer:
                 # a one-pass LOAD holds a second state until the file verifies: what
                 # admission's rule admits beside the shards' reservations
                 room = self._ram_room() if self.cfg.load_one_pass else 0
+                pieces = PieceMap.from_bytes(msg.pieces, shard.numel, msg.flat_numel) if msg.flat_numel else None
                 with self.tracer.span("checkpoint_load", rank=shard.rank):
-                    return shard.load(msg.dir, msg.weights_slot, room=room)
+                    return shard.load(msg.dir, msg.weights_slot, room=room, pieces=pieces, verified=msg.verified)
             return self._on_thread(identity, session, shard, "LOAD", load)
         if not shard.initialized:
             return P.error(P.E_ORDER, shard.refusal(msg.TYPE))
@@ -270,14 +272,17 @@ class OptimizerServer:
                                           "(engine.wait_checkpoint) first")
 
             def save():
+                pieces = PieceMap.from_bytes(msg.pieces, shard.numel, msg.flat_numel) if msg.flat_numel else None
+                # placed: the workers' rank 0 writes the manifest (every rank's CRC joined)
+                man = {"manifest": dict(shard.manifest(), groups=[])} if pieces else {}  # (groups: up to 512 ranges)
                 try:
                     snapshot, on_done = self._snapshot_room(session, shard) if msg.background else (False, None)
-                    job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done)
+                    job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done, pieces=pieces)
                     if msg.background:
                         return {"background": True, "bytes": job.total_bytes, "updates": shard.updates,
-                                "seq": shard.save_seq, "snapshot": snapshot, "note": shard.save_note}
+                                "seq": shard.save_seq, "snapshot": snapshot, "note": shard.save_note, **man}
                     with self.tracer.span("checkpoint_save", rank=shard.rank):
-                        info = job.wait()
+                        info = dict(job.wait(), **man)
                 except OSError as e:
                     raise CheckpointError(f"saving to {msg.dir} failed: {e.strerror or e} (errno {e.errno}); the "
                                           f"previous checkpoint there is intact") from e
@@ -321,7 +326,7 @@ class OptimizerServer:
                                    save_bytes_total=sv["bytes_total"], save_error=sv["error"],
                                    save_seconds=sv["seconds"], save_waited_s=sv["waited_s"],
                                    save_snapshot=sv["snapshot"], save_snapshot_peak=sv["snapshot_peak"],
-                                   save_update_writes=sv["ensure_writes"]).encode()
+                                   save_update_writes=sv["ensure_writes"], save_crc=sv["crc"]).encode()
 
     def _on_thread(self, identity: bytes, session: str, shard: Shard, what: str, fn) -> None:
         """Run a long request (INIT, LOAD, GET_MASTER, SAVE) on the shard's update thread,

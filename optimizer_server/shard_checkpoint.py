@@ -17,6 +17,7 @@ from . import protocol as P
 from .shard_phase import ShardPhase
 from .atomic import atomic_write_bytes, fsync_dir
 from .ckpt_io import IO_THREADS, SAVE_CHUNK, SaveJob, combine_pieces
+from .piece_map import PieceMap
 from .state import ShardStateArrays
 
 
@@ -61,50 +62,79 @@ class ShardCheckpoint:
         per_elem = self.arrays.saved_bytes() / max(1, self.numel)
         return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK))
 
-    def start_save(self, directory: str, *, snapshot: bool = True, on_done=None) -> SaveJob:
+    def start_save(self, directory: str, *, snapshot: bool = True, on_done=None, pieces: PieceMap | None = None
+                   ) -> SaveJob:
         """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
         the data file (random temp name, fsync'd once, renamed), then the manifest with
         the file's checksum, then the directory's fsync.  Later updates may run while
         it writes (``_guard``: with `snapshot`, they copy what they are about to
         overwrite and go on; without, they write it first); SaveJob.wait() gives what
-        ``save`` returns.  on_done: called once the job has ended, however."""
+        ``save`` returns.  on_done: called once the job has ended, however.
+
+        pieces: this shard's elements go into the shared one-rank file that directory
+        holds already (the layout of pieces.flat_numel elements; its maker, the workers'
+        rank 0, created it), where the map puts them (piece_map); no manifest (the maker
+        writes it from every writer's CRC): the result's "crc" is this shard's masked
+        CRC (ckpt_io.combine_disjoint)."""
         if self.saving:
             raise ValueError("a save of this shard is still being written: wait for it (engine.wait_checkpoint) "
                              "before the next one")
         d = Path(directory)
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        bin_path, man_path = self._paths(d)
         man = self.manifest()
-        nbytes = self.arrays.saved_bytes()
+        if pieces is None:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            bin_path, man_path = self._paths(d)
+            nbytes = self.arrays.saved_bytes()
+            parts = self.arrays.save_parts(self.weights16_slots)
+            file_size = 0
 
-        def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
-            atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
-            fsync_dir(d)
-            return {"path": str(bin_path), "bytes": nbytes, "updates": man["updates"]}
+            def finish(crc: int) -> dict:  # on a writer thread, after the data file is in place
+                atomic_write_bytes(man_path, json.dumps(dict(man, checksum=C.checksum_str(crc)), indent=1).encode())
+                fsync_dir(d)
+                return {"path": str(bin_path), "bytes": nbytes, "updates": man["updates"]}
+        else:
+            self._check_pieces(pieces)
+            bin_path = C.rank_file(d, C.SHARD, 0, 1, ".bin")
+            file_size = ShardStateArrays.file_bytes(self.arrays.names, self.arrays.dtypes, pieces.flat_numel)
+            nbytes = pieces.covered * (self.arrays.saved_bytes() // max(1, self.numel))
+            parts = self.arrays.save_parts(self.weights16_slots, layout_numel=pieces.flat_numel)
+
+            def finish(crc: int) -> dict:
+                return {"path": str(bin_path), "bytes": nbytes, "updates": man["updates"], "crc": crc}
         if self.save_job is not None:
             self._io_done += self.save_job.bytes_done
-        self.save_job = SaveJob(bin_path, self.arrays.save_parts(self.weights16_slots), self.numel, nbytes, finish,
-                                max_bytes_per_s=self.save_max_bytes_per_s, snapshot=snapshot, on_done=on_done)
+        self.save_job = SaveJob(bin_path, parts, self.numel, nbytes, finish,
+                                max_bytes_per_s=self.save_max_bytes_per_s, snapshot=snapshot, on_done=on_done,
+                                pieces=pieces, file_size=file_size)
         self.save_seq += 1
         return self.save_job
 
-    def save(self, directory: str) -> dict:
+    def _check_pieces(self, pieces: PieceMap) -> None:
+        if pieces.numel != self.numel:
+            raise ValueError(f"a piece map of a {pieces.numel}-element shard for this {self.numel}-element one")
+        if self.arrays.state_dtype == "int8":
+            raise ValueError("int8 state cannot be placed into a shared layout: its scale per 256 elements does "
+                             "not follow the pieces (use state_dtype 'bf16' or 'fp32')")
+
+    def save(self, directory: str, pieces: PieceMap | None = None) -> dict:
         """A blocking save: start_save, then wait for it (the same bytes as a background one;
         nothing updates meanwhile, so no snapshot is taken)."""
-        return self.start_save(directory, snapshot=False).wait()
+        return self.start_save(directory, snapshot=False, pieces=pieces).wait()
 
     def save_status(self) -> dict:
         """The newest save's state ("idle" if none): STATS_OK's save_* fields."""
         if self.save_job is None:
             return {"state": "idle", "bytes_done": 0, "bytes_total": 0, "error": "", "seconds": 0.0, "waited_s": 0.0,
-                    "snapshot": False, "snapshot_peak": 0, "ensure_writes": 0}
-        return self.save_job.status()
+                    "snapshot": False, "snapshot_peak": 0, "ensure_writes": 0, "crc": -1}
+        st = self.save_job.status()
+        return dict(st, crc=(self.save_job.result or {}).get("crc", -1) if st["state"] == "done" else -1)
 
     def verified_read_bytes(self) -> int:
         """Host RAM a one-pass LOAD takes beside the running state: a second state."""
         return self.arrays.state_bytes
 
-    def load(self, directory: str, weights_slot: int = 0, room: int = 0) -> dict:
+    def load(self, directory: str, weights_slot: int = 0, room: int = 0, pieces: PieceMap | None = None,
+             verified: bool = False) -> dict:
         """Read this shard's range of a checkpoint, saved with this world size or
         another (optimizer_server.reshard): every rank's manifest must agree, and
         every file read must match its checksum, before any state is touched.
@@ -113,7 +143,12 @@ class ShardCheckpoint:
         own file of the same world size is read whole and a second state fits in room,
         one pass reads it into a new state, checksumming as it reads, and the new state
         replaces the running one only once the file has verified (``_load_one_pass``).
-        Otherwise every file is verified first, then read (two passes over the disk)."""
+        Otherwise every file is verified first, then read (two passes over the disk).
+
+        pieces: this shard's elements lie where the map puts them in the checkpoint's
+        flat space (an FSDP2 rank's rows, piece_map), not in one range; verified: the
+        caller has checked every file's checksum already (the FSDP2 ranks check the shared
+        files together, each 1/world of them), so only the read is left."""
         d = Path(directory)
         src = C.pick_world_size(d, C.SHARD, self.world_size)
         man_paths = [C.rank_file(d, C.SHARD, k, src, ".json") for k in range(src)]
@@ -132,7 +167,7 @@ class ShardCheckpoint:
                                         f"{man['world_size']}, its name rank {len(mans)} of {src}")
             mans.append(man)
         mine = self.manifest()
-        keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size else ())
+        keys = ("dtype", "optimizer", "arrays") + (("numel",) if src == self.world_size and pieces is None else ())
         for k, man in enumerate(mans):
             diff = {key: (man.get(key), mine[key]) for key in keys if man.get(key) != mine[key]}
             if man.get("format") not in C.SHARD_FORMATS_READ:
@@ -150,6 +185,15 @@ class ShardCheckpoint:
         expect = ShardStateArrays.file_bytes(self.arrays.names, saved_dtypes, per_file)
         bins = [C.rank_file(d, C.SHARD, k, src, ".bin") for k in range(src)]
         lo = self.rank * self.numel
+        placed = pieces is not None  # an FSDP2 rank's rows: never one file's whole
+        if pieces is None:
+            pieces = PieceMap.contiguous(lo, self.numel, per_file * src)
+        else:
+            self._check_pieces(pieces)
+            if pieces.flat_numel > per_file * src:
+                raise C.CheckpointError(f"checkpoint {d} holds {per_file * src} elements, the piece map places "
+                                        f"this shard in a flat space of {pieces.flat_numel}: load it into the model "
+                                        f"it was saved from")
         if not 0 <= weights_slot < len(self.weights16_slots):
             raise ValueError(f"LOAD's weights_slot {weights_slot} but the shard has {len(self.weights16_slots)} weights slot(s)")
         for k, path in enumerate(bins):
@@ -157,13 +201,14 @@ class ShardCheckpoint:
             if size != expect:
                 raise ValueError(f"checkpoint {path} has {size} bytes, expected {expect} (truncated?)")
         man = mans[0]
-        mine_k = mans[self.rank] if src == self.world_size else None
+        mine_k = mans[self.rank] if src == self.world_size and not placed else None
         if (mine_k is not None and mine_k.get("checksum") and self.arrays.can_read_verified(saved_dtypes)
                 and self.verified_read_bytes() <= room):
             self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, expect)
             return dict(self._loaded(man, weights_slot), passes=1)
         for k, path in enumerate(bins):
-            if k * per_file < lo + self.numel and lo < (k + 1) * per_file:  # a file this shard reads from
+            if not verified and any(k * per_file < f + (y - x) and f < (k + 1) * per_file  # a file this shard reads
+                                    for x, y, f in pieces.split(0, self.numel)):
                 C.verify(path, mans[k].get("checksum"))
         # Straight into the state arrays: temporaries would double the server's
         # memory (12 B/param) exactly when resuming, the moment a job that fits
@@ -173,7 +218,7 @@ class ShardCheckpoint:
         self.phase = ShardPhase.UNINITIALIZED
         self._state_dirty = True
         try:
-            self.arrays.read_from(bins, per_file, saved_dtypes, lo, self.weights16_slots, weights_slot, self.threads)
+            self.arrays.read_from(bins, per_file, saved_dtypes, pieces, self.weights16_slots, weights_slot, self.threads)
             self._load_bytes += expect
         except OSError as e:
             raise OSError(f"reading checkpoint {d} failed ({e}); this shard's state is now partly "

@@ -312,13 +312,14 @@ class ShardStateArrays:
     def saved_bytes(self) -> int:
         return self.file_bytes(self.names, self.dtypes, self.numel)
 
-    def save_parts(self, slots: list) -> list:
+    def save_parts(self, slots: list, layout_numel: int | None = None) -> list:
         """The file's regions as ckpt_io.Parts over the live arrays (held by reference: a
         save job writes them while later updates run, guarded by SaveJob.ensure): the
         master (fp32; the exact master joined chunk by chunk), each moment in its dtype,
-        then the int8 scales."""
+        then the int8 scales.  layout_numel: the bases of a file of that many elements
+        (a shared file the save places its pieces in), not of this state's."""
         from .ckpt_io import SAVE_CHUNK, Part
-        at, _ = self.file_layout(self.names, self.dtypes, self.numel)
+        at, _ = self.file_layout(self.names, self.dtypes, self.numel if layout_numel is None else layout_numel)
         n = self.numel
 
         def view(a_: np.ndarray):
@@ -357,27 +358,29 @@ class ShardStateArrays:
     def file_bytes(names: list, dtypes: dict, per_file: int) -> int:
         return ShardStateArrays.file_layout(names, dtypes, per_file)[1]
 
-    def read_from(self, bins: list, per_file: int, dtypes: dict, lo: int, slots: list, load_slot: int,
+    def read_from(self, bins: list, per_file: int, dtypes: dict, place, slots: list, load_slot: int,
                   threads: int) -> None:
-        """Read this shard's range [lo, lo + numel) of a checkpoint whose arrays have
-        `dtypes` (converting where they differ from this shard's); straight into the
-        state where the dtypes agree, through one bounded buffer where they do not."""
+        """Read this shard's elements of a checkpoint whose arrays have `dtypes`
+        (converting where they differ from this shard's): place (a piece_map.PieceMap)
+        says where they lie in its flat space (the built-in layout: one range); straight
+        into the state where the dtypes agree, through one bounded buffer where they do not."""
         n = self.numel
         bases, _ = self.file_layout(self.names, dtypes, per_file)
         for name in self.names:
             src_dt = dtypes.get(name, "fp32")
-            src = _Source(bins, per_file, bases[name], bases.get(name + ".scale"), src_dt, name)
+            src = _Source(bins, per_file, bases[name], bases.get(name + ".scale"), src_dt, name, place)
             if name == "master" and self.exact_master:
                 self.hi_slot = load_slot
-                self._read_converted(src, lo, "exact", slots[load_slot], threads)
+                self._read_converted(src, "exact", slots[load_slot], threads)
                 continue
             dst = self.master if name == "master" else self.moments[name]
             want = "fp32" if name == "master" else self.state_dtype
             if want != src_dt:
-                self._read_converted(src, lo, want, dst, threads, self.scales.get(name))
+                self._read_converted(src, want, dst, threads, self.scales.get(name))
                 continue
-            read_range(bins, per_file, src.base, lo, lo + n, dst)
+            src.read(0, n, dst)
             if want == "int8":  # lo is on a block (HELLO), and so is every file's start
+                lo = src.flat_lo()
                 read_range(bins, nblocks(per_file), src.scale_base, lo // QBLOCK, lo // QBLOCK + nblocks(n),
                            self.scales[name])
 
@@ -405,8 +408,8 @@ class ShardStateArrays:
                 pieces += parallel_read_crc(path, bases[name + ".scale"], self.scales[name], threads=IO_THREADS)
         return pieces
 
-    def _read_converted(self, src: "_Source", lo: int, want: str, dst, threads: int, scales=None) -> None:
-        """Read src's range [lo, lo + numel) piece by piece, as fp32, into dst in `want`:
+    def _read_converted(self, src: "_Source", want: str, dst, threads: int, scales=None) -> None:
+        """Read the shard's elements of src piece by piece, as fp32, into dst in `want`:
         "exact" (the master split into weights slot dst and the remainder), "fp32",
         "bf16" or "int8" (rounded to nearest, with `scales`)."""
         n = self.numel
@@ -414,7 +417,7 @@ class ShardStateArrays:
         for a in range(0, n, CONVERT_CHUNK):  # CONVERT_CHUNK is a multiple of QBLOCK
             b = min(n, a + CONVERT_CHUNK)
             x = buf[:b - a] if want != "fp32" else dst[a:b]
-            src.read_fp32(lo + a, lo + b, x)
+            src.read_fp32(a, b, x)
             if want == "exact":
                 cpu_adam.split_master(x, dst[a:b], self.remainder[a:b], num_threads=threads)
             elif want == "bf16":  # round to nearest even, straight into the moment
@@ -424,22 +427,41 @@ class ShardStateArrays:
 
 
 class _Source:
-    """One array of a checkpoint, read as fp32 whatever its dtype."""
+    """One array of a checkpoint, the shard's elements of it read (as they are, or as
+    fp32 whatever its dtype) by local index: place (a piece_map.PieceMap) says where
+    they lie in the checkpoint's flat space; elements it does not cover read as zeros."""
 
-    def __init__(self, bins, per_file, base, scale_base, dtype, name):
+    def __init__(self, bins, per_file, base, scale_base, dtype, name, place):
         self.bins, self.per_file, self.base, self.scale_base = bins, per_file, base, scale_base
-        self.dtype, self.name = dtype, name
+        self.dtype, self.name, self.place = dtype, name, place
 
-    def read_fp32(self, lo: int, hi: int, out: np.ndarray) -> None:
-        """out[:] = elements [lo, hi) as fp32 (lo on a block when the array is int8)."""
+    def read(self, a: int, b: int, out: np.ndarray) -> None:
+        """out[:] = the shard's elements [a, b) in the file's own dtype."""
+        runs = list(self.place.split(a, b))
+        if not (len(runs) == 1 and runs[0][:2] == (a, b)):
+            out[:] = 0  # alignment padding between pieces (or past the flat space)
+        for x, y, f in runs:
+            read_range(self.bins, self.per_file, self.base, f, f + (y - x), out[x - a:y - a])
+
+    def flat_lo(self) -> int:
+        """Where the shard's element 0 lies, when the shard is one range of the flat space
+        (int8 reads by blocks: only the built-in layout)."""
+        ps = self.place.pieces
+        if len(ps) > 1 or (ps and ps[0][0] != 0):
+            raise ValueError("int8 state cannot be read through a piece map: its scales follow blocks of 256")
+        return ps[0][1] if ps else 0
+
+    def read_fp32(self, a: int, b: int, out: np.ndarray) -> None:
+        """out[:] = the shard's elements [a, b) as fp32 (a on a block when the array is int8)."""
         if self.dtype == "fp32":
-            read_range(self.bins, self.per_file, self.base, lo, hi, out)
+            self.read(a, b, out)
             return
         if self.dtype == "bf16":
-            w = np.empty(hi - lo, np.uint16)
-            read_range(self.bins, self.per_file, self.base, lo, hi, w)
+            w = np.empty(b - a, np.uint16)
+            self.read(a, b, w)
             out[:] = _widen(w)
             return
+        lo, hi = self.flat_lo() + a, self.flat_lo() + b
         assert lo % QBLOCK == 0
         codes = np.empty(hi - lo, np.uint8)
         sc = np.empty(nblocks(hi - lo), np.float32)

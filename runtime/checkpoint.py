@@ -16,6 +16,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -30,14 +31,13 @@ log = logging.getLogger("zero_offload")
 
 
 @dataclass
-class _InFlight:
-    """A background save whose server file is still being written."""
-    dir: "C.CheckpointDir"
-    tmp: Path
-    root: str
-    name: str
-    pending: bool
+class InFlight:
+    """A background save whose server file is still being written: the thread writing
+    the engine's files, the collective that says every rank's server is done, and what
+    publishes it (ok, the error if not, the server's last save status) -> its path."""
     writer: "_EngineFiles"
+    agree: Callable[[bool], bool]
+    publish: Callable[[bool, BaseException | None, dict], str]
 
 
 def _write_engine_files(tmp: Path, k: int, W: int, device16: np.ndarray, pending16: np.ndarray | None,
@@ -78,9 +78,13 @@ class _EngineFiles(threading.Thread):
                 self.live = None
                 self.copied.set()
             lower_this_threads_priority()  # the write uses idle CPU, not the training's
-            _write_engine_files(self.tmp, self.k, self.W, dev, pend, self.meta)
+            self.write(dev, pend)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self.error = e
+
+    def write(self, dev: np.ndarray, pend: np.ndarray | None) -> None:
+        """The files, from the snapshot."""
+        _write_engine_files(self.tmp, self.k, self.W, dev, pend, self.meta)
 
     def wait_copied(self) -> None:
         if not self.copied.wait(self.bound_s):
@@ -106,7 +110,7 @@ class EngineCheckpoint:
         self.shard_lo, self.shard_hi = rank * shard_numel, (rank + 1) * shard_numel
         self._agree, self._barrier = agree, barrier
         self.tracer = tracer
-        self.in_flight: _InFlight | None = None  # a background save not yet published
+        self.in_flight: InFlight | None = None  # a background save not yet published
         self._snaps: dict[int, np.ndarray] = {}  # the device weights' snapshots (_snapshot)
 
     def _expected(self, k: int, pending: bool) -> list[Path]:
@@ -158,7 +162,9 @@ class EngineCheckpoint:
             except (OSError, OptimizerServerError) as e:
                 ok, err = False, e
             if background and self._agree(ok):
-                self.in_flight = _InFlight(d, tmp, root, name, pending16 is not None, writer)
+                pending = pending16 is not None
+                self.in_flight = InFlight(writer, self._agree, lambda ok_, err_, _st: self._commit(
+                    d, tmp, ok_, err_, root, name, pending))
                 return str(tmp.with_name(name))
             return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
 
@@ -202,7 +208,7 @@ class EngineCheckpoint:
         if self.in_flight is None:
             return None
         state = client.save_status()["state"]
-        if not self._agree(state != "writing"):
+        if not self.in_flight.agree(state != "writing"):
             return None
         return self.finish(client)
 
@@ -213,7 +219,7 @@ class EngineCheckpoint:
         f, self.in_flight = self.in_flight, None
         if f is None:
             return None
-        err = None
+        err, st = None, {}
         try:
             f.writer.wait()
             st = client.wait_save()
@@ -223,7 +229,7 @@ class EngineCheckpoint:
         except (OSError, OptimizerServerError) as e:
             ok, err = False, e
         with self.tracer.span("checkpoint_publish"):
-            return self._commit(f.dir, f.tmp, ok, err, f.root, f.name, f.pending)
+            return f.publish(ok, err, st)
 
     def read_meta(self, directory: str, expect: dict) -> tuple[Path, int, dict, list[dict]]:
         """(step directory, world size saved, this rank's meta, every saved rank's meta)."""

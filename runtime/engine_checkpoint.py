@@ -103,6 +103,16 @@ class CheckpointAPI:
         until then the previous checkpoint stays `latest`.  Returns the step directory
         (not there yet with background=True)."""
         self._check_between_steps("save_checkpoint()")
+        dev, pending, meta = self._checkpoint_parts()
+        if self.rank == 0:  # once per checkpoint: what zero_offload.export needs to name the master's pieces
+            meta["params"] = self._param_table()
+        return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
+                                     pending16=pending, meta=meta, background=background)
+
+    def _checkpoint_parts(self) -> tuple[np.ndarray, np.ndarray | None, dict]:
+        """What a save writes beside the server's file (between steps): this rank's device
+        weights as they are (int16 words), the update's weights still to go up (or None)
+        and the engine file's fields."""
         dev = self.flat16[self.shard_lo:self.shard_hi].detach().to("cpu", self.dtype).contiguous()
         dev = dev.view(torch.int16).numpy()
         pending = self.cycle.incoming_words() if self.cycle.landed else None
@@ -110,10 +120,7 @@ class CheckpointAPI:
                 "updates": self.updates, "skipped_steps": self.skipped_steps, "micro": self._micro,
                 "scaler": self.scaler.state_dict(), "optimizer_proxy": self.optimizer.state_dict_small(),
                 "param_updates": self.param_updates.tolist(), "param_align": self.param_align}
-        if self.rank == 0:  # once per checkpoint: what zero_offload.export needs to name the master's pieces
-            meta["params"] = self._param_table()
-        return self.checkpoints.save(directory, self.iteration, keep, client=self.client, device16=dev,
-                                     pending16=pending, meta=meta, background=background)
+        return dev, pending, meta
 
     def checkpoint_in_flight(self) -> bool:
         """True while a background save_checkpoint is not yet published."""
@@ -158,18 +165,27 @@ class CheckpointAPI:
                              f"{len(self.param_updates)} trainable ones: load it into the model it was saved from")
         with self.tracer.span("load_checkpoint", world_size_saved=src):
             raw = self.checkpoints.read_shard(d, "device16", src, metas)
+            pending = None
             if meta["stale"]:  # verified before the server's state is touched
-                self.checkpoints.read_shard(d, "pending16", src, metas, out=np.empty(self.flat.shard_numel, np.int16))
-            # the exact master: LOAD writes the weights of the newest update into the
-            # slot that will hold its high halves (the incoming one when they are still
-            # to go up, else the model's), and the engine writes no slot the server owns
-            exact, stale = self.cfg.exact_master, meta["stale"]
-            weights_slot = (self.cycle.incoming_slot if stale else self.cycle.model_slot) if exact else 0
-            self.client.load(str(d), weights_slot=weights_slot)
-            if not (exact and self._zero_copy and not stale):
-                self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
-            if self.world_size > 1:
-                self.coll.all_gather_weights(self.flat16, self.tracer)
+                pending = self.checkpoints.read_shard(d, "pending16", src, metas,
+                                                      out=np.empty(self.flat.shard_numel, np.int16))
+            self._restore(meta, counts, raw, pending, lambda slot: self.client.load(str(d), weights_slot=slot))
+
+    def _restore(self, meta: dict, counts, raw: np.ndarray, pending: np.ndarray | None, server_load) -> None:
+        """A load's second half, every file verified and this rank's words read: the
+        server's LOAD (server_load(weights_slot)), then the device weights, the counters,
+        the update still to go up (pending, under DPU), the loss scale and the
+        optimizer's small state."""
+        # the exact master: LOAD writes the weights of the newest update into the
+        # slot that will hold its high halves (the incoming one when they are still
+        # to go up, else the model's), and the engine writes no slot the server owns
+        exact, stale = self.cfg.exact_master, meta["stale"]
+        weights_slot = (self.cycle.incoming_slot if stale else self.cycle.model_slot) if exact else 0
+        server_load(weights_slot)
+        if not (exact and self._zero_copy and not stale):
+            self.flat16[self.shard_lo:self.shard_hi].copy_(torch.from_numpy(raw).view(self.dtype))
+        if self.world_size > 1:
+            self.coll.all_gather_weights(self.flat16, self.tracer)
         self.iteration = meta["iteration"]
         self.updates = meta["updates"]
         self.skipped_steps = meta["skipped_steps"]
@@ -180,8 +196,7 @@ class CheckpointAPI:
         if meta["stale"]:
             # nothing is in flight: the server does not touch the slot until the next STEP
             if not self.cfg.exact_master:  # (with it, LOAD has written these weights there)
-                self.checkpoints.read_shard(d, "pending16", src, metas,
-                                            out=self.cycle.incoming_words().view(np.int16))
+                self.cycle.incoming_words().view(np.int16)[:] = pending
             self.cycle.restore(self.updates)
         self.scaler.load_state_dict(meta["scaler"])
         self.optimizer.load_state_dict_small(meta["optimizer_proxy"])

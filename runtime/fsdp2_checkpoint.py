@@ -10,41 +10,43 @@ engine over its proxies (runtime.fsdp2), lays those out in its own local flat sp
 FlatMap says where each local piece lies in the shared one.
 
 save (every rank of FSDP2's group calls it):
-  1. each rank's engine writes an ordinary one-rank checkpoint of its local flat
-     space into a private temporary directory;
-  2. rank 0 creates the step directory's one-rank files at their full size
-     (shard-r0-of-1.bin: master and moments of the whole flat space;
-     device16-r0-of-1.bin; pending16 under DPU), zeros where no parameter lies;
-  3. each rank copies its pieces of each array into them (pread/pwrite, bounded
-     chunks), taking each piece's CRC-32 as it writes it;
-  4. rank 0 combines every rank's CRCs into the files' checksums (the holes are
-     zeros; nobody reads the files back), writes the manifests, and the directory is
-     published as any checkpoint is (optimizer_server.checkpoint.CheckpointDir).
+  1. each rank's server writes its master and moments straight into the step
+     directory's one-rank shard file (shard-r0-of-1.bin: the whole flat space), at the
+     places FSDP2's rows have there (SAVE.pieces, optimizer_server.piece_map): the
+     first server to open the file makes it at its full size, zeros where no parameter
+     lies; each rank's worker does the same with its device weights (device16-r0-of-1.bin,
+     pending16 under DPU);
+  2. each writer keeps the CRC of the file as if only its bytes were in it; rank 0
+     joins every rank's into the files' checksums (ckpt_io.combine_disjoint: nobody
+     reads the files back), writes the manifests, and the directory is published as
+     any checkpoint is (optimizer_server.checkpoint.CheckpointDir).
+background=True: the server's save is a snapshot (ckpt_io.SaveJob) and the worker's
+weights are copied before the next step changes them, so save_checkpoint returns
+at once and step 2 runs at the first step() that finds every rank's server done (a
+collective), or at wait_checkpoint().
 The result is an ordinary checkpoint: the built-in path loads it on any number of
 ranks, and so does FSDP2 on any number of ranks.
 
 load (every rank calls it): the checkpoint's checksums are verified with the reading
-shared (each rank 1/world of every file, the CRCs combined); each rank reads its
-pieces out of any checkpoint (saved by FSDP2 or by the built-in path, at any world
-size: read_range), writes them as a one-rank checkpoint of its local flat space into
-a private temporary directory (in TMPDIR: point it at a disk with room), and its
-engine loads that (with every check a load makes).  A save's own temporary directory
-is beside the checkpoints.
+shared (each rank 1/world of every file, the CRCs combined); then each rank's server
+reads its rows out of any checkpoint (saved by FSDP2 or by the built-in path, at any
+world size: LOAD.pieces), and its worker its device weights, with every check a
+load makes.
 
-Cost: each rank writes, reads and copies its local state once more through a
-temporary directory (12 B/param/world with fp32 state, plus 2-4 of weights).  int8
-state is refused: its scale per 256 elements does not follow FSDP2's rows, so moving
-it between topologies would re-quantise it.
+Cost: what the built-in path writes and reads, and no private copy: the file is
+written once, by the servers, and read twice by a load (the shared verification, then
+each rank's rows; the second read usually from the page cache).  int8 state is
+refused: its scale per 256 elements does not follow FSDP2's rows, so moving it between
+topologies would re-quantise it.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 import torch
@@ -52,16 +54,17 @@ import torch.distributed as dist
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
-from zero_offload.server.ckpt_io import combine_pieces, range_crc
-from zero_offload.server.errors import OptimizerServerError
+from zero_offload.server.ckpt_io import combine_disjoint, combine_pieces, range_crc
+from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
+from zero_offload.server.piece_map import PieceMap
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
-from zero_offload.server.state import INT8_CODES, ITEM_BYTES, ShardStateArrays
+from zero_offload.server.state import INT8_CODES, ShardStateArrays
 
-from . import scratch
+from .checkpoint import InFlight, _EngineFiles
 from .flat import FlatParams
 
-CHUNK = 1 << 24  # elements copied at a time: 64 MiB of fp32 in the worker, whatever the model's size
+log = logging.getLogger("zero_offload")
 ONE = 1          # the shared files are a one-rank checkpoint's
 INT8_REFUSED = ("an FSDP2 checkpoint with int8 state: its scale per 256 elements does not follow FSDP2's rows, "
                 "so it cannot move between topologies bitwise; use state_dtype='bf16' or 'fp32' (or save each "
@@ -162,18 +165,36 @@ def _arrays(man: dict) -> tuple[list, dict]:
     return names, dtypes
 
 
-def _copy_pieces(src_fd: int, dst_fd: int, pieces, src_base: int, dst_base: int, item: int) -> list:
-    """Each piece's elements from the local file into the shared one, CHUNK at a time;
-    returns (byte offset, length, CRC-32) of what it wrote, for the file's checksum."""
-    crcs = []
-    for a, b, n in pieces:  # (local_lo, flat_lo, n)
-        for off in range(0, n, CHUNK):
-            m = min(CHUNK, n - off)
-            data = os.pread(src_fd, m * item, src_base + (a + off) * item)
-            if len(data) != m * item:
-                raise OSError(f"short read of a checkpoint file ({len(data)} of {m * item} bytes)")
-            crcs.append(_pwrite_piece(dst_fd, data, dst_base + (b + off) * item, "a checkpoint file"))
-    return crcs
+class _PlacedWeights(_EngineFiles):
+    """This rank's device weights (and the update's still to go up) written into the
+    shared one-rank files at the rank's pieces, each file's masked CRC kept (``crcs``):
+    on its own thread for a background save (a snapshot first, as _EngineFiles), or
+    called at once (``write``) for a blocking one."""
+
+    def __init__(self, tmp: Path, flat_numel: int, pieces: PieceMap, device16, pending16, snapshot):
+        super().__init__(tmp, 0, ONE, device16, pending16, {}, snapshot)
+        self.flat_numel, self.pieces = flat_numel, pieces
+        self.crcs: dict[str, int] = {}
+
+    def write(self, dev: np.ndarray, pend: np.ndarray | None) -> None:
+        size = 2 * self.flat_numel
+        for role, arr in ((C.DEVICE16, dev), (C.PENDING16, pend)):
+            if arr is None:
+                continue
+            path = C.rank_file(self.tmp, role, 0, ONE, ".bin")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                have = os.fstat(fd).st_size
+                if have not in (0, size):
+                    raise OSError(f"checkpoint file {path} has {have} bytes, the shared layout {size}")
+                if have == 0:  # whichever rank comes first (the same size again changes nothing)
+                    os.ftruncate(fd, size)
+                words = np.ascontiguousarray(arr).view(np.uint8)
+                crcs = [_pwrite_piece(fd, words[2 * a:2 * (a + n)], 2 * b, path) for a, b, n in self.pieces.pieces]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.crcs[role] = combine_pieces(crcs, size)
 
 
 def _pwrite_piece(fd: int, data, at: int, name) -> tuple[int, int, int]:
@@ -184,121 +205,95 @@ def _pwrite_piece(fd: int, data, at: int, name) -> tuple[int, int, int]:
     return at, len(data), zlib.crc32(data)
 
 
-def _create(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-
-
-def save(engine, fmap: FlatMap, shards, directory: str, keep: int) -> str:
+def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: bool = False) -> str:
     """Every rank of FSDP2's group (shards: the LocalShards whose group it is): the
     optimizer's state into directory/step-N in the shared layout (module docstring).
-    Returns the step directory."""
+    Returns the step directory (background: the one it becomes once published, at a
+    step() that finds every rank's server done, or at wait_checkpoint())."""
     if engine.cfg.state_dtype == "int8":  # before anything is written
         raise ValueError(INT8_REFUSED)
     g = _Group(shards)
+    engine.wait_checkpoint()  # one save at a time: the previous one is published (or fails) first
+    try:
+        engine._check_between_steps("save_checkpoint()")
+        dev, pending, meta = engine._checkpoint_parts()
+        err = None
+    except (RuntimeError, OptimizerServerError) as e:  # (a dead server's error is one of them)
+        err = e
+    if not g.agree(err is None):  # no rank goes on into the save's collectives alone
+        raise err or OptimizerServerError("saving the FSDP2 checkpoint was refused on another rank (its error says "
+                                          "why); nothing was written", code=E_CHECKPOINT)
+    stale = pending is not None
+    if g.any(stale) != g.agree(stale):  # one DPU schedule: every rank alike
+        raise OptimizerServerError("saving the FSDP2 checkpoint failed (the ranks disagree on whether an update "
+                                   "is pending); the previous checkpoint is intact", code=E_CHECKPOINT)
+    N = fmap.numel
+    pieces = PieceMap.build(fmap.pieces, engine.flat.shard_numel, N)
+    counts = [0] * fmap.n_params
+    for j, c in zip(fmap.span_of_local, meta["param_updates"]):
+        counts[j] = c
+    meta = dict(meta, version=C.ENGINE_VERSION, world_size=ONE, rank=0, numel=N, stale=stale, param_updates=counts)
     d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
     tmp = d.begin(engine.iteration)
-    # beside the checkpoints (the disk chosen for their size), where the directory
-    # protocol's sweep of tmp-* does not look; removed below whatever happens
-    local_root = scratch.make(f".local-r{g.rank}-", directory)
-    err: BaseException | None = None
-    files = {}
-    try:
-        # 1. this rank's own one-rank checkpoint
+    writer = _PlacedWeights(tmp, N, pieces, dev, pending, engine.checkpoints._snapshot)
+    info: dict = {}
+    with engine.tracer.span("save_checkpoint", background=background, fsdp2=True):
         try:
-            local = Path(engine.save_checkpoint(str(local_root), keep=1))
-            man = json.loads(C.rank_file(local, C.SHARD, 0, ONE, ".json").read_text())
-            meta = json.loads(C.rank_file(local, C.ENGINE, 0, ONE, ".json").read_text())
-            names, dtypes = _arrays(man)
+            info = engine.client.save(str(tmp), background=background, pieces=pieces)
+            if background and not info.get("snapshot", True):
+                log.warning("%s", info.get("note") or "a background save took no snapshot")
+            if background:
+                writer.start()
+            else:
+                writer.write(dev, pending)
             ok = True
-        except (OSError, ValueError, OptimizerServerError) as e:
+        except (OSError, OptimizerServerError) as e:
             ok, err = False, e
-        if not g.agree(ok):
-            return _fail(tmp, err)
-        # every rank's stale flag is the same (one DPU schedule)
-        stale = bool(meta["stale"])
-        if g.any(stale) != g.agree(stale):
-            return _fail(tmp, RuntimeError("the ranks disagree on whether an update is pending"))
-        N = fmap.numel
-        shard_bytes = ShardStateArrays.file_bytes(names, dtypes, N)
-        files = {C.SHARD: C.rank_file(tmp, C.SHARD, 0, ONE, ".bin"),
-                 C.DEVICE16: C.rank_file(tmp, C.DEVICE16, 0, ONE, ".bin")}
-        if stale:
-            files[C.PENDING16] = C.rank_file(tmp, C.PENDING16, 0, ONE, ".bin")
-        # 2. rank 0 makes the shared files at their full size (zeros where no parameter lies)
-        ok = True
-        if g.rank == 0:
-            try:
-                _create(files[C.SHARD], shard_bytes)
-                for k in (C.DEVICE16, C.PENDING16):
-                    if k in files:
-                        _create(files[k], 2 * N)
-            except OSError as e:
-                ok, err = False, e
-        if not g.agree(ok):
-            return _fail(tmp, err)
-        # 3. each rank its pieces, and the CRC of each piece as it is written (the shared
-        # files' checksums are combined from them: nobody reads the files back)
-        crcs: list[tuple[int, int, int, int]] = []  # (role index, offset, length, crc)
+
+        def publish(ok_: bool, err_, st: dict) -> str:
+            return _publish(g, d, tmp, info, meta, fmap.params, writer, N, ok_, err_, st)
+        if background:
+            if g.agree(ok):
+                engine.checkpoints.in_flight = InFlight(writer, g.agree, publish)
+                return str(tmp.with_name(C.step_name(engine.iteration)))
+            if writer.is_alive():
+                writer.join(writer.bound_s)
+        return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
+
+
+def _publish(g: _Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, params: list,
+             writer: _PlacedWeights, N: int, ok: bool, err, st: dict) -> str:
+    """Every rank: the CRCs joined on rank 0, which writes the manifests; then the
+    directory is published as any checkpoint is (CheckpointDir.commit)."""
+    roles = [C.DEVICE16] + ([C.PENDING16] if meta["stale"] else [])
+    crc = int(st.get("crc", -1)) if ok else -1
+    if ok and crc < 0:
+        ok, err = False, err or OSError("the server gave no checksum for its part of the file")
+    row = (1 if ok else 0, crc, *(writer.crcs.get(r, -1) for r in (C.DEVICE16, C.PENDING16)))
+    every = g.all_rows([row], 4)
+    if ok and all(r[0] for r in every) and g.rank == 0:
         try:
-            n_local = int(man["numel"])
-            lbase, _ = ShardStateArrays.file_layout(names, dtypes, n_local)
-            gbase, _ = ShardStateArrays.file_layout(names, dtypes, N)
-            for r, (role, path) in enumerate(files.items()):
-                src = C.rank_file(local, role, 0, ONE, ".bin")
-                sfd, dfd = os.open(src, os.O_RDONLY), os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-                try:
-                    if role == C.SHARD:
-                        for name in names:
-                            item = ITEM_BYTES[dtypes.get(name, "fp32")]
-                            crcs += [(r, *c) for c in _copy_pieces(sfd, dfd, fmap.pieces, lbase[name],
-                                                                   gbase[name], item)]
-                    else:
-                        crcs += [(r, *c) for c in _copy_pieces(sfd, dfd, fmap.pieces, 0, 0, 2)]
-                    os.fsync(dfd)
-                finally:
-                    os.close(sfd)
-                    os.close(dfd)
-        except OSError as e:
+            man = info["manifest"]
+            names, dtypes = _arrays(man)
+            sizes = {C.SHARD: ShardStateArrays.file_bytes(names, dtypes, N), C.DEVICE16: 2 * N, C.PENDING16: 2 * N}
+            col = {C.SHARD: 1, C.DEVICE16: 2, C.PENDING16: 3}
+            sums = {role: C.checksum_str(combine_disjoint([r[col[role]] for r in every], sizes[role]))
+                    for role in [C.SHARD] + roles}
+            shard_man = dict(man, rank=0, world_size=ONE, numel=N, groups=[], checksum=sums.pop(C.SHARD))
+            atomic_write_bytes(C.rank_file(tmp, C.SHARD, 0, ONE, ".json"), json.dumps(shard_man, indent=1).encode())
+            atomic_write_bytes(C.rank_file(tmp, C.ENGINE, 0, ONE, ".json"),
+                               json.dumps(dict(meta, checksums=sums, params=params), indent=1).encode())
+        except (OSError, ValueError, KeyError) as e:
             ok, err = False, e
-        if not g.agree(ok):
-            return _fail(tmp, err)
-        every = g.all_rows(crcs, 4)
-        # 4. rank 0: the manifests, with the shared files' checksums
-        if g.rank == 0:
-            try:
-                sizes = {C.SHARD: shard_bytes, C.DEVICE16: 2 * N, C.PENDING16: 2 * N}
-                sums = {role: C.checksum_str(combine_pieces([c[1:] for c in every if c[0] == r], sizes[role]))
-                        for r, role in enumerate(files)}
-                shard_man = dict(man, rank=0, world_size=ONE, numel=N, groups=[], checksum=sums.pop(C.SHARD))
-                atomic_write_bytes(C.rank_file(tmp, C.SHARD, 0, ONE, ".json"),
-                                   json.dumps(shard_man, indent=1).encode())
-                counts = [0] * fmap.n_params
-                for j, c in zip(fmap.span_of_local, meta["param_updates"]):
-                    counts[j] = c
-                eng = dict(meta, rank=0, world_size=ONE, numel=N, param_updates=counts, checksums=sums,
-                           params=fmap.params)
-                atomic_write_bytes(C.rank_file(tmp, C.ENGINE, 0, ONE, ".json"), json.dumps(eng, indent=1).encode())
-            except (OSError, ValueError) as e:
-                ok, err = False, e
-        expected = [C.rank_file(Path("."), p, 0, ONE, s) for p, s in
-                    ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
-        done, where = d.commit(tmp, ok, lambda k: expected if k == 0 else [])
-        if done:
-            return where
-        why = err or where or "on another rank"
-        raise OptimizerServerError(f"saving the FSDP2 checkpoint in {directory} failed ({why}); the previous "
-                                   f"checkpoint is intact", code=E_CHECKPOINT)
-    finally:
-        shutil.rmtree(local_root, ignore_errors=True)
-
-
-def _fail(tmp: Path, err) -> NoReturn:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise OptimizerServerError(f"saving the FSDP2 checkpoint failed ({err or 'on another rank'}); the previous "
+    expected = [C.rank_file(Path("."), p, 0, ONE, s) for p, s in
+                ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
+    done, where = d.commit(tmp, ok, lambda k: expected if k == 0 else [])
+    if done:
+        return where
+    if isinstance(err, OptimizerServerDeadError):
+        raise err
+    why = err or where or "on another rank"
+    raise OptimizerServerError(f"saving the FSDP2 checkpoint in {d.root} failed ({why}); the previous "
                                f"checkpoint is intact", code=E_CHECKPOINT)
 
 
@@ -343,6 +338,9 @@ def _source(engine, fmap: FlatMap, directory: str) -> _Source:
             f"this model's one-rank layout {fmap.numel} at {engine.param_align}: load it into the model it was "
             f"saved from, with the same param groups (and expert={{'param_align_numel': "
             f"{meta.get('param_align', 1)}}} if only the alignment differs)")
+    for key, mine in (("dtype", engine.cfg.dtype), ("optimizer", engine.cfg.optimizer)):
+        if meta.get(key) != mine:
+            raise C.CheckpointError(f"checkpoint {d} has {key}={meta.get(key)!r} but this engine has {mine!r}")
     if len(meta.get("param_updates", [])) != fmap.n_params:
         raise C.CheckpointError(f"checkpoint {d} counts steps for {len(meta.get('param_updates', []))} parameters, "
                                 f"this model has {fmap.n_params} trainable ones: load it into the model it was "
@@ -364,77 +362,45 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
     agree after the checks and after the load, so a refusal on one rank is an error on
     every rank (none waits in a collective for a rank that gave up)."""
     g = _Group(shards)
+    engine.wait_checkpoint()  # a background save of ours is published (or fails) first
     try:
+        engine._check_between_steps("load_checkpoint()")
         source, err = _source(engine, fmap, directory), None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError, OptimizerServerError) as e:
         source, err = None, e
     if not g.agree(err is None):
         raise err if err is not None else C.CheckpointError(
             f"checkpoint {directory} was refused on another rank (its error says why); nothing was loaded")
     bins, w16, mans, metas = source.bins, source.w16, source.mans, source.metas
-    names, dtypes, per_file, meta, man = source.names, source.dtypes, source.per_file, metas[0], mans[0]
+    meta = metas[0]
     _verify_together(g, [(path, mans[k].get("checksum")) for k, path in enumerate(bins)]
                      + [(f, metas[k].get("checksums", {}).get(role)) for role, fs in w16.items()
                         for k, f in enumerate(fs)])
-    n_local = engine.flat.shard_numel
-    local_root = None
+    err = None
     try:
-        try:
-            local_root = scratch.make("zero-offload-fsdp2-")
-            local = local_root / "state"
-            local.mkdir(mode=0o700)
-            lbase, lsize = ShardStateArrays.file_layout(names, dtypes, n_local)
-            gbase, _ = ShardStateArrays.file_layout(names, dtypes, per_file)
-            out = C.rank_file(local, C.SHARD, 0, ONE, ".bin")
-            _create(out, lsize)
-            arrays = [(lbase[n], gbase[n], ITEM_BYTES[dtypes.get(n, "fp32")]) for n in names]
-            shard_crc = combine_pieces(_gather(bins, per_file, out, arrays, fmap.pieces), lsize)
-            sums = {}
-            for role, fs in w16.items():
-                per16 = fs[0].stat().st_size // 2
-                out16 = C.rank_file(local, role, 0, ONE, ".bin")
-                _create(out16, 2 * n_local)
-                crcs = _gather(fs, per16, out16, [(0, 0, 2)], fmap.pieces)
-                sums[role] = C.checksum_str(combine_pieces(crcs, 2 * n_local))
-            atomic_write_bytes(C.rank_file(local, C.SHARD, 0, ONE, ".json"), json.dumps(dict(
-                man, rank=0, world_size=ONE, numel=n_local, groups=[], checksum=C.checksum_str(shard_crc))).encode())
-            counts = [meta["param_updates"][j] for j in fmap.span_of_local]
-            atomic_write_bytes(C.rank_file(local, C.ENGINE, 0, ONE, ".json"), json.dumps(
-                dict({k: v for k, v in meta.items() if k != "params"},  # the shared layout's, not the local one's
-                     rank=0, world_size=ONE, numel=engine.flat.numel, param_updates=counts, checksums=sums)).encode())
-            engine.load_checkpoint(str(local))
-        except (OSError, ValueError, OptimizerServerError) as e:
-            err = e
-    finally:
-        if local_root is not None:
-            shutil.rmtree(local_root, ignore_errors=True)
+        d = bins[0].parent
+        engine.optimizer.check_state_dict_small(meta.get("optimizer_proxy"), where=f"checkpoint {d}")
+        pieces = PieceMap.build(fmap.pieces, engine.flat.shard_numel, fmap.numel)
+        words = {}
+        for role, fs in w16.items():  # this rank's words, zeros in its alignment padding
+            per16 = fs[0].stat().st_size // 2
+            words[role] = out = np.zeros(engine.flat.shard_numel, np.int16)
+            for a, b, n in pieces.pieces:
+                read_range(fs, per16, 0, b, b + n, out[a:a + n])
+        counts = [meta["param_updates"][j] for j in fmap.span_of_local]
+        with engine.tracer.span("load_checkpoint", world_size_saved=len(bins), fsdp2=True):
+            # the server reads its rows straight out of the shared files, which the
+            # ranks have just verified together
+            engine._restore(meta, counts, words[C.DEVICE16], words.get(C.PENDING16),
+                            lambda slot: engine.client.load(str(d), weights_slot=slot, pieces=pieces, verified=True))
+    except (OSError, ValueError, OptimizerServerError) as e:
+        err = e
     if not g.agree(err is None):
         if err is not None:
             raise err
         raise OptimizerServerError(f"loading checkpoint {directory} failed on another rank (its error says why); "
                                    f"this rank loaded it, so the ranks now differ: load a checkpoint again on "
                                    f"every rank", code=E_CHECKPOINT)
-
-
-def _gather(files: list[Path], per_file: int, out: Path, arrays: list[tuple[int, int, int]], pieces) -> list:
-    """Into the local file `out`: each array's pieces (arrays: (local base, shared base,
-    item bytes)) read out of the shared flat space of `files` (read_range); returns
-    (byte offset, length, CRC-32) of what it wrote, for the local file's checksum."""
-    fd = os.open(out, os.O_WRONLY | os.O_NOFOLLOW)
-    crcs = []
-    try:
-        for lbase, gbase, item in arrays:
-            dt = {1: np.uint8, 2: np.uint16, 4: np.uint32}[item]
-            for lo, flat_lo, n in pieces:
-                for off in range(0, n, CHUNK):
-                    m = min(CHUNK, n - off)
-                    buf = np.empty(m, dt)
-                    read_range(files, per_file, gbase, flat_lo + off, flat_lo + off + m, buf)
-                    crcs.append(_pwrite_piece(fd, memoryview(buf).cast("B"), lbase + (lo + off) * item, out))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return crcs
 
 
 def _verify_together(g: _Group, checks: list[tuple[Path, str | None]]) -> None:

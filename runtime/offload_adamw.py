@@ -297,10 +297,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights
         (background=True: written while training goes on; wait_checkpoint() publishes it)."""
         if self._shards is not None:  # a collective over FSDP2's group, in the layout every topology reads
-            if background:
-                raise ValueError("save_checkpoint(background=True) with an FSDP2 model: its save gathers every "
-                                 "rank's pieces into one layout before it returns; pass background=False")
-            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards, directory, keep)
+            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards, directory, keep,
+                                         background=background)
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
 
     def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":

@@ -56,6 +56,7 @@ import torch
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
+from zero_offload.server.piece_map import PieceMap
 from zero_offload.server.state import ShardStateArrays
 
 from . import scratch
@@ -280,8 +281,10 @@ def load_into_torch_optimizer(checkpoint, optimizer: torch.optim.Optimizer, mode
                 raise ValueError(f"{name} has shape {tuple(p.shape)}, the checkpoint's {row.shape}: load it into the "
                                  f"model it was saved from")
             plan.append((p, row, count))
-    sources = {m: _Source(src.files, src.per_file, src.at[m], src.at.get(m + ".scale"), src.dtypes.get(m, "fp32"), m)
-               for m in moments}
+    whole = src.per_file * len(src.files)
+    flat = PieceMap.contiguous(0, whole, whole)  # read by flat index
+    sources = {m: _Source(src.files, src.per_file, src.at[m], src.at.get(m + ".scale"), src.dtypes.get(m, "fp32"), m,
+                          flat) for m in moments}
     for p, row, count in plan:
         if count == 0:
             continue

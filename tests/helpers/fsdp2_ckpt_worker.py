@@ -17,9 +17,11 @@ text and the optimizer's groups are tests/helpers/fsdp2_worker's.  For each VARI
   corrupt A   (the first variant only) rank 0 flips a byte near the end of A's shard
               file, in the last rank's share of the load's checksum reading; every rank
               loads A and writes what happened to corrupt-rRANK.txt; the byte is put back
-  refuse A    (the first variant only) rank 1's temporary directory does not exist, so
-              its load fails after the checks; every rank writes what happened to
-              refuse-rRANK.txt
+  background A B   (the first two variants) a blocking save into A and a background one
+              into B at the same step, training on while B is written (background_stage)
+  refuse A    (the first variant only) rank 1's session with the node's optimizer server
+              is closed just before the load, so its load fails after the shared checks,
+              at its server's LOAD; every rank writes what happened to refuse-rRANK.txt
 """
 import os
 import sys
@@ -107,20 +109,18 @@ def corrupt_stage(root: str, topology: str, name: str) -> None:
 
 
 def refuse_stage(root: str, topology: str, name: str) -> None:
-    import tempfile
-    saved = tempfile.tempdir
-    if dist.get_rank() == 1:
-        tempfile.tempdir = os.path.join(root, "no-such-dir")
-    try:
-        load_and_record(os.path.join(root, VARIANTS[0][0]), topology, name, "refuse")
-    finally:
-        tempfile.tempdir = saved
+    def close_rank1s_session(opt):
+        if dist.get_rank() == 1:
+            opt.engine.client.close()  # BYE: the server drops this rank's shard
+    load_and_record(os.path.join(root, VARIANTS[0][0]), topology, name, "refuse", before=close_rank1s_session)
 
 
-def load_and_record(d: str, topology: str, name: str, tag: str) -> None:
+def load_and_record(d: str, topology: str, name: str, tag: str, before=None) -> None:
     """The first variant's optimizer loads d/name; what happened ("loaded", or the error's
     type and message) goes to d/TAG-rRANK.txt for the test to read."""
     model, opt = build(topology, VARIANTS[0][1], VARIANTS[0][2])
+    if before is not None:
+        before(opt)
     try:
         opt.load_checkpoint(os.path.join(d, name))
         what = "loaded"
@@ -131,7 +131,34 @@ def load_and_record(d: str, topology: str, name: str, tag: str) -> None:
         f.write(what)
 
 
+def background_stage(root: str, topology: str, blocking: str, background: str) -> None:
+    """The first two variants (fp32 and bf16 state): STEPS_A steps, a blocking save into
+    d/blocking, a background save of the same state into d/background (the server paced
+    by the test, so it is still writing when save_checkpoint returns: each rank records
+    its server's save state then), STEPS_B steps while it writes, wait_checkpoint; the
+    run's losses and master go to d/bg.pt, for the test to hold against the chain's
+    train stage (the same steps with no background save)."""
+    for name, mode, state_dtype in VARIANTS[:2]:
+        d = os.path.join(root, name)
+        model, opt = build(topology, mode, state_dtype)
+        train(model, opt, 1, STEPS_A)
+        opt.save_checkpoint(os.path.join(d, blocking))
+        where = opt.save_checkpoint(os.path.join(d, background), background=True)
+        state = opt.engine.client.save_status()["state"]
+        published = os.path.exists(where)
+        out = {"losses": train(model, opt, STEPS_A + 1, STEPS_B)}
+        done = opt.wait_checkpoint()
+        out["master"] = opt.master_state_dict()
+        opt.close()
+        with open(os.path.join(d, f"bg-r{dist.get_rank()}.txt"), "w") as f:
+            f.write(f"{state} {published} {done == where}")
+        if dist.get_rank() == 0:
+            torch.save(out, os.path.join(d, "bg.pt"))
+
+
 def run_stage(root: str, topology: str, action: list[str]) -> None:
+    if action[0] == "background":
+        return background_stage(root, topology, action[1], action[2])
     if action[0] == "corrupt":
         return corrupt_stage(root, topology, action[1])
     if action[0] == "refuse":
