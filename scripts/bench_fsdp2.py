@@ -19,9 +19,9 @@ from the sizes, not measured).
 --checkpoint N: a model that is nearly all one embedding table of N parameters (bf16,
 fp32 state), on 2 gloo ranks, under the built-in path and then under FSDP2 (each in
 the same launch): two steps, then save_checkpoint and load_checkpoint of the same
-state, timed; FSDP2's checkpoint is the shared layout (runtime/fsdp2_checkpoint.py), so
-its save and load copy each rank's state once more through a temporary directory: the
-ratio says what that costs against the built-in path's.
+state, timed (FSDP2's checkpoint is the shared layout, runtime/fsdp2_checkpoint.py: each
+rank's server writes and reads its rows of it); then, after 3 steps, a background save,
+and the steps that run while it is written against the steady step.
 """
 from __future__ import annotations
 
@@ -134,10 +134,31 @@ def ckpt_path(path: str, args) -> dict:
     opt.load_checkpoint(d)
     dist.barrier()
     load_s = time.perf_counter() - t0
-    model(torch.randint(0, rows, (8, 64), generator=gen)).backward()  # it trains on after the load
-    opt.step()
+
+    def step() -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        model(torch.randint(0, rows, (8, 64), generator=gen)).backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        return time.perf_counter() - t
+    steady = statistics.median([step() for _ in range(3)])  # it trains on after the load
+    # a background save: its return, then the steps while it is written (each step
+    # polls it; it is published at the first that finds every rank's server done)
+    t0 = time.perf_counter()
+    opt.save_checkpoint(d, background=True)
+    bg_return_s = time.perf_counter() - t0
+    during = []
+    while opt.engine.checkpoint_in_flight() and len(during) < 200:
+        during.append(step())
+    t1 = time.perf_counter()
+    opt.wait_checkpoint()
+    bg_total_s = time.perf_counter() - t0
+    bg_wait_s = time.perf_counter() - t1
     out = {"params": sum(p.numel() for p in model.parameters()), "save_s": save_s, "load_s": load_s,
-           "bytes": nbytes, "updates": opt.stats()["updates"]}
+           "bytes": nbytes, "updates": opt.stats()["updates"] - len(during) - 3, "steady_s": steady,
+           "bg_return_s": bg_return_s, "bg_total_s": bg_total_s, "bg_wait_s": bg_wait_s, "during": during}
     opt.close()
     dist.barrier()
     if rank == 0:
@@ -248,6 +269,17 @@ def report_checkpoint(res: dict, args) -> None:
         gb = r["bytes"] / 1e9
         lines.append(f"| {name} | {gb:.2f} | {r['save_s']:.1f} | {gb / r['save_s']:.2f} | {r['load_s']:.1f} | "
                      f"{gb / r['load_s']:.2f} | {r['save_s'] / b['save_s']:.2f}x, {r['load_s'] / b['load_s']:.2f}x |")
+    lines += ["", "Then, after 3 steady steps, a background save of the next state: its return, the steps while it "
+              "is written (each polls it: published at the first that finds both servers done), against the "
+              "steady step; wait_checkpoint at the end.", "",
+              "| path | steady step s | save returns s | steps during it | median, slowest step during it | "
+              "published after s |", "|---|---|---|---|---|---|"]
+    for name, r in (("built-in ZeRO-2", b), ("FSDP2 (shared layout)", f)):
+        dur = r["during"]
+        med, worst = (statistics.median(dur), max(dur)) if dur else (0.0, 0.0)
+        lines.append(f"| {name} | {r['steady_s']:.2f} | {r['bg_return_s']:.2f} | {len(dur)} | "
+                     f"{med:.2f} ({med / r['steady_s']:.2f}x), {worst:.2f} ({worst / r['steady_s']:.2f}x) | "
+                     f"{r['bg_total_s']:.1f} |")
     assert b["updates"] == f["updates"] == 3, (b["updates"], f["updates"])
     body = "\n".join(lines)
     print(body)
