@@ -133,3 +133,54 @@ def test_parallel_read_reads_every_byte(tmp_path):
     out = np.empty(data.size - 3, np.uint8)
     parallel_read(tmp_path / "f", 3, out)
     assert np.array_equal(out, data[3:])
+
+
+@pytest.mark.parametrize("writers", [2, 3])
+def test_placed_save_jobs_fill_one_shared_file_and_their_crcs_join(tmp_path, writers):
+    """FSDP2's save on one machine: `writers` save jobs (one per rank), each with a piece
+    map that puts its rows of three "parameters" between the others' (and leaves an
+    alignment hole in its local space, and one in the file), write into one shared file
+    that the first of them makes, while the caller overwrites their arrays behind
+    ensure(); the file is the interleaving of the arrays as they were, zeros in the
+    holes, and combine_disjoint of the jobs' masked CRCs is the file's own CRC-32.
+    (Mutations: combine_disjoint without the zeros' CRC for an even count fails the
+    2-writer case; _placed ignoring the map writes the local layout instead.)"""
+    from zero_offload.server.ckpt_io import combine_disjoint
+    from zero_offload.server.piece_map import PieceMap
+    rng = np.random.default_rng(SEED + writers)
+    print("seed", SEED + writers)
+    rows = [5000, 7001, 3]       # three parameters' element counts, each cut in `writers` row ranges
+    flat, at = [], 0
+    for n in rows:               # the shared flat space: each parameter's elements, then a 13-element hole
+        flat.append(at)
+        at += n + 13
+    flat_numel = at
+    cuts = [[n * r // writers for r in range(writers + 1)] for n in rows]
+    expect = np.zeros(flat_numel, np.float32)
+    jobs, arrays, results = [], [], [{} for _ in range(writers)]
+    path = tmp_path / "shard.bin"
+    for r in range(writers):
+        pieces, local = [], 0
+        for j, n in enumerate(rows):
+            a, b = cuts[j][r], cuts[j][r + 1]
+            if b > a:
+                pieces.append((local, flat[j] + a, b - a))
+            local += (b - a) + 2   # two elements of alignment padding after each piece
+        x = rng.standard_normal(local).astype(np.float32)
+        for lo, f, n in pieces:
+            expect[f:f + n] = x[lo:lo + n]
+        pm = PieceMap.build(pieces, local, flat_numel)
+        arrays.append(x)
+        parts = [Part(0, 4, local, 1, lambda s, e, _b, x=x: memoryview(x[s:e]).cast("B"))]
+        jobs.append(SaveJob(path, parts, local, local * 4, finish=lambda crc, r=r: results[r].setdefault("crc", crc),
+                            threads=2, chunk=700, snapshot=True, pieces=pm, file_size=4 * flat_numel))
+    for job, x in zip(jobs, arrays):
+        for lo in range(0, x.size, 1500):
+            job.ensure(lo, lo + 1500)
+            x[lo:lo + 1500] = -1
+    for job in jobs:
+        job.wait(60)
+    data = path.read_bytes()
+    assert data == expect.tobytes()
+    assert combine_disjoint([res["crc"] for res in results], len(data)) == zlib.crc32(data)
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]
