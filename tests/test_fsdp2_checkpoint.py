@@ -225,9 +225,10 @@ def test_a_background_save_writes_the_blocking_saves_bytes_while_training_goes_o
     unpublished; three steps run during it, with the losses and master of the chain's run
     that saved nothing in the background, bitwise; wait_checkpoint publishes the directory
     it returned, whose files are byte for byte a blocking save's of the same state (so the
-    chain's resume from that one holds for it too).  (Mutations: the server answering
-    SAVE only after the write makes the state "done"; a snapshot that copies nothing (the
-    update overwriting the live arrays the writers read) changes the background files.)"""
+    chain's resume from that one holds for it too).  (Mutation: the worker asking its
+    server for a blocking save makes the state "done".  The state here is one save chunk
+    per rank, which a writer copies at once, so the snapshot of later chunks is held to
+    account by test_ckpt_io's placed save jobs instead.)"""
     from zero_offload.server import checkpoint as C
     launch(chain, 2, ["fsdp2", "background", "blk", "bg"], ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S="100000")
     for name in VARIANTS[:2]:
