@@ -38,7 +38,10 @@ Choices (docs/fsdp2.md has the why):
     shards' state (same world size and sharding to load it);
   - the device holds the local shards and the proxies (2 B/param/world each with bf16
     shards): on the CPU device the proxies live in the shared segment, so nothing more;
-    on a GPU the proxies are a second copy (docs/fsdp2.md).
+    on a GPU the proxies are a second copy (docs/fsdp2.md);
+  - fp32 local shards that FSDP2 computes in a 16-bit param_dtype (torchtitan's recipe)
+    are made 16-bit in place once the engine has taken their fp32 values for its master
+    (``sixteen_bit_shards``; OffloadAdamW does it when given model=).
 """
 from __future__ import annotations
 
@@ -93,6 +96,56 @@ def collective_device(mesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def sixteen_bit_shards(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """torchtitan's recipe (an fp32 model before fully_shard, MixedPrecisionPolicy with a
+    16-bit param_dtype) leaves fp32 local shards, 4 B/param/world on the device, though
+    FSDP2 all-gathers and computes them in the param_dtype and the engine's weights are
+    16-bit.  Each trainable fp32 shard of a unit whose param_dtype is `dtype` is made a
+    `dtype` shard in place, once: 2 B/param/world, the same values FSDP2 computed with
+    (the rounding the all-gather's cast did, now done once), and FSDP2 hands `dtype`
+    gradients (reduced in its reduce_dtype, then rounded to nearest as the engine's
+    copy into the gradient slot would).  Frozen shards, fp32 compute (no param_dtype) and
+    other dtypes are left as they are.
+
+    It goes through what FSDP2 does when nn.Module._apply changes a sharded parameter
+    (FSDPParam.reset_sharded_param re-derives its padded shard) and what its lazy init
+    does for the dtypes (FSDPParamGroup._init_mp_dtypes); torch.utils.swap_tensors keeps
+    each parameter the same Python object, so the optimizer's groups and every reference
+    the user holds stay valid.  Returns how many shards it converted (0 where this torch's
+    FSDP2 lacks those methods: the shards then stay fp32, as before)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return 0
+    DTensor = dtensor_class()
+    done = 0
+    for mod in model.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        state = mod._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or []:
+            if group.mp_policy.param_dtype != dtype or not hasattr(group, "_init_mp_dtypes"):
+                continue
+            changed = False
+            for fp in group.fsdp_params:
+                old = fp.sharded_param
+                if old.dtype != torch.float32 or not old.requires_grad or not hasattr(fp, "reset_sharded_param"):
+                    continue
+                rows = old._local_tensor.size(0) if old._local_tensor.dim() else 0
+                with torch.no_grad():
+                    padded = fp._sharded_param_data.to(dtype)
+                    local = padded.view(fp.padded_sharded_param_size).narrow(0, 0, rows)
+                    new = torch.nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, shape=old.shape,
+                                                                stride=old.stride(), run_check=False))
+                    torch.utils.swap_tensors(old, new)
+                    fp.reset_sharded_param()
+                changed = True
+                done += 1
+            if changed:
+                group._init_mp_dtypes()
+    return done
 
 
 class _Proxies(torch.nn.Module):
@@ -157,6 +210,12 @@ class LocalShards:
         v = sq.detach().reshape(1).to(self.coll_device, copy=True)
         dist.all_reduce(v, group=self.group)
         return v[0].cpu()
+
+    def refresh(self) -> None:
+        """After sixteen_bit_shards: the local shards' new tensors, and the engine's
+        weights in them."""
+        self.local = [p.to_local() for p in self.params]
+        self.copy_back()
 
     @torch.no_grad()
     def copy_back(self) -> None:

@@ -115,6 +115,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._names = None
         self._shards = None  # an FSDP2 model's local shards (runtime.fsdp2)
         norm_reduce = None
+        user_model = model
         if any(fsdp2.is_dtensor(p) for p in params_all):
             cfg = self._fsdp2(params_all, groups, model, cfg)
             model, overlap_ok, norm_reduce = self._shards.module, False, self._shards.reduce_sumsq
@@ -128,6 +129,10 @@ class OffloadAdamW(torch.optim.Optimizer):
         # the engine reads each group's values from these dicts, where schedulers write
         self.engine.optimizer.follow(self.param_groups)
         if self._shards is not None:
+            # fp32 shards computed in a 16-bit param_dtype: 16-bit from here on (the
+            # master has their fp32 values); the FSDP2 modules are the model's
+            if user_model is not None and fsdp2.sixteen_bit_shards(user_model, self.engine.dtype):
+                self._shards.refresh()
             self._shards.attach(self.engine)
         self._close = weakref.finalize(self, _close, self.engine, self._shards)
         self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
