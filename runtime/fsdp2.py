@@ -166,9 +166,11 @@ class LocalShards:
         params = [p for p in params if p.requires_grad]
         self.params = params
         self.local = [p.to_local() for p in params]
-        # the engine lays these out and frees them (its flat space views its own weights);
-        # fp32 shards start the master from their fp32 values
-        self.proxies = [torch.nn.Parameter(t.detach().clone()) for t in self.local]
+        # the engine lays these out and rebinds them (its flat space views its own weights);
+        # fp32 shards start the master from their fp32 values.  Views of the local shards,
+        # not clones: the engine only reads them before it rebinds them, so construction
+        # holds no second copy of the shards (2-4 B/param/world more on the device)
+        self.proxies = [torch.nn.Parameter(t.detach()) for t in self.local]
         self.proxy_of = {id(p): q for p, q in zip(params, self.proxies)}  # id(a trainable DTensor) -> its proxy
         self.module = _Proxies(self.proxies)
         self.group = params[0].device_mesh.get_group() if params else None

@@ -237,3 +237,57 @@ def test_torch_distributed_checkpoint_is_refused_naming_the_fix(tmp_path):
             opt.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_construction_clones_no_local_shard_and_fp32_shards_become_16_bit_in_place(tmp_path):
+    """One FSDP2 rank in this process (gloo): the proxies LocalShards hands the engine
+    are views of the local shards (no second copy of the shards during construction),
+    and OffloadAdamW built over an fp32 model with bf16 param_dtype (torchtitan's recipe)
+    leaves bf16 local shards: the bytes of the model's local shards halve, the parameters
+    stay the same objects (the optimizer's groups hold them), the master holds the fp32
+    values exactly, and a step trains.  Without model= the shards stay fp32.
+    (Mutations: the proxies cloned fails the storage check; sixteen_bit_shards skipped
+    fails the bytes.)"""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from zero_offload import OffloadAdamW
+    from zero_offload.fsdp2 import LocalShards
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    opts = []
+    try:
+        def build(with_model: bool):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))  # fp32
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in m:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(m, mp_policy=mp)
+            params = list(m.parameters())
+            start = {n: p.detach().to_local().clone() for n, p in m.named_parameters()}
+            opts.append(OffloadAdamW(params, lr=1e-3, model=m if with_model else None, server={"threads": 1}))
+            return m, params, start, opts[-1]
+
+        def shard_bytes(m):
+            return sum(p.to_local().numel() * p.to_local().element_size() for p in m.parameters())
+        m, params, start, opt = build(True)
+        probe = LocalShards(params)  # what the engine is handed: views, not copies
+        assert all(q.data_ptr() == t.data_ptr() for q, t in zip(probe.proxies, probe.local))
+        assert {p.to_local().dtype for p in m.parameters()} == {torch.bfloat16}
+        assert all(a is b for a, b in zip(m.parameters(), params))
+        fp32_bytes = sum(t.numel() * 4 for t in start.values())
+        assert shard_bytes(m) == fp32_bytes // 2
+        master = opt.master_state_dict()
+        assert all(torch.equal(master[n], start[n]) for n in start)
+        for p, n in zip(m.parameters(), start):  # the shards hold the engine's weights: RNE of the fp32 values
+            assert torch.equal(p.to_local(), start[n].bfloat16()), n
+        m(torch.ones(2, 16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.stats()["updates"] == 1
+        m2, _, _, _ = build(False)
+        assert {p.to_local().dtype for p in m2.parameters()} == {torch.float32}
+    finally:
+        for o in opts:
+            o.close()
+        dist.destroy_process_group()
