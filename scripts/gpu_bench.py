@@ -10,7 +10,13 @@
 (c) step time and TFLOPS of a ~1.5B GPT: GPU-only AdamW, offload sync, offload DPU,
     at two batch sizes;
 (d) the largest GPT each can hold, from the measured bytes/param and the free
-    device and host memory (a bounded estimate, not a search by OOM).
+    device and host memory (a bounded estimate, not a search by OOM);
+(e) --big (gpu_check.sh --big, a second call): the mission's own claim, a GPT that
+    GPU-only mixed precision cannot hold on that GPU (16 B/param of model states),
+    trained with offload: sized by the host's RAM (big_config), bf16 weights and
+    state, mode="dpu", activation checkpointing per block, batch 8 x 2048 tokens:
+    step time, model TFLOPS (6N + attention per token, the recomputation not
+    counted), device memory, host bytes per parameter.
 Prints a compact table last; writes DIR/gpu_results.json after every variant.
 
 It must return a table whatever happens, since a lent GPU's first run may be the only
@@ -116,6 +122,84 @@ def count_params(mc: GPTConfig) -> int:
     """The model's size without building it: on the meta device (no 6 GB of fp32 for the 1.5B)."""
     with torch.device("meta"):
         return GPT(mc).num_params()
+
+
+BIG_HOST_B = 12.0    # host bytes per parameter at --big's peak: 10 with bf16 state under DPU (the 1.48B
+                     # run's table), plus the bf16 model's own copy until the engine has taken it
+BIG_HOST_SHARE = 0.85  # of the host's RAM: the rest for the OS, the page cache, CUDA's pinned staging
+BIG_D_MODEL = 5120   # 40 heads of 128: a 10e9-class layer width
+
+
+def big_config(host: int, dry: bool) -> tuple[GPTConfig, str]:
+    """The --big model: as many 5120-wide blocks (12 d^2 parameters each) as BIG_HOST_B
+    bytes per parameter allow in BIG_HOST_SHARE of `host` bytes (about 10e9 parameters on
+    a 128 GiB host); the dry run's a tiny one of the same shape.  Returns it and a line
+    saying how it was sized."""
+    if dry:
+        return GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=32), "dry run: a tiny model of the same code path"
+    budget = host * BIG_HOST_SHARE / BIG_HOST_B
+    layers = max(1, int(budget // (12 * BIG_D_MODEL ** 2)))
+    mc = GPTConfig(n_layer=layers, n_head=BIG_D_MODEL // 128, d_model=BIG_D_MODEL, seq_len=2048)
+    why = (f"sized by host RAM: {host / 2**30:.0f} GiB x {BIG_HOST_SHARE} / {BIG_HOST_B:.0f} B/param -> "
+           f"{layers} blocks of d_model {BIG_D_MODEL}")
+    return mc, why
+
+
+def run_big(mc: GPTConfig, dev, batch: int, steps: int, warm: int) -> dict:
+    """(e): the model initialised on the device in bf16 (no fp32 copy anywhere: at 10e9
+    parameters that would be 40 GB), moved to the host, handed to the engine with bf16
+    state under DPU; each block's forward checkpointed (recomputed in backward)."""
+    import torch.utils.checkpoint as ckpt
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    host = HostSampler().start()
+    host0 = host.now()
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = GPT(mc)
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to("cpu")
+    for b in model.blocks:  # activation checkpointing: each block's activations recomputed in backward
+        b.forward = (lambda f: lambda x: ckpt.checkpoint(f, x, use_reentrant=False))(b.forward)
+    n = model.num_params()
+    cfg = OffloadConfig(lr=1e-4, weight_decay=0.1, dtype="bf16", mode="dpu", state_dtype="bf16", clip_grad_norm=1.0,
+                        server={"threads": max(1, (os.cpu_count() or 2) - 2)}, device=str(dev),
+                        expert=dict(dpu_warmup_steps=2))
+    eng = OffloadEngine(model, cfg)
+    build_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, mc.vocab_size, (batch, mc.seq_len + 1), generator=gen).to(dev)
+    x, y = idx[:, :-1], idx[:, 1:]
+    times, losses = [], []
+    try:
+        for i in range(steps + warm):
+            sync(dev)
+            t1 = time.perf_counter()
+            loss = model(x, y)
+            eng.backward(loss)
+            losses.append(float(loss.detach()))
+            del loss
+            eng.step()
+            sync(dev)
+            if i >= warm:
+                times.append(time.perf_counter() - t1)
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+        states = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        host_steady = host.now()
+    finally:
+        eng.close()
+        host.stop()
+        del eng, model
+    return {"step_s": statistics.median(times), "build_s": build_s, "params": n, "state_bytes": states,
+            "peak_bytes": peak, "host_peak_B": (host.peak - host0) / n, "host_steady_B": (host_steady - host0) / n,
+            "losses": losses}
 
 
 class Skipped(Exception):
@@ -334,6 +418,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inject-hang", action="store_true",
                     help="add a variant that never ends, after the first batch's baseline (checks the kill path)")
     ap.add_argument("--summary", default="", help="print the table of a results JSON and exit")
+    ap.add_argument("--big", action="store_true", help="(e) only: the model GPU-only cannot hold, with offload")
+    ap.add_argument("--big-host-gib", type=float, default=float(os.environ.get("GPU_BIG_HOST_GIB", "0")),
+                    help="the host RAM --big sizes the model by (0: MemTotal now)")
     ap.add_argument("--deadline-s", type=float, default=0.0, help="start no variant after this many seconds")
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--d-model", type=int, default=1600)
@@ -348,6 +435,8 @@ def main(argv=None) -> int:
     if a.summary:
         print(table(json.loads(Path(a.summary).read_text())))
         return 0
+    if a.big:
+        return big_main(a)
     if a.dry_run:
         dev = torch.device("cpu")
         a.layers, a.d_model, a.heads, a.seq_len, a.batches, a.steps = 2, 64, 2, 32, "4,2", 2
@@ -437,6 +526,42 @@ def main(argv=None) -> int:
         save()
         print("\n" + table(res), flush=True)
     return 0
+
+
+def big_main(a) -> int:
+    """--big: one run of (e), its line printed and written to OUT/gpu_big.json."""
+    dev = torch.device("cpu") if a.dry_run else torch.device("cuda", 0)
+    if not a.dry_run and not torch.cuda.is_available():
+        print("no CUDA device; skipped")
+        return 0
+    host = int(a.big_host_gib * 2**30) or host_bytes()
+    mc, why = big_config(host, a.dry_run)
+    batch, steps, warm = (2, 2, 2) if a.dry_run else (8, 3, 2)
+    n = count_params(mc)
+    print(f"(e) {n / 1e9:.2f}e9 parameters ({why}); GPU-only mixed precision would need {16 * n / 2**30:.0f} GiB "
+          f"of model states on the device", flush=True)
+    res = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu (dry run)",
+           "date": time.strftime("%Y-%m-%d"), "params": n, "sized": why, "batch": batch, "seq_len": mc.seq_len,
+           "n_layer": mc.n_layer, "d_model": mc.d_model}
+    if dev.type == "cuda":
+        res["device_total_bytes"] = torch.cuda.mem_get_info(dev)[1]
+    try:
+        r = run_big(mc, dev, batch, steps, warm)
+        r["tflops"] = flops_per_token(mc, n) * batch * mc.seq_len / r["step_s"] / 1e12
+        res["big"] = r
+        line = (f"| {n / 1e9:.2f}e9 | {batch}x{mc.seq_len} | dpu, bf16 state, activation checkpointing | "
+                f"{r['step_s']:.2f} | {r['tflops']:.1f} | {r['state_bytes'] / 2**30:.1f} | {r['peak_bytes'] / 2**30:.1f} | "
+                f"{r['host_peak_B']:.1f} | {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f} |")
+    except Exception as e:  # noqa: BLE001 - the line says what failed
+        res["big"] = {"error": f"{type(e).__name__}: {e}"}
+        line = f"| {n / 1e9:.2f}e9 | {batch}x{mc.seq_len} | FAILED: {type(e).__name__}: {str(e)[:200]} | | | | | | |"
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "gpu_big.json").write_text(json.dumps(res, indent=1, default=float))
+    print("\n| params | batch | variant | s/step | model TFLOPS | model states GiB | peak GiB | host B/param, peak "
+          "| loss first -> last |\n|---|---|---|---|---|---|---|---|---|\n" + line, flush=True)
+    print(f"on {res['device']}; {why}", flush=True)
+    return 0 if "error" not in res["big"] else 1
 
 
 def _derived(res: dict, dev, batches: list, n_params: int) -> None:

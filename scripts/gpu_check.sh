@@ -5,6 +5,8 @@
 #
 #   bash scripts/gpu_check.sh            # results under $OUT when set
 #   bash scripts/gpu_check.sh --dry-run  # the same steps on the CPU, tiny sizes (tests/test_scripts.py)
+#   bash scripts/gpu_check.sh --big      # a second call: a model GPU-only cannot hold, trained with
+#                                        # offload (gpu_bench.py --big); --big --dry-run on the CPU
 #
 # Without CUDA it exits 0 at once: "no CUDA device; skipped".  The GPU machine has
 # no network: pyzmq is not in its image, so carry the wheel in .whl/ (docs/gpu.md);
@@ -20,7 +22,11 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 DRY=""
-[ "${1:-}" = "--dry-run" ] && DRY="--dry-run"
+BIG=""
+for arg in "$@"; do
+  [ "$arg" = "--dry-run" ] && DRY="--dry-run"
+  [ "$arg" = "--big" ] && BIG="--big"
+done
 if [ -z "$DRY" ] && ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "no CUDA device; skipped"
   exit 0
@@ -73,6 +79,15 @@ else
   echo "$SRC_HASH" > cython_ext/.build-hash
 fi
 "$PY" -c "from zero_offload.kernels import cpu_adam as c; print('simd', c.simd_level(), 'openmp', c.openmp_enabled())"
+if [ -n "$BIG" ]; then
+  echo "== the model GPU-only cannot hold ($((SECONDS - T0)) s so far)"
+  LEFT=$(( 290 - (SECONDS - T0) ))
+  timeout -k 10 "$(( LEFT < 60 ? 60 : LEFT ))" "$PY" scripts/gpu_bench.py --big $DRY --out "$OUT" 2>&1 \
+    | tee "$OUT/gpu_big.log" | tail -8
+  big_rc=${PIPESTATUS[0]}
+  echo "big rc=$big_rc ($((SECONDS - T0)) s); results in $OUT/gpu_big.json"
+  exit $big_rc
+fi
 echo "== cuda tests ($((SECONDS - T0)) s so far)"
 # --timeout-method=thread: a hang inside C (NCCL, a stream sync) still ends with every thread's stack
 timeout 100 "$PY" -m pytest -o addopts="" -v --durations=0 --timeout-method=thread -m cuda tests/test_cuda.py -p no:cacheprovider \

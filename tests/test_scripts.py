@@ -187,6 +187,24 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| 2x32 | dpu-after |" in summary                        # the rest ran on
 
 
+def test_gpu_check_big_dry_run(tmp_path):
+    """gpu_check.sh --big --dry-run: the second call's path (the model sized by host RAM,
+    built in bf16 on the device, DPU with bf16 state, activation checkpointing) on a tiny
+    model on the CPU: it trains (the loss falls) and prints its table line and JSON.
+    (Mutation: the engine's step left out of run_big: the engine refuses the second
+    backward, the line says FAILED and the rc is 1.)"""
+    cmd = ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--big", "--dry-run"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OUT=str(tmp_path), PYTHON=sys.executable))
+    assert r.returncode == 0 and "big rc=0" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "| dpu, bf16 state, activation checkpointing |" in r.stdout
+    big = json.loads((tmp_path / "gpu_big.json").read_text())["big"]
+    assert big["losses"][-1] < big["losses"][0], big["losses"]
+    from scripts.gpu_bench import big_config
+    mc, why = big_config(128 << 30, dry=False)  # the lent machine's host: about 10e9 parameters
+    assert 9e9 < 12 * mc.n_layer * mc.d_model ** 2 < 11e9 and "128 GiB" in why
+
+
 def test_gpu_check_prints_the_table_when_the_bench_is_killed(tmp_path):
     """The measurements cut short by their bound (SIGTERM mid-way, in a variant that hangs
     after the first baseline, so the cut does not depend on this machine's speed): the
