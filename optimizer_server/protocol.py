@@ -41,57 +41,31 @@ only ever lets the worker read earlier: during a STEP the server publishes
 already holds this step's weights (release store after the block's writes; the
 worker reads it with an acquire load).  INIT and LOAD reset it to 0.
 
-Version 2 added the progress word (HELLO_OK.progress_offset) and the optional
-second weights16 slot (HELLO.weights_slots, HELLO_OK.weights_offsets, STEP.weights_slot).
-Version 3 made staging a window (HELLO.staging_numel, HELLO_OK.staging_numel,
-INIT/GET_MASTER offset and count) and the second gradient slot optional
-(HELLO.grad_slots): a synchronous worker's shard costs 16 B/param of host RAM.
-Version 4 made one gradient slot the default of HELLO.grad_slots (as it is
-the engine's, with DPU too) and gave semantic refusals of well-formed requests
-their own code (E_INVALID, not E_DECODE).
-Version 5 added param groups (STEP.groups: per contiguous range of the shard, its
-own lr, betas, eps and weight decay).
-Version 6 gave each STEP.groups range its own Adam step count (`updates`, the
-bias correction's t), 0 meaning the range got no gradient this step and stays
-exactly as it is (torch.optim skips a parameter whose .grad is None).
-Version 10 added speculation: SPECULATE (one-way, never answered) carries the STEP the
-worker expects to send, assuming no clipping and no overflow, and `upto`: the gradients of
-shard elements [0, upto) are final in the slot.  The server may update them at once,
-saving first what it overwrites in an undo log of HELLO.undo_log_bytes (optimizer_server.undo).
-The STEP that follows settles it: where its values equal the assumption over what was
+Speculation: SPECULATE (one-way, never answered) carries the STEP the worker expects to
+send, assuming no clipping and no overflow, and `upto`: the gradients of shard elements
+[0, upto) are final in the slot.  The server may update them at once, saving first what
+it overwrites in an undo log of HELLO.undo_log_bytes (optimizer_server.undo).  The STEP
+that follows settles it: where its values equal the assumption over what was
 speculated, that part is kept and only the rest is updated; otherwise the undo log is
 restored first and the whole STEP runs.  Any other request that touches the state (SKIP,
 GET_MASTER, SAVE, LOAD, INIT, BYE) restores it first.  DONE.speculated / rolled_back say
 which happened; a SPECULATE the server cannot use is dropped and counted
 (STATS_OK.speculate_dropped, last_drop_reason), since a hint has nobody to answer.
-Version 11 added the ready word (HELLO_OK.ready_offset; drawn in ShardLayout): after a
-step's first SPECULATE, the worker stores how far the gradients are final there instead
-of sending a SPECULATE per bucket, and the server follows it until the STEP (a SPECULATE
-that says more still counts).
-Version 12 made checkpoints and other long requests safe at any size: INIT, LOAD,
-GET_MASTER and SAVE run on the shard's update thread, so heartbeats are answered
-throughout; HEARTBEAT_OK.work is a count that grows while the shard's long requests
-move data (a client waits for as long as it grows); SAVE.background answers once the
-save has started (its writer threads go on while later STEPs run, each overwriting
-only what is already written), and STATS_OK.save_* say how far it is.
-Version 13 added RELEASE_TWIN: the worker will not speculate again (mode "exact" kept a
-strategy without speculation), so the shard frees its twin of the state and its undo
-log, the host RAM HELLO.undo_log_bytes had granted (OK.info.released_bytes).
-Version 14 gave each concept one name on the wire: STEP.grad_slot (was slot),
-STEP.weights_slot and LOAD.weights_slot (out_slot), HELLO.weights_slots
-(weight_slots), STATS_OK.updates and OK.info.updates (steps: the server counts
-updates, the worker's steps include skipped ones).
-Version 7 added STEP.reverse: the update runs back to front (the flat space is laid
-out last layer first, so that is the next forward's order) and the progress word
-counts the elements done from the shard's end (overlap_update's forward pipeline).
-Version 16 added STATS_OK.state_dtype and STATS_OK.state_bytes: the dtype the shard
-keeps its state in and the host bytes its master and moments hold; and a background
-save's snapshot (STATS_OK.save_snapshot, save_snapshot_peak, save_update_writes; its
-OK.info says "snapshot" and, without one, a "note" saying why).
-Version 17 added SAVE.pieces / LOAD.pieces with flat_numel (piece_map): an FSDP2 rank's
-server writes its rows straight into a checkpoint's shared one-rank file, and reads them
-back out of any checkpoint; STATS_OK.save_crc gives such a save's masked CRC, SAVE's
-OK.info its "manifest", and LOAD.verified says the ranks checked the files together.
+After a step's first SPECULATE the worker stores how far the gradients are final in the
+ready word (HELLO_OK.ready_offset; drawn in ShardLayout) instead of sending a SPECULATE
+per bucket, and the server follows it until the STEP.  RELEASE_TWIN: the worker will
+not speculate again, so the shard frees its twin of the state and its undo log.
+
+Long requests (INIT, LOAD, GET_MASTER, SAVE) run on the shard's update thread, so
+heartbeats are answered throughout; HEARTBEAT_OK.work grows while they move data (a
+client waits for as long as it grows).  SAVE.background answers once the save has
+started (a snapshot of what later STEPs overwrite: ckpt_io.SaveJob), and STATS_OK.save_*
+say how far it is.  SAVE.pieces / LOAD.pieces (with flat_numel, piece_map): an FSDP2
+rank's server writes its rows straight into a checkpoint's shared one-rank file, and
+reads them back out of any checkpoint.  STEP.reverse: the update runs back to front and
+the progress word counts the elements done from the shard's end.
+
+What each version changed, in order: docs/protocol.md ("Versions").
 """
 from __future__ import annotations
 
