@@ -115,7 +115,12 @@ def test_two_nodes_end_where_one_node_ends_and_a_dead_server_stops_both(two_node
                     server = int(pid)
             time.sleep(0.5)
         assert server is not None, "node 1's optimizer server never appeared"
-        time.sleep(8)  # the model built, the steps running
+        # training runs once the server maps a shard's segment (a HELLO: past the rendezvous,
+        # the process group and FSDP2's wrapping), whatever this machine's speed
+        while time.monotonic() < deadline and "/dev/shm/" not in Path(f"/proc/{server}/maps").read_text():
+            time.sleep(0.2)
+        assert "/dev/shm/" in Path(f"/proc/{server}/maps").read_text(), "node 1's worker never reached its server"
+        time.sleep(2)  # a few steps
         os.kill(server, 9)
         t0 = time.monotonic()
         rcs = [p.wait(90) for p in procs]
