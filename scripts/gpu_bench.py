@@ -57,6 +57,21 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def timed_step(model, eng, x, y, dev, losses: list | None = None) -> float:
+    """One step (forward, backward, step) between device syncs: its seconds.  losses: the
+    loss appended (a read that waits for the backward: only where the loss is wanted)."""
+    sync(dev)
+    t0 = time.perf_counter()
+    loss = model(x, y)
+    eng.backward(loss)
+    if losses is not None:
+        losses.append(float(loss.detach()))
+    del loss
+    eng.step()
+    sync(dev)
+    return time.perf_counter() - t0
+
+
 def bandwidth(dev, nbytes: int) -> dict:
     """(a): GB/s of H2D and D2H for a registered shared segment vs torch pinned memory."""
     n = nbytes // 2
@@ -180,16 +195,9 @@ def run_big(mc: GPTConfig, dev, batch: int, steps: int, warm: int) -> dict:
     times, losses = [], []
     try:
         for i in range(steps + warm):
-            sync(dev)
-            t1 = time.perf_counter()
-            loss = model(x, y)
-            eng.backward(loss)
-            losses.append(float(loss.detach()))
-            del loss
-            eng.step()
-            sync(dev)
+            dt = timed_step(model, eng, x, y, dev, losses)
             if i >= warm:
-                times.append(time.perf_counter() - t1)
+                times.append(dt)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
         states = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
         host_steady = host.now()
@@ -313,15 +321,9 @@ def run(kind: str, mc: GPTConfig, dev, batch: int, steps: int, warm: int, dtype:
     pinned = getattr(eng, "_pinned", None) is not None if dev.type == "cuda" else None
     try:
         for i in range(steps + warm):
-            sync(dev)
-            t0 = time.perf_counter()
-            loss = model(x, y)
-            eng.backward(loss)
-            del loss
-            eng.step()
-            sync(dev)
+            dt = timed_step(model, eng, x, y, dev)
             if i >= warm:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
             if i == warm - 1 and kind != "baseline":  # the server's time from here on: no first touch in it
                 update0 = eng.stats()["server_update_s"]
             if i == 0 and dev.type == "cuda":
