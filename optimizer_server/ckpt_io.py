@@ -317,11 +317,12 @@ class SaveJob:
     copies chunks into host RAM (up to the file's size) instead of writing them.
 
     pieces (a piece_map.PieceMap): the file is a checkpoint's shared file of
-    `file_size` bytes that exists already (its maker created it at that size); each
-    part's elements go where the map puts them in it (parts' bases are the shared
-    layout's), in place (no temporary, no rename: the file lies in the checkpoint's
-    temporary directory), and ``finish`` gets the CRC of the file as if only this
-    job's bytes were in it (ckpt_io.combine_disjoint joins the writers')."""
+    `file_size` bytes, which several jobs (one per rank) write at once: the first to
+    open it makes it at that size; each part's elements go where the map puts them in
+    it (parts' bases are the shared layout's), in place (no temporary, no rename: the
+    file lies in the checkpoint's temporary directory), and ``finish`` gets the CRC of
+    the file as if only this job's bytes were in it (combine_disjoint joins the
+    writers')."""
 
     def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
                  finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK,

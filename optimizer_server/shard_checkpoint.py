@@ -71,9 +71,9 @@ class ShardCheckpoint:
         overwrite and go on; without, they write it first); SaveJob.wait() gives what
         ``save`` returns.  on_done: called once the job has ended, however.
 
-        pieces: this shard's elements go into the shared one-rank file that directory
-        holds already (the layout of pieces.flat_numel elements; its maker, the workers'
-        rank 0, created it), where the map puts them (piece_map); no manifest (the maker
+        pieces: this shard's elements go into directory's shared one-rank file (the
+        layout of pieces.flat_numel elements, which every rank's server writes: the first
+        makes it), where the map puts them (piece_map); no manifest (the workers' rank 0
         writes it from every writer's CRC): the result's "crc" is this shard's masked
         CRC (ckpt_io.combine_disjoint)."""
         if self.saving:
