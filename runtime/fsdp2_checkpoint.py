@@ -258,6 +258,11 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
                 return str(tmp.with_name(C.step_name(engine.iteration)))
             if writer.is_alive():
                 writer.join(writer.bound_s)
+            if ok:  # another rank failed: this rank's server finishes its (discarded) write before the next SAVE
+                try:
+                    engine.client.wait_save()
+                except OptimizerServerError:
+                    pass
         return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
 
 
