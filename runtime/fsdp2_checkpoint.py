@@ -263,6 +263,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
                     engine.client.wait_save()
                 except OptimizerServerError:
                     pass
+            return publish(False, err, {})  # the error is this rank's, or "on another rank"
         return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
 
 
