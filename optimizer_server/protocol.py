@@ -15,8 +15,8 @@ Conversation (worker = DEALER, server = ROUTER; one request in flight per shard)
       INIT(session, offset=o, count=c)  --->    staging -> master[o:o+c]    staging_numel,
                                         <---  OK                            in order from 0;
                                   (after the chunk that reaches numel: weights16 written)
-      (write fp16 grads to slot s)
-      STEP(session, step, grad_slot, lr, grad_scale, hparams, predict)
+      (write 16-bit grads to gradient slot g)
+      STEP(session, step, grad_slot=g, lr, grad_scale, hparams, predict)
                                         --->    update on a worker thread
                                         (progress word: weights16 final up to here)
                                         <---  DONE(step, update_s)    (weights16 ready)
@@ -329,7 +329,7 @@ class Step(Message):
 @dataclass(kw_only=True)
 class Speculate(Step):
     """One-way: the STEP the worker expects to send (its fields), and that the gradients
-    of shard elements [0, upto) are final in `slot`.  Never answered (see the module
+    of shard elements [0, upto) are final in gradient slot `grad_slot`.  Never answered (see the module
     docstring); each one repeats the whole assumption, so the server keeps no partial one.
     After the first of a step the worker says how far the gradients are final in the
     ready word instead (ShardLayout); a later SPECULATE still counts."""
