@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,43 @@ def test_a_background_save_writes_the_blocking_saves_bytes_while_training_goes_o
         assert bg["losses"] == ref["losses"], name
         for k in ref["master"]:
             assert torch.equal(bg["master"][k], ref["master"][k]), (name, k)
+
+
+def test_a_background_save_killed_with_its_server_leaves_the_previous_checkpoint(tmp_path):
+    """FSDP2 on 2 ranks: a blocking save A, then a background save B (its server paced at
+    100 kB/s, so still writing), then the node's server SIGKILLed: the launcher exits
+    non-zero naming the server's death, `latest` still names A, whose files verify, no
+    step directory of B exists (only its tmp-step, which the next save sweeps), and no
+    process of the run is left.  (Mutation: CheckpointDir.begin writing into the step's
+    own name instead of tmp-step-N leaves B's half-written step directory there.)"""
+    from zero_offload.server import checkpoint as C
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ZERO_OFFLOAD_SAVE_MAX_BYTES_PER_S="100000")
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", str(WORKER), str(tmp_path),
+           "fsdp2", "killed", "a", "b"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "saving").exists() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert (tmp_path / "saving").exists(), p.communicate(timeout=30)[0][-3000:]
+        servers = subprocess.run(["pgrep", "-f", "-P", str(p.pid), "zero_offload.server"], capture_output=True,
+                                 text=True).stdout.split()
+        assert len(servers) == 1, servers
+        os.kill(int(servers[0]), 9)
+        out = p.communicate(timeout=90)[0]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait(10)
+    assert p.returncode != 0 and "optimizer server was killed by SIGKILL" in out, out[-3000:]
+    a = C.resolve(tmp_path / "a")
+    assert C.resolve(tmp_path / "b") == tmp_path / "b" and not (tmp_path / "b" / "latest").exists()
+    assert not [d for d in (tmp_path / "b").iterdir() if d.name.startswith("step-")]
+    for f in a.glob("*.bin"):
+        role = f.name.split("-r")[0]
+        meta = json.loads(C.rank_file(a, C.ENGINE, 0, 1, ".json").read_text())
+        man = json.loads(C.rank_file(a, C.SHARD, 0, 1, ".json").read_text())
+        C.verify(f, man["checksum"] if role == C.SHARD else meta["checksums"][role])
+    left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
+    assert [line for line in left.splitlines() if "pgrep" not in line] == []

@@ -17,6 +17,8 @@ text and the optimizer's groups are tests/helpers/fsdp2_worker's.  For each VARI
   corrupt A   (the first variant only) rank 0 flips a byte near the end of A's shard
               file, in the last rank's share of the load's checksum reading; every rank
               loads A and writes what happened to corrupt-rRANK.txt; the byte is put back
+  killed A B  (the first variant) a blocking save into A, a background one into B, then
+              steps until the test SIGKILLs the server (killed_stage)
   background A B   (the first two variants) a blocking save into A and a background one
               into B at the same step, training on while B is written (background_stage)
   refuse A    (the first variant only) rank 1's session with the node's optimizer server
@@ -156,7 +158,24 @@ def background_stage(root: str, topology: str, blocking: str, background: str) -
             torch.save(out, os.path.join(d, "bg.pt"))
 
 
+def killed_stage(root: str, topology: str, first: str, second: str) -> None:
+    """The first variant: STEPS_A steps, a blocking save into root/first, then a background
+    save into root/second (the server paced by the test, so it is still writing), then
+    steps until the test kills the server: this process should end with the server's
+    death named, not hang."""
+    name, mode, state_dtype = VARIANTS[0]
+    model, opt = build(topology, mode, state_dtype)
+    train(model, opt, 1, STEPS_A)
+    opt.save_checkpoint(os.path.join(root, first))
+    opt.save_checkpoint(os.path.join(root, second), background=True)
+    if dist.get_rank() == 0:
+        open(os.path.join(root, "saving"), "w").close()  # the test's sign to kill
+    train(model, opt, STEPS_A + 1, 100000)
+
+
 def run_stage(root: str, topology: str, action: list[str]) -> None:
+    if action[0] == "killed":
+        return killed_stage(root, topology, action[1], action[2])
     if action[0] == "background":
         return background_stage(root, topology, action[1], action[2])
     if action[0] == "corrupt":
