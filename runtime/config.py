@@ -35,6 +35,7 @@ LrType = Union[float, Callable[[int], float]]
 MODES = ("exact", "dpu")
 # how mode="exact" hides the CPU update (runtime.exact_mode: every one gives the bits of sync)
 EXACT_STRATEGIES = ("auto", *STRATEGIES)
+MULTI_RANK = ("builtin", "fsdp2-zero2", "fsdp2-zero3")  # ExpertConfig.multi_rank
 
 
 @dataclass(kw_only=True)
@@ -147,6 +148,13 @@ class ExpertConfig:
     trace_dir: str = ""
     """Write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
     zero-offload-launch --trace-dir sets, else no tracing)."""
+    multi_rank: str = "builtin"
+    """OffloadAdamW/OffloadLion with several ranks on a plain model (given model=): "builtin",
+    the engine's own ZeRO-2 collectives; "fsdp2-zero2" or "fsdp2-zero3": the library
+    shards the model with torch's FSDP2 (runtime.fsdp2.wrap: one unit per transformer
+    block, the root last; reshard_after_forward False or True) and offloads each rank's
+    local shards, as for a model the user wrapped.  A model already wrapped with
+    fully_shard is taken as it is whatever this says."""
     # -- A/B switches for benchmarks and tests
     cpu_zero_copy: bool = True
     """One CPU rank: the model's 16-bit weights live in the shared segment (two slots, no
@@ -178,6 +186,8 @@ class ExpertConfig:
         if not (isinstance(self.param_align_numel, int) and 0 <= self.param_align_numel <= 1 << 16):
             raise ValueError(f"expert.param_align_numel must be an int in [0, 65536] (0: auto), "
                              f"got {self.param_align_numel!r}")
+        if self.multi_rank not in MULTI_RANK:
+            raise ValueError(f"expert.multi_rank must be one of {MULTI_RANK}, got {self.multi_rank!r}")
         if self.pin_host_memory not in ("auto", "require", "off"):
             raise ValueError(f"expert.pin_host_memory must be 'auto', 'require' or 'off', got {self.pin_host_memory!r}")
 

@@ -98,6 +98,63 @@ def collective_device(mesh) -> torch.device:
     return torch.device(mesh.device_type)
 
 
+def units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: a Hugging Face model's `_no_split_modules`
+    classes (its transformer blocks), else the children of its largest ModuleList whose
+    children are all of one class (a GPT's blocks); [] if it has neither (the root alone
+    is then one unit)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if found:
+            return found
+    best: list = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) >= 2 and len({type(c) for c in m}) == 1 and len(m) > len(best):
+            best = list(m)
+    return best
+
+
+def wrap(model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dtype | None,
+         reshard_after_forward: bool) -> int:
+    """A plain model sharded with FSDP2 by the library (expert.multi_rank="fsdp2"): each of
+    ``units(model)`` with fully_shard, then the root, over every rank of the default
+    process group, with MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32).
+    reshard_after_forward=False is ZeRO-2 (the default: the units' parameters stay
+    gathered from forward to backward), True ZeRO-3.  The model's fp32 parameters become
+    fp32 local shards (the master starts from them; sixteen_bit_shards then makes them
+    16-bit); on CUDA FSDP2 moves each rank's rows to the device.  Returns the number of
+    units (the root not counted)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    found = units(model)
+    for u in found:
+        fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return len(found)
+
+
+class SyncEveryK:
+    """grad_accumulation_steps=k on a model the library wrapped: FSDP2 reduce-scatters the
+    gradients only in the backward of every k-th micro-batch (set_requires_gradient_sync,
+    FSDP2's own accumulation), counted by the root's forward pre-hook over forwards with
+    grad enabled since the last step (an evaluation under no_grad does not count)."""
+
+    def __init__(self, root: torch.nn.Module, k: int):
+        self.k, self.n = k, 0
+        self.handle = root.register_forward_pre_hook(self._pre)
+
+    def _pre(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.n += 1
+            module.set_requires_gradient_sync(self.n % self.k == 0)
+
+    def stepped(self) -> None:
+        self.n = 0
+
+
 def sixteen_bit_shards(model: torch.nn.Module, dtype: torch.dtype) -> int:
     """torchtitan's recipe (an fp32 model before fully_shard, MixedPrecisionPolicy with a
     16-bit param_dtype) leaves fp32 local shards, 4 B/param/world on the device, though

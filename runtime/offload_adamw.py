@@ -43,9 +43,12 @@ import uuid
 import weakref
 
 import torch
+import torch.distributed as dist
 
-from . import fsdp2, fsdp2_checkpoint
+from . import compute_dtype, fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
+from .devices import resolve_device
+from .dtypes import TORCH_DTYPES
 from .engine import OffloadEngine
 from .optimizer_proxy import optim_method
 from .param_groups import state_dict_names
@@ -108,6 +111,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             options.setdefault("dtype", "bf16")
             offload = OffloadConfig(**options)
         cfg = dataclasses.replace(offload, optimizer=self.OPTIMIZER, **defaults)
+        self._sync = None  # FSDP2's accumulation on a model the library wrapped (fsdp2.SyncEveryK)
+        params, cfg = self._library_fsdp2(params, model, cfg)
         super().__init__(params, defaults)
         params_all = [p for g in self.param_groups for p in g["params"]]
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
@@ -142,6 +147,42 @@ class OffloadAdamW(torch.optim.Optimizer):
         for p in params_all:
             self.state[p] = {}
         self._constructed = True
+
+    def _library_fsdp2(self, params, model, cfg: OffloadConfig):
+        """expert.multi_rank="fsdp2-zero2"/"fsdp2-zero3" with several ranks and a plain model:
+        shard it with FSDP2 here (fsdp2.wrap), then take it as a model the user wrapped.
+        The parameters given (plain tensors, or param groups of them) are replaced by the
+        model's new sharded ones of the same names.  grad_accumulation_steps=k becomes
+        FSDP2's own accumulation (fsdp2.SyncEveryK) and the engine sees one backward per
+        step.  Returns (params, cfg) to build with."""
+        how = cfg.expert.multi_rank
+        if how == "builtin" or model is None or not (dist.is_available() and dist.is_initialized()) \
+                or dist.get_world_size() == 1:
+            return params, cfg
+        params = list(params)
+        given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+        if any(fsdp2.is_dtensor(p) for p in given):
+            return params, cfg  # wrapped by the user already
+        name_of: dict[int, str] = {}
+        for n, p in model.named_parameters(remove_duplicate=False):
+            name_of.setdefault(id(p), n)
+        missing = [p for p in given if id(p) not in name_of]
+        if missing:
+            raise ValueError("a parameter of the optimizer is not one of the model's: with expert.multi_rank="
+                             f"{how!r} the library shards the model, so pass the model the parameters belong to")
+        device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
+        compute, _ = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)
+        fsdp2.wrap(model, device=device, param_dtype=None if compute == torch.float32 else TORCH_DTYPES[cfg.dtype],
+                   reshard_after_forward=how == "fsdp2-zero3")
+        new = dict(model.named_parameters(remove_duplicate=False))
+
+        def swap(ps):
+            return [new[name_of[id(p)]] for p in ps]
+        params = [dict(g, params=swap(g["params"])) if isinstance(g, dict) else new[name_of[id(g)]] for g in params]
+        if cfg.grad_accumulation_steps > 1:
+            self._sync = fsdp2.SyncEveryK(model, cfg.grad_accumulation_steps)
+            cfg = dataclasses.replace(cfg, grad_accumulation_steps=1)
+        return params, cfg
 
     def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig) -> OffloadConfig:
         """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards
@@ -192,6 +233,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.engine.step()
         if self._shards is not None:
             self._shards.copy_back()  # before the next forward's all-gather
+        if self._sync is not None:
+            self._sync.stepped()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

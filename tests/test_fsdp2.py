@@ -291,3 +291,21 @@ def test_construction_clones_no_local_shard_and_fp32_shards_become_16_bit_in_pla
         for o in opts:
             o.close()
         dist.destroy_process_group()
+
+
+def test_the_units_the_library_shards_a_plain_model_by():
+    """fsdp2.units: a Hugging Face model's _no_split_modules (GPT-2's blocks), else the
+    largest ModuleList of one class (the demo GPT's blocks), else none (an MLP: the root
+    alone); and expert.multi_rank refuses a name it does not know.  (Mutation: units()
+    without its ModuleList fallback finds nothing in the demo GPT.)"""
+    from tests.helpers.fsdp2_worker import make_model
+    from tests.helpers.models import gpt
+    from zero_offload import OffloadConfig
+    from zero_offload.fsdp2 import units
+    hf = make_model()
+    assert [type(m).__name__ for m in units(hf)] == ["GPT2Block"] * len(hf.transformer.h)
+    demo = gpt()
+    assert units(demo) == list(demo.blocks)
+    assert units(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())) == []
+    with pytest.raises(ValueError, match="expert.multi_rank must be one of"):
+        OffloadConfig(expert={"multi_rank": "fsdp"})

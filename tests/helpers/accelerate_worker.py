@@ -3,7 +3,8 @@
     python -m zero_offload.launch --nproc-per-node 2 tests/helpers/accelerate_worker.py OUT_DIR OPT STEPS
 
 OPT: offload | torch (torch.optim.AdamW: the reference) | offload-ddp (prepares the
-model with several processes: must be refused).  Unchanged between the two but for
+model with several processes: must be refused) | offload-fsdp2 (expert.multi_rank=
+"fsdp2-zero2": the library shards the plain model with FSDP2).  Unchanged between the two but for
 the optimizer's class: accelerator.prepare, accumulate, backward, clip_grad_norm_;
 with several processes OffloadAdamW's model is not prepared (DDP would replace its
 parameters' storage; the engine reduces the gradients itself).  Writes each rank's
@@ -39,12 +40,14 @@ def train(out: str, which: str, steps: int) -> dict:
     model = gpt()
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if which.startswith("offload"):
+        if which == "offload-fsdp2":
+            kw["expert"] = {"multi_rank": "fsdp2-zero2"}
         opt = OffloadAdamW(model.parameters(), **kw, model=model, grad_accumulation_steps=2, server={"threads": 1})
     else:
         opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     dl = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=False)
-    if which == "offload" and acc.num_processes > 1:
+    if which in ("offload", "offload-fsdp2") and acc.num_processes > 1:
         opt, dl, sched = acc.prepare(opt, dl, sched)
     else:
         model, opt, dl, sched = acc.prepare(model, opt, dl, sched)
@@ -64,11 +67,13 @@ def train(out: str, which: str, steps: int) -> dict:
                 opt.zero_grad()
             if done >= steps:
                 break
-    weights = {k: v.detach().float().clone() for k, v in acc.unwrap_model(model).state_dict().items()}
+    weights = {k: getattr(v, "full_tensor", lambda: v)().detach().float().clone()  # FSDP2: whole tensors
+               for k, v in acc.unwrap_model(model).state_dict().items()}
     if which.startswith("offload"):
         opt.optimizer.close()
     res = {"losses": losses, "norms": norms, "weights": weights, "rank": acc.process_index,
-           "world": acc.num_processes}
+           "world": acc.num_processes,  # the model's local shards' dtypes where FSDP2 sharded it
+           "shards": sorted({str(p.to_local().dtype) for p in model.parameters() if hasattr(p, "to_local")})}
     torch.save(res, os.path.join(out, f"{which}-rank{acc.process_index}.pt"))
     return res
 
