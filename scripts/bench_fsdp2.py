@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 SEED = 20261204
 ROWS, SEQ = 8, 128  # the global batch; each rank its half
 WARMUP = 3
-ORDER = ["builtin", "fsdp2", "fsdp2", "builtin"]
+ORDER = ["builtin", "fsdp2", "fsdp2-zero3", "fsdp2-zero3", "fsdp2", "builtin"]
+PATHS = ("builtin", "fsdp2", "fsdp2-zero3")
 
 
 def text_rows(step: int):
@@ -68,12 +69,13 @@ def run_path(path: str, args) -> dict:
     from zero_offload import OffloadAdamW
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(args.n_embd, args.n_layer)
-    if path == "fsdp2":
+    if path.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        zero3 = path == "fsdp2-zero3"
         for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=False)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+            fully_shard(block, mp_policy=mp, reshard_after_forward=zero3)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=zero3)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = OffloadAdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -191,7 +193,10 @@ def collective_bytes(path: str, n: int, world: int) -> float:
     ((w-1)/w x 2 B: kept unsharded through backward) and reduce-scatters fp32 gradients
     ((w-1)/w x 4 B)."""
     f = (world - 1) / world
-    return n * (2 * f * 4 + f * 2) if path == "builtin" else n * (f * 2 + f * 4)
+    if path == "builtin":
+        return n * (2 * f * 4 + f * 2)
+    gathers = 2 if path == "fsdp2-zero3" else 1  # ZeRO-3 gathers again for backward
+    return n * (gathers * f * 2 + f * 4)
 
 
 def main() -> None:
@@ -203,6 +208,7 @@ def main() -> None:
                     help="time save and load at this many parameters instead (module docstring)")
     ap.add_argument("--dir", default="/var/tmp", help="where the checkpoints go (--checkpoint)")
     ap.add_argument("--fsdp2-first", action="store_true", help="--checkpoint: FSDP2's run before the built-in one")
+    ap.add_argument("--nproc", type=int, default=2, help="gloo ranks")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -210,7 +216,7 @@ def main() -> None:
         return worker(args)
     from zero_offload.kernels import cpu_adam
     with tempfile.TemporaryDirectory(prefix="bench-fsdp2-", dir=args.dir if args.checkpoint else None) as out:
-        cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", __file__,
+        cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(args.nproc), __file__,
                "--worker", out, "--steps", str(args.steps), "--n-embd", str(args.n_embd),
                "--n-layer", str(args.n_layer), "--checkpoint", str(args.checkpoint)] + \
             (["--fsdp2-first"] if args.fsdp2_first else [])
@@ -220,9 +226,9 @@ def main() -> None:
     print(json.dumps(res))  # the raw figures, whatever the report below makes of them
     if args.checkpoint:
         return report_checkpoint(res, args)
-    world = 2
+    world = args.nproc
     rows, med = [], {}
-    for path in ("builtin", "fsdp2"):
+    for path in PATHS:
         runs = res[path]
         med[path] = statistics.median(t for r in runs for t in r["times"])
         r = runs[0]
@@ -234,9 +240,12 @@ def main() -> None:
         assert runs[0]["losses"] == runs[1]["losses"], path
     lb, lf = res["builtin"][0]["losses"], res["fsdp2"][0]["losses"]
     diff = max(abs(a - b) / abs(b) for a, b in zip(lf, lb))
-    names = {"builtin": "built-in ZeRO-2 (plain model)", "fsdp2": "FSDP2 ZeRO-2 (reshard_after_forward=False)"}
+    z3 = res["fsdp2-zero3"][0]["losses"]
+    diff3 = max(abs(a - b) / abs(b) for a, b in zip(z3, lf))
+    names = {"builtin": "built-in ZeRO-2 (plain model)", "fsdp2": "FSDP2 ZeRO-2 (reshard_after_forward=False)",
+             "fsdp2-zero3": "FSDP2 ZeRO-3 (reshard_after_forward=True)"}
     lines = [f"Machine: {__import__('bench_md').machine_line()}; SIMD level {cpu_adam.simd_level()}, "
-             f"OpenMP {cpu_adam.openmp_enabled()}; 2 gloo ranks on the CPU device, one server thread; "
+             f"OpenMP {cpu_adam.openmp_enabled()}; {world} gloo ranks on the CPU device, one server thread; "
              f"GPT-2 {args.n_embd}x{args.n_layer} bytes ({res['builtin'][0]['numel'] / 1e6:.1f}M params), "
              f"batch {ROWS}x{SEQ}, bf16, sync; median of {2 * (args.steps - WARMUP)} steps per path.",
              "",
@@ -246,16 +255,19 @@ def main() -> None:
         lines.append(f"| {names[path]} | {t * 1e3:.0f} | {med['builtin'] / t:.2f}x | {loss:.4f} | "
                      f"{down:.2f}, {up:.2f} | {coll:.1f} |")
     lines += ["", "B/param: bytes per rank per step over the model's parameters.  Host traffic is the same "
-                  "1 B/param down (each rank's half in bf16); up, FSDP2's proxies live in the shared segment on "
-                  "the CPU device (zero-copy; the copy into the local shards is a device-side 1 B/param), while "
-                  "the built-in path copies its half up and all-gathers the rest.",
+                  "2/world B/param down (each rank's 1/world in bf16); up, FSDP2's proxies live in the shared "
+                  "segment on the CPU device (zero-copy; the copy into the local shards is a device-side "
+                  "2/world B/param), while the built-in path copies its 1/world up and all-gathers the rest.",
               "", f"Losses of the two paths: at most {diff:.1e} apart (relative) over {args.steps} steps "
-                  f"(FSDP2 reduces in fp32 per unit, the built-in path per bucket: the same sums in another order)."]
+                  f"(FSDP2 reduces in fp32 per unit, the built-in path per bucket: the same sums in another order); "
+                  f"FSDP2's ZeRO-3 against its ZeRO-2: {diff3:.1e}."]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
         from bench_md import update_section
-        update_section("bench_fsdp2", "## FSDP2 ZeRO-2 against the built-in ZeRO-2 (bench_fsdp2.py)\n\n" + body)
+        name = "bench_fsdp2" if world == 2 else f"bench_fsdp2_{world}ranks"
+        update_section(name, f"## FSDP2 against the built-in ZeRO-2, {world} ranks (bench_fsdp2.py --nproc {world})\n\n"
+                       + body)
 
 
 def report_checkpoint(res: dict, args) -> None:
