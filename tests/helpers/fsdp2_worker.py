@@ -20,6 +20,8 @@ each "+"-joined options:
            OffloadAdamW on the same model loads its state_dict() and goes on
   dcpdict  (with fromtorch) the dict is DCP's get_optimizer_state_dict (keyed by name)
   shadow   beside the offloaded run, teacher-forced torch AdamW fed its gradients (Shadow)
+  libwrap  the model left plain: OffloadAdamW shards it (expert.multi_rank "fsdp2-zero3", with
+           zero2 "fsdp2-zero2")
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -86,9 +88,10 @@ def build(opts: set, out: str = ""):
     mp = MixedPrecisionPolicy(param_dtype=None if "fp32compute" in opts else torch.bfloat16,
                               reduce_dtype=torch.float32)
     reshard = "zero2" not in opts
-    for block in model.transformer.h:
-        fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+    if "libwrap" not in opts:  # libwrap: OffloadAdamW shards the plain model itself (expert.multi_rank)
+        for block in model.transformer.h:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
     dpu = "dpu" in opts
     if "ref" in opts:
         return model, Reference(model, dpu)
@@ -107,6 +110,8 @@ def offload(model, opts: set, out: str):
     for strategy in ("sync", "speculation"):  # mode "exact" with its strategy forced
         if strategy in opts:
             kw["expert"] = {"exact_strategy": strategy}
+    if "libwrap" in opts:
+        kw.setdefault("expert", {})["multi_rank"] = "fsdp2-zero2" if "zero2" in opts else "fsdp2-zero3"
     if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
         kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
     return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
