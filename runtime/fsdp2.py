@@ -205,6 +205,11 @@ def sixteen_bit_shards(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return done
 
 
+def collective_device_of(device: torch.device) -> torch.device:
+    """Where a collective's tensors go for a model on `device` (NCCL takes CUDA tensors only)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
+
+
 class _Proxies(torch.nn.Module):
     def __init__(self, proxies: list[torch.nn.Parameter]):
         super().__init__()

@@ -172,7 +172,12 @@ class OffloadAdamW(torch.optim.Optimizer):
                              f"{how!r} the library shards the model, so pass the model the parameters belong to")
         device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
         compute, _ = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)
-        fsdp2.wrap(model, device=device, param_dtype=None if compute == torch.float32 else TORCH_DTYPES[cfg.dtype],
+        # agreed before use: each rank reads its own CPU, and FSDP2's all-gathers need one
+        # param_dtype on every rank (fp32 compute if any rank would emulate 16-bit matmul)
+        wide = torch.tensor([1 if compute == torch.float32 else 0], dtype=torch.int32,
+                            device=fsdp2.collective_device_of(device))
+        dist.all_reduce(wide, op=dist.ReduceOp.MAX)
+        fsdp2.wrap(model, device=device, param_dtype=None if int(wide.item()) else TORCH_DTYPES[cfg.dtype],
                    reshard_after_forward=how == "fsdp2-zero3")
         new = dict(model.named_parameters(remove_duplicate=False))
 

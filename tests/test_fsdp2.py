@@ -327,3 +327,20 @@ def test_the_librarys_own_wrapping_is_the_users_bitwise(tmp_path):
         assert a["losses"] == b["losses"], r
         assert all(torch.equal(a["master"][k], b["master"][k]) for k in b["master"]), r
         assert a["local"] == b["local"], r
+
+
+def test_ranks_agree_on_the_compute_dtype_of_the_librarys_wrapping(tmp_path):
+    """expert.multi_rank with rank 1 alone reading a CPU that emulates bf16 matmul: the
+    ranks agree before FSDP2 is set up (fp32 compute if any rank needs it), so both
+    compute in fp32 and the run is the fp32-compute run bitwise; unagreed, rank 0 would
+    all-gather bf16 and rank 1 fp32.  (Mutation: the all-reduce left out fails the
+    comparison on a host with native bf16 matmul; on one without, both ranks pick fp32
+    anyway.)"""
+    base = "offload+fp32shards+fp32compute+libwrap"  # fp32 compute asked for on both ranks
+    # base first: mixedcpu's change to rank 1's CPU reading stays in that process
+    launch(tmp_path, [base, "offload+fp32shards+libwrap+mixedcpu"], 2, steps=8)
+    for r in range(2):
+        a, b = (torch.load(tmp_path / m / f"rank{r}.pt") for m in ("offload+fp32shards+libwrap+mixedcpu", base))
+        assert a["losses"] == b["losses"], r
+        assert all(torch.equal(a["master"][k], b["master"][k]) for k in b["master"]), r
+        assert {dt for dt, _ in a["local"].values()} == {"torch.float32"}, r

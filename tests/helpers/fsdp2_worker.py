@@ -22,6 +22,7 @@ each "+"-joined options:
   shadow   beside the offloaded run, teacher-forced torch AdamW fed its gradients (Shadow)
   libwrap  the model left plain: OffloadAdamW shards it (expert.multi_rank "fsdp2-zero3", with
            zero2 "fsdp2-zero2")
+  mixedcpu rank 1 reads a CPU without native bf16 matmul (it alone would compute in fp32)
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -112,6 +113,8 @@ def offload(model, opts: set, out: str):
             kw["expert"] = {"exact_strategy": strategy}
     if "libwrap" in opts:
         kw.setdefault("expert", {})["multi_rank"] = "fsdp2-zero2" if "zero2" in opts else "fsdp2-zero3"
+        if "fp32compute" in opts:  # asked for: the library then wraps with no param_dtype
+            kw["expert"]["compute_dtype"] = "fp32"
     if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
         kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
     return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
@@ -121,6 +124,10 @@ def offload(model, opts: set, out: str):
 def run(out: str, mode: str, steps: int) -> None:
     opts = set(mode.split("+"))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if "mixedcpu" in opts and rank == 1:  # this rank alone sees a CPU that emulates 16-bit matmul
+        from zero_offload import compute_dtype
+        compute_dtype.cpu_flags = lambda: set()
+        compute_dtype.isa_cap = lambda: None
     model, opt = build(opts, out)
     per = ROWS // world
     losses, norms = [], []
