@@ -80,6 +80,7 @@ class OffloadTrainer(Trainer):
                                  f"adam_epsilon, weight_decay, gradient_accumulation_steps, max_grad_norm); "
                                  f"set it there")
         super().__init__(*args, **kwargs)
+        self._refuse_fsdp2_checkpoints()
         self._optimizer_from_optim()
         # before anything wraps the model (evaluate() before train() does too)
         self._compute_dtype = self._expected_compute_dtype()
@@ -88,6 +89,19 @@ class OffloadTrainer(Trainer):
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
+
+    def _refuse_fsdp2_checkpoints(self) -> None:
+        """expert.multi_rank="fsdp2-*" on several processes trains, but Trainer's own
+        save_model writes model.state_dict() on rank 0 alone, which for a model the library
+        sharded with FSDP2 is a collective (its DTensors): the save would hang.  Refused
+        before training, naming the ways that work."""
+        expert = self.offload_options.get("expert") or {}
+        how = expert.get("multi_rank") if isinstance(expert, dict) else getattr(expert, "multi_rank", None)
+        if how and how != "builtin" and self.args.world_size > 1 and self.args.save_strategy != "no":
+            raise ValueError(f"OffloadTrainer with expert.multi_rank={how!r} on {self.args.world_size} processes "
+                             f"cannot save Trainer checkpoints yet (Trainer saves the FSDP2-sharded model on rank 0 "
+                             f"alone and would hang): set save_strategy='no' (and save with "
+                             f"trainer.optimizer.save_checkpoint), or keep multi_rank='builtin'")
 
     def _optimizer_from_optim(self) -> None:
         """TrainingArguments.optim as an optimizer class and a state dtype (module

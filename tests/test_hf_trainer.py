@@ -291,3 +291,18 @@ def test_a_run_killed_after_a_save_resumes_from_a_whole_checkpoint(tmp_path, lim
     assert [x[0] for x in resumed["updates"]] == list(range(first, 7))
     assert [x[:2] for x in resumed["logs"]] == [x[:2] for x in whole["logs"][first - 1:]]
     assert resumed["weights"] == whole["weights"]
+
+
+def test_trainer_checkpoints_of_a_model_the_library_shards_are_refused_not_hung(tmp_path):
+    """OffloadTrainer on 2 processes with expert.multi_rank="fsdp2-zero2" and save_steps:
+    Trainer would save the FSDP2-sharded model on rank 0 alone (a collective for its
+    DTensors) and hang; it is refused before training on both ranks, naming
+    save_strategy='no' and multi_rank='builtin'.  (Mutation: without the check the launch
+    hangs at checkpoint-5 until this test's timeout.)"""
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "helpers", "hf_worker.py"), str(tmp_path), "--steps", "10", "--batch", "4",
+           "--multi-rank", "fsdp2-zero2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode != 0
+    said = p.stdout + p.stderr
+    assert said.count("cannot save Trainer checkpoints yet") >= 2 and "save_strategy='no'" in said, said[-3000:]

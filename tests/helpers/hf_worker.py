@@ -7,7 +7,7 @@ alone to be killed mid-run.
 
 The test module's tiny GPT-2, text and TrainingArguments, with a per-device batch of
 BATCH / world (the same global batch as one process with BATCH).  --resume: the
-resume_from_checkpoint argument (a path, or "true").  --kill-at-save N: SIGKILL this
+resume_from_checkpoint argument (a path, or "true").  --multi-rank: expert.multi_rank.  --kill-at-save N: SIGKILL this
 process in on_save at step N (after Trainer's checkpoint-N is written, before the next
 step: a background optimizer save is not yet published).  Rank 0 writes OUT/rank0.json:
 the logged (step, loss, grad_norm), the update counter after each step, and the final
@@ -45,6 +45,7 @@ def main():
     ap.add_argument("--save-total-limit", type=int, default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--kill-at-save", type=int, default=None)
+    ap.add_argument("--multi-rank", default="builtin", help="OffloadConfig.expert.multi_rank")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rec, upd = Record(), Updates()
@@ -53,7 +54,8 @@ def main():
     t = OffloadTrainer(model=model, args=args(a.out, max_steps=a.steps, per_device_train_batch_size=a.batch // world,
                                               save_strategy="steps", save_steps=a.save_steps,
                                               save_total_limit=a.save_total_limit),
-                       train_dataset=TextWindows(), callbacks=cbs, offload={"server": {"threads": 1}})
+                       train_dataset=TextWindows(), callbacks=cbs,
+                       offload={"server": {"threads": 1}, "expert": {"multi_rank": a.multi_rank}})
     t.train(resume_from_checkpoint=True if a.resume == "true" else a.resume)
     if t.args.process_index == 0:
         weights = {n: p.detach().float().double().square().sum().item() for n, p in model.named_parameters()}
