@@ -78,7 +78,7 @@ class ShardClient:
         self.server_pid = 0
         self._hb_last_ok = time.monotonic()
         self._work = -1                        # the last HEARTBEAT_OK.work
-        self._save_hint = ("idle", "")         # the last HEARTBEAT_OK.save_state, save_error
+        self._save_hint = ("idle", "", -1)     # the last HEARTBEAT_OK.save_state, save_error, save_crc
         self._save_seq = 0                     # the newest SAVE's seq (its OK)
         self._progress_seen = (-1, -1)         # (work, progress word) when last looked at
         self._progress_t = time.monotonic()    # when they last changed
@@ -222,7 +222,7 @@ class ShardClient:
                     if isinstance(reply, P.HeartbeatOk):
                         self._work = reply.work
                         if reply.save_seq >= self._save_seq:  # not a late word about an older save
-                            self._save_hint = (reply.save_state, reply.save_error)
+                            self._save_hint = (reply.save_state, reply.save_error, reply.save_crc)
         except zmq.ZMQError:
             pass
         finally:
@@ -347,7 +347,7 @@ class ShardClient:
         info = self._request(P.Save(session=self.session, dir=os.path.abspath(directory), background=background,
                                     **placed), P.Ok).info
         self._save_seq = int(info.get("seq", 0))
-        self._save_hint = ("writing" if background else "done", "")
+        self._save_hint = ("writing" if background else "done", "", int(info.get("crc", -1)))
         return info
 
     def save_status(self) -> dict:
@@ -355,10 +355,10 @@ class ShardClient:
         STATS round trip, or, while a STEP is in flight (DPU), the last heartbeat's word
         (at most heartbeat_interval_s old)."""
         if self._inflight is not None:
-            state, error = self._save_hint
-            return {"state": state, "error": error}
+            state, error, crc = self._save_hint
+            return {"state": state, "error": error, "crc": crc}
         st = self.stats()
-        self._save_hint = (st.save_state, st.save_error)
+        self._save_hint = (st.save_state, st.save_error, st.save_crc)
         return {"state": st.save_state, "bytes_done": st.save_bytes_done, "bytes_total": st.save_bytes_total,
                 "error": st.save_error, "seconds": st.save_seconds, "waited_s": st.save_waited_s,
                 "snapshot": st.save_snapshot, "snapshot_peak": st.save_snapshot_peak,

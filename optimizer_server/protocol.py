@@ -456,6 +456,7 @@ class HeartbeatOk(Message):
     save_state: str = "idle"  # the newest SAVE's state (STATS_OK.save_state), for a client with a STEP in flight
     save_error: str = ""
     save_seq: int = 0         # which SAVE that is (its OK's info["seq"]): a late heartbeat tells of an older one
+    save_crc: int = -1        # STATS_OK.save_crc, for a client with a STEP in flight (a placed save's publish)
 
 
 @dataclass(kw_only=True)

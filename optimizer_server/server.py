@@ -218,7 +218,7 @@ class OptimizerServer:
         if isinstance(msg, P.Heartbeat):
             sv = shard.save_status()
             return P.HeartbeatOk(server_pid=os.getpid(), work=shard.work_done, save_state=sv["state"],
-                                 save_error=sv["error"][:2000], save_seq=shard.save_seq).encode()
+                                 save_error=sv["error"][:2000], save_seq=shard.save_seq, save_crc=sv["crc"]).encode()
         if isinstance(msg, P.Stats):
             return self._stats(shard)
         if isinstance(msg, P.Speculate):  # before STEP's case: SPECULATE is a Step with `upto`
