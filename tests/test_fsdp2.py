@@ -204,18 +204,12 @@ def test_torch_distributed_checkpoint_is_refused_naming_the_fix(tmp_path):
     process, the group taken down after.  (Mutation: without the empty per-parameter
     entries in opt.state, DCP first runs a step with zero gradients and lr 0, which the
     engine refuses with a RuntimeError and leaves lr at 0.)"""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
 
+    from tests.helpers.one_rank import one_rank_group, sharded_mlp
     from zero_offload import OffloadAdamW
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)).to(torch.bfloat16)
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+    with one_rank_group(tmp_path):
+        model = sharded_mlp(16)
         opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1})
         x = torch.randn(4, 16, dtype=torch.bfloat16)
         try:
@@ -235,8 +229,6 @@ def test_torch_distributed_checkpoint_is_refused_naming_the_fix(tmp_path):
             assert any(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
         finally:
             opt.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_construction_clones_no_local_shard_and_fp32_shards_become_16_bit_in_place(tmp_path):

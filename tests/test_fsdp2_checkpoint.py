@@ -296,42 +296,32 @@ def test_a_dpu_background_save_is_published_by_a_step(tmp_path):
     rank 0 can write the manifest then.  The published checkpoint's files verify.
     (Mutation: HEARTBEAT_OK without save_crc: the publish fails, "the server gave no
     checksum", and nothing is published.)"""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
+    from tests.helpers.one_rank import one_rank_group, sharded_mlp
     from zero_offload import OffloadAdamW
     from zero_offload.server import checkpoint as C
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    opt = None
-    try:
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(torch.bfloat16)
-        for layer in m:
-            fully_shard(layer)
-        fully_shard(m)
+    with one_rank_group(tmp_path):
+        m = sharded_mlp()
         opt = OffloadAdamW(m.parameters(), lr=1e-3, model=m, server={"threads": 1}, mode="dpu",
                            expert={"dpu_warmup_steps": 1})
-
-        def step():
-            m(torch.ones(2, 16, dtype=torch.bfloat16)).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        for _ in range(3):
-            step()
-        where = opt.save_checkpoint(str(tmp_path / "ck"), background=True)
-        deadline = time.monotonic() + 60
-        while opt.engine.checkpoint_in_flight() and time.monotonic() < deadline:
-            step()
-            time.sleep(0.05)  # the heartbeat's word comes every heartbeat interval
-        assert not opt.engine.checkpoint_in_flight()
-        assert C.has_checkpoint(tmp_path / "ck") and str(C.resolve(tmp_path / "ck")) == where
-        d = C.resolve(tmp_path / "ck")
-        man = json.loads(C.rank_file(d, C.SHARD, 0, 1, ".json").read_text())
-        meta = json.loads(C.rank_file(d, C.ENGINE, 0, 1, ".json").read_text())
-        C.verify(C.rank_file(d, C.SHARD, 0, 1, ".bin"), man["checksum"])
-        for role, crc in meta["checksums"].items():
-            C.verify(C.rank_file(d, role, 0, 1, ".bin"), crc)
-    finally:
-        if opt is not None:
+        try:
+            def step():
+                m(torch.ones(2, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            for _ in range(3):
+                step()
+            where = opt.save_checkpoint(str(tmp_path / "ck"), background=True)
+            deadline = time.monotonic() + 60
+            while opt.engine.checkpoint_in_flight() and time.monotonic() < deadline:
+                step()
+                time.sleep(0.05)  # the heartbeat's word comes every heartbeat interval
+            assert not opt.engine.checkpoint_in_flight()
+            assert C.has_checkpoint(tmp_path / "ck") and str(C.resolve(tmp_path / "ck")) == where
+            d = C.resolve(tmp_path / "ck")
+            man = json.loads(C.rank_file(d, C.SHARD, 0, 1, ".json").read_text())
+            meta = json.loads(C.rank_file(d, C.ENGINE, 0, 1, ".json").read_text())
+            C.verify(C.rank_file(d, C.SHARD, 0, 1, ".bin"), man["checksum"])
+            for role, crc in meta["checksums"].items():
+                C.verify(C.rank_file(d, role, 0, 1, ".bin"), crc)
+        finally:
             opt.close()
-        dist.destroy_process_group()
