@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import procs
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(600)
 
@@ -267,8 +269,7 @@ def test_a_background_save_killed_with_its_server_leaves_the_previous_checkpoint
         while not (tmp_path / "saving").exists() and time.monotonic() < deadline and p.poll() is None:
             time.sleep(0.2)
         assert (tmp_path / "saving").exists(), p.communicate(timeout=30)[0][-3000:]
-        servers = subprocess.run(["pgrep", "-f", "-P", str(p.pid), "zero_offload.server"], capture_output=True,
-                                 text=True).stdout.split()
+        servers = procs.children(p.pid, "zero_offload.server")
         assert len(servers) == 1, servers
         os.kill(int(servers[0]), 9)
         out = p.communicate(timeout=90)[0]
@@ -285,8 +286,7 @@ def test_a_background_save_killed_with_its_server_leaves_the_previous_checkpoint
         meta = json.loads(C.rank_file(a, C.ENGINE, 0, 1, ".json").read_text())
         man = json.loads(C.rank_file(a, C.SHARD, 0, 1, ".json").read_text())
         C.verify(f, man["checksum"] if role == C.SHARD else meta["checksums"][role])
-    left = subprocess.run(["pgrep", "-af", str(tmp_path)], capture_output=True, text=True).stdout
-    assert [line for line in left.splitlines() if "pgrep" not in line] == []
+    assert procs.matching(str(tmp_path)) == []
 
 
 def test_a_dpu_background_save_is_published_by_a_step(tmp_path):

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import procs as live
+
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,12 +71,6 @@ def _start_nodes(names, veth, addrs, out: Path, mode: str, steps: int, port: int
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     return procs
-
-
-def _ours(tag: str) -> list[str]:
-    """Processes whose command line names this test's directory (none may outlive a run)."""
-    p = subprocess.run(["pgrep", "-af", tag], capture_output=True, text=True)
-    return [line for line in p.stdout.splitlines() if "pgrep" not in line]
 
 
 def test_two_nodes_end_where_one_node_ends_and_a_dead_server_stops_both(two_nodes, tmp_path):
@@ -135,4 +131,4 @@ def test_two_nodes_end_where_one_node_ends_and_a_dead_server_stops_both(two_node
     assert took < 60, took
     assert "optimizer server" in logs[1] and "SIGKILL" in logs[1], logs[1][-3000:]
     time.sleep(1)
-    assert _ours(str(tmp_path)) == []
+    assert live.matching(str(tmp_path)) == []  # none of the run's processes outlived it
