@@ -90,12 +90,13 @@ def check_fsdp2(params: list) -> None:
                              f"1-D mesh: Shard(0)); tensor parallelism and HSDP are not supported")
 
 
-def collective_device(mesh) -> torch.device:
-    """Where tensors for a collective over `mesh`'s group live: its device type (the
-    current CUDA device for "cuda")."""
-    if mesh.device_type == "cuda":
+def collective_device(device_type: str) -> torch.device:
+    """Where tensors for a collective over a group of `device_type` (a mesh's, or the
+    model's device's) live: that type, the current CUDA device for "cuda" (NCCL takes
+    CUDA tensors only)."""
+    if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
+    return torch.device(device_type)
 
 
 def units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -205,11 +206,6 @@ def sixteen_bit_shards(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return done
 
 
-def collective_device_of(device: torch.device) -> torch.device:
-    """Where a collective's tensors go for a model on `device` (NCCL takes CUDA tensors only)."""
-    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else torch.device("cpu")
-
-
 class _Proxies(torch.nn.Module):
     def __init__(self, proxies: list[torch.nn.Parameter]):
         super().__init__()
@@ -241,7 +237,7 @@ class LocalShards:
         self.world = dist.get_world_size(self.group) if self.group is not None else 1
         # the device of FSDP2's collectives (NCCL takes CUDA tensors only): the scalars
         # this module reduces over its group go there
-        self.coll_device = collective_device(params[0].device_mesh) if params else torch.device("cpu")
+        self.coll_device = collective_device(params[0].device_mesh.device_type) if params else torch.device("cpu")
         self.engine = None
         self._hooks = []
 

@@ -175,7 +175,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         # agreed before use: each rank reads its own CPU, and FSDP2's all-gathers need one
         # param_dtype on every rank (fp32 compute if any rank would emulate 16-bit matmul)
         wide = torch.tensor([1 if compute == torch.float32 else 0], dtype=torch.int32,
-                            device=fsdp2.collective_device_of(device))
+                            device=fsdp2.collective_device(device.type))
         dist.all_reduce(wide, op=dist.ReduceOp.MAX)
         fsdp2.wrap(model, device=device, param_dtype=None if int(wide.item()) else TORCH_DTYPES[cfg.dtype],
                    reshard_after_forward=how == "fsdp2-zero3")
