@@ -68,12 +68,15 @@ class _Params(torch.nn.Module):
             self.register_parameter(f"param{i}", p)
 
 
-def _close(engine: OffloadEngine, shards) -> None:
-    """Land the last update, stop the server; an FSDP2 model's local shards get it too."""
+def _close(engine: OffloadEngine, shards, sync) -> None:
+    """Land the last update, stop the server; an FSDP2 model's local shards get it too,
+    and a model the library wrapped loses the accumulation's forward hook."""
     engine.close()
     if shards is not None:
         shards.copy_back()
         shards.detach()
+    if sync is not None:
+        sync.handle.remove()
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -139,7 +142,7 @@ class OffloadAdamW(torch.optim.Optimizer):
             if user_model is not None and fsdp2.sixteen_bit_shards(user_model, self.engine.dtype):
                 self._shards.refresh()
             self._shards.attach(self.engine)
-        self._close = weakref.finalize(self, _close, self.engine, self._shards)
+        self._close = weakref.finalize(self, _close, self.engine, self._shards, self._sync)
         self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
         # one empty entry per parameter: the state is in the server, and torch.optim code
         # that tells "not stepped yet" by an empty opt.state (DCP's get_state_dict, which

@@ -32,7 +32,8 @@ def test_accelerate_script_trains_like_torch_adamw(tmp_path, nproc, which):
     """offload-fsdp2: expert.multi_rank="fsdp2-zero2", the library shards the plain model
     with FSDP2 (one unit per block, the root last) and the script's accumulation of 2
     micro-batches becomes FSDP2's (fsdp2.SyncEveryK): the same bounds against torch AdamW,
-    and 16-bit local shards.  (Mutation: SyncEveryK syncing every micro-batch hands the
+    and 16-bit local shards; close() removes SyncEveryK's hook (mutation: not removing it
+    fails the hook count).  (Mutation: SyncEveryK syncing every micro-batch hands the
     engine two backwards per step, which it refuses.)"""
     for w in ("torch", which):
         p = run(tmp_path, w, nproc)
@@ -40,6 +41,8 @@ def test_accelerate_script_trains_like_torch_adamw(tmp_path, nproc, which):
     for r in range(nproc):
         a, b = (torch.load(tmp_path / f"{w}-rank{r}.pt") for w in (which, "torch"))
         assert a["shards"] == (["torch.bfloat16"] if which == "offload-fsdp2" else [])
+        if which == "offload-fsdp2":  # close() takes the accumulation's forward hook off the model
+            assert a["hooks"][1] == a["hooks"][0] - 1, a["hooks"]
         assert a["world"] == nproc and len(a["losses"]) == STEPS
         assert all(abs(x - y) / y < 1e-3 for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])
         # accelerator.clip_grad_norm_ returns the true global norm (torch's on the reference)

@@ -43,6 +43,7 @@ def train(out: str, which: str, steps: int) -> dict:
         if which == "offload-fsdp2":
             kw["expert"] = {"multi_rank": "fsdp2-zero2"}
         opt = OffloadAdamW(model.parameters(), **kw, model=model, grad_accumulation_steps=2, server={"threads": 1})
+        hooks_open = len(model._forward_pre_hooks)
     else:
         opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
@@ -69,9 +70,11 @@ def train(out: str, which: str, steps: int) -> dict:
                 break
     weights = {k: getattr(v, "full_tensor", lambda: v)().detach().float().clone()  # FSDP2: whole tensors
                for k, v in acc.unwrap_model(model).state_dict().items()}
+    hooks = None
     if which.startswith("offload"):
         opt.optimizer.close()
-    res = {"losses": losses, "norms": norms, "weights": weights, "rank": acc.process_index,
+        hooks = (hooks_open, len(model._forward_pre_hooks))  # the model's forward pre-hooks, open and closed
+    res = {"hooks": hooks, "losses": losses, "norms": norms, "weights": weights, "rank": acc.process_index,
            "world": acc.num_processes,  # the model's local shards' dtypes where FSDP2 sharded it
            "shards": sorted({str(p.to_local().dtype) for p in model.parameters() if hasattr(p, "to_local")})}
     torch.save(res, os.path.join(out, f"{which}-rank{acc.process_index}.pt"))
