@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from tests.helpers import procs  # noqa: E402
 from zero_offload.hf import OffloadTrainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -206,21 +207,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "helpers", "hf_worker.py")
 
 
-def servers_of(pid: int) -> list[int]:
-    """The optimizer server processes spawned for worker `pid` (their --parent-pid)."""
-    out = []
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"zero_offload.server" in argv and b"--parent-pid" in argv and \
-                argv[argv.index(b"--parent-pid") + 1] == str(pid).encode():
-            out.append(int(d))
-    return out
-
-
 def launch_worker(out, nproc: int, *opts, killed: bool = False) -> dict:
     """tests/helpers/hf_worker.py under the launcher (nproc > 1) or alone; its rank0.json."""
     cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
@@ -231,9 +217,9 @@ def launch_worker(out, nproc: int, *opts, killed: bool = False) -> dict:
         assert p.returncode == -9, said[-3000:]
         # its private optimizer server sees its parent gone and exits (heartbeat bound)
         deadline = time.monotonic() + 15
-        while servers_of(p.pid) and time.monotonic() < deadline:
+        while procs.servers_for(p.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not servers_of(p.pid), "the killed worker's optimizer server is still running"
+        assert not procs.servers_for(p.pid), "the killed worker's optimizer server is still running"
         return {}
     assert p.returncode == 0, said[-3000:]
     with open(os.path.join(out, "rank0.json")) as f:

@@ -103,11 +103,8 @@ def test_two_nodes_end_where_one_node_ends_and_a_dead_server_stops_both(two_node
         while server is None and time.monotonic() < deadline:  # node 1's server, once its worker trains
             pids = _ip("netns", "pids", names[1]).stdout.split()
             for pid in pids:
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if b"zero_offload.server" in cmd or b"zero-offload-server" in b" ".join(cmd):
+                cmd = " ".join(live.argv(pid))
+                if "zero_offload.server" in cmd or "zero-offload-server" in cmd:
                     server = int(pid)
             time.sleep(0.5)
         assert server is not None, "node 1's optimizer server never appeared"
