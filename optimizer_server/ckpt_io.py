@@ -28,6 +28,10 @@ Without room for a snapshot (``snapshot=False``, decided when the job is made)
 ensure() writes the chunk to the file itself instead, from the live arrays (COPYING
 stands for that write), and the update waits for the disk as it goes.
 
+The writes' bulk goes through O_DIRECT (``pwrite_range``; no page cache between the
+buffers and the disk), and a job's buffers come from and go back to the shard's
+``BufferPool`` (touched memory, lent to the kernel between saves).
+
 Fsync policy (docs/checkpoint.md): the data file is fsync'd once, after its last
 chunk; then it is renamed into place, the manifest written (tmp, fsync, rename) and
 the directory fsync'd.  A crash at any point leaves no complete manifest, so the
@@ -184,6 +188,95 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, len(view), SYNC_FILE_RANGE_WRITE)
 
 
+# Direct I/O (O_DIRECT) moves a checkpoint's bytes between the disk and the process's own
+# buffers with no copy through the page cache.  A buffered write costs the kernel a copy
+# and, once the cache fills the free memory, page reclaim: on a 2-core VM that was
+# 2-3 s of system CPU per GB, taken from the update beside the save, and the writes ran
+# at a quarter of the disk's speed (BENCHMARKS.md bench_bg_save).  O_DIRECT needs the
+# buffer, the file offset and the length aligned (DIRECT_ALIGN: a page, a multiple of
+# every disk's logical block); the unaligned head and tail of a range go through the
+# buffered descriptor (disjoint pages, so the two never share a cached page).  Where
+# the file system refuses O_DIRECT (tmpfs), everything is buffered, the same bytes.
+DIRECT_ALIGN = 4096
+DIRECT_MIN_CHUNK = 256 << 10  # a save chunk's bytes below which its pieces are not aligned (the padding would show)
+
+
+def open_direct(fd: int, flags: int) -> int:
+    """A second descriptor of fd's file opened with O_DIRECT (through /proc/self/fd: the
+    same inode, no path to race), or -1 where the system or the file system has none."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1
+    try:
+        return os.open(f"/proc/self/fd/{fd}", flags | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return -1
+
+
+def _address(view) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+
+
+def _direct_split(view, offset: int) -> tuple[int, int]:
+    """(head, middle) byte counts: view[head:head + middle] may go through O_DIRECT (its
+    address, file offset and length aligned); (0, 0) where the buffer's alignment does
+    not match the file's."""
+    head = -offset % DIRECT_ALIGN
+    if len(view) < head + DIRECT_ALIGN or (_address(view) + head) % DIRECT_ALIGN:
+        return 0, 0
+    return head, (len(view) - head) // DIRECT_ALIGN * DIRECT_ALIGN
+
+
+def pwrite_range(fd: int, direct_fd: int, view: memoryview, offset: int) -> int:
+    """view's bytes at offset: its aligned middle through direct_fd (if >= 0), the rest
+    (or all of it) through fd.  Returns the bytes written through direct_fd."""
+    head, mid = _direct_split(view, offset) if direct_fd >= 0 else (0, 0)
+    if not mid:
+        _pwrite_all(fd, view, offset)
+        return 0
+    if head:
+        _pwrite_all(fd, view[:head], offset)
+    done = 0
+    while done < mid:
+        k = os.pwrite(direct_fd, view[head + done:head + mid], offset + head + done)
+        done += k
+        if k % DIRECT_ALIGN:  # a short write off the alignment: the rest buffered
+            break
+    if head + done < len(view):
+        _pwrite_all(fd, view[head + done:], offset + head + done)
+    return done
+
+
+def write_file(path: Path, data, mode: int = FILE_MODE, threads: int = IO_THREADS) -> None:
+    """data's bytes as the file path, crash-safe as optimizer_server.atomic's writes (a
+    random temporary name opened O_EXCL|O_NOFOLLOW, fsync, rename), in large pieces on
+    several threads, their bulk through O_DIRECT where data's address allows it (a
+    page-aligned buffer, such as chunk_buffer's)."""
+    path = Path(path)
+    tmp = temp_name(path)
+    view = memoryview(data).cast("B")
+    fd = os.open(tmp, EXCL_FLAGS, mode)
+    dfd = -1
+    try:
+        os.fchmod(fd, mode)
+        dfd = open_direct(fd, os.O_WRONLY)
+        spans = _spans(len(view), IO_CHUNK_BYTES)
+        if len(spans) <= 1 or threads <= 1:
+            for a, b in spans:
+                pwrite_range(fd, dfd, view[a:b], a)
+        else:
+            with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-write") as ex:
+                list(ex.map(lambda s: pwrite_range(fd, dfd, view[s[0]:s[1]], s[0]), spans))
+        os.fsync(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        for f in (dfd, fd):
+            if f >= 0:
+                os.close(f)
+
+
 def _spans(total: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(total, a + step)) for a in range(0, total, step)]
 
@@ -284,6 +377,50 @@ def chunk_buffer(nbytes: int) -> np.ndarray:
     return np.frombuffer(m, np.uint8)
 
 
+class BufferPool:
+    """Chunk buffers kept from one save to the next, idle ones lent back to the kernel.
+
+    Fresh memory's first touch is a save's main cost in RAM bandwidth (the kernel zeroes
+    every page; on a VM the host backs it too): 0.5-3 GB/s against 10-20 GB/s for a copy
+    into touched pages (BENCHMARKS.md bench_bg_save).  A save job takes its writers' and
+    its snapshot's buffers here first and gives them back when it ends; given back, they
+    are madvise(MADV_FREE)'d: the kernel counts them in MemAvailable (admission, the
+    worker's RAM checks and other processes see them as free) and may take any of them
+    under memory pressure, in which case that page is fresh again on its next write;
+    otherwise the next save writes them at memory speed.  Holds buffers of one size
+    (a shard's chunk); thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._bufs: list[np.ndarray] = []
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._bufs)
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        with self._lock:
+            return self._bufs.pop() if self._bufs and self._bufs[-1].nbytes == nbytes else None
+
+    def give(self, bufs: list) -> None:
+        for b in bufs:
+            m = getattr(b.base, "obj", None)  # chunk_buffer's: a view of a private anonymous mmap
+            if b.nbytes and isinstance(m, mmap.mmap) and hasattr(mmap, "MADV_FREE"):
+                try:
+                    m.madvise(mmap.MADV_FREE)
+                except OSError:
+                    pass  # kept as it is: counted as used until the next save reuses it
+        with self._lock:
+            if self._bufs and bufs and self._bufs[0].nbytes != bufs[0].nbytes:
+                self._bufs = []  # another chunk size: the old ones go
+            self._bufs += [b for b in bufs if b.nbytes]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._bufs = []
+
+
 # A background save's threads run at the lowest CPU priority: on a host with few cores
 # the writes (checksums, the kernel's copies into the page cache) would otherwise take
 # cores from the update and the training process beside them; they use what is idle.
@@ -322,14 +459,18 @@ class SaveJob:
     it (parts' bases are the shared layout's), in place (no temporary, no rename: the
     file lies in the checkpoint's temporary directory), and ``finish`` gets the CRC of
     the file as if only this job's bytes were in it (combine_disjoint joins the
-    writers')."""
+    writers').
+
+    direct: the aligned bulk of every write goes through O_DIRECT where the file system
+    allows it (see DIRECT_ALIGN): no page cache between the copies and the disk."""
 
     def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
                  finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK,
                  max_bytes_per_s: float = 0.0, snapshot: bool = True, on_done: Callable[[], None] | None = None,
-                 pieces=None, file_size: int = 0):
+                 pieces=None, file_size: int = 0, direct: bool = True, pool: BufferPool | None = None):
         self.path = Path(path)
         self.place = pieces
+        self.pool = pool if pool is not None else BufferPool()
         self.file_size = file_size
         self.max_bytes_per_s = max_bytes_per_s  # 0: as fast as the disk takes them (ServerConfig)
         self._paced = 0  # bytes counted against that cap so far
@@ -342,6 +483,7 @@ class SaveJob:
         self.states = [ChunkState.PENDING] * self.n_chunks
         self._copies: dict[int, tuple[np.ndarray, list]] = {}  # SNAPSHOT chunks: (buffer, pieces)
         self._free: list[np.ndarray] = []  # snapshot buffers a writer is done with, for ensure() to reuse
+        self._harvested = False  # the job's buffers have gone back to the pool (_complete)
         self.snapshot_bytes = 0       # host RAM the snapshot buffers hold now
         self.snapshot_peak = 0        # ... at most (what the save cost in RAM beyond the writers' buffers)
         self.crcs: list[tuple[int, int, int]] = []
@@ -352,13 +494,20 @@ class SaveJob:
         self.seconds = 0.0
         self.waited_s = 0.0          # the update thread's time in ensure() (what the save cost training)
         self.ensure_writes = 0       # chunks ensure() wrote to the file itself (no snapshot)
+        self.direct_bytes = 0        # bytes written through O_DIRECT (the rest went through the page cache)
+        self.buffers_made = 0        # chunk buffers this job allocated fresh ...
+        self.buffers_reused = 0      # ... and took from the pool (touched by an earlier save)
         self._finish = finish
         self._on_done = on_done  # called once the job has ended, however (the server's RAM reservation)
         self._cancelled = False
         self._next = 0
         self._cv = threading.Condition()
         self._done = threading.Event()
+        # a chunk's bytes; in a chunk large enough for O_DIRECT to matter, each part's piece
+        # shifted to match its file offset's alignment (at most a page per part more)
         self.chunk_bytes = max((self._chunk_size(c) for c in range(self.n_chunks)), default=0)
+        self.align = DIRECT_ALIGN if self.chunk_bytes >= DIRECT_MIN_CHUNK else 1
+        self.chunk_bytes += len(parts) * (self.align - 1)
         if pieces is not None:
             if any(p.per != 1 for p in parts):
                 raise ValueError("a piece map places elements, not int8 blocks: int8 state cannot be placed")
@@ -377,9 +526,11 @@ class SaveJob:
         else:
             self.tmp = temp_name(self.path)  # random, opened O_EXCL|O_NOFOLLOW (optimizer_server.atomic)
             self.fd = os.open(self.tmp, EXCL_FLAGS, FILE_MODE)
+        self.direct_fd = -1
         try:
             if total_bytes:
                 os.posix_fallocate(self.fd, 0, total_bytes)  # a full disk fails here, not midway
+            self.direct_fd = open_direct(self.fd, os.O_WRONLY) if direct else -1
         except BaseException:
             self._remove_tmp()
             raise
@@ -440,6 +591,10 @@ class SaveJob:
         for i, ia, ib in self._ranges(c):
             part = self.parts[i]
             n = (ib - ia) * part.itemsize
+            # where its address matches its file offset modulo DIRECT_ALIGN, so that the
+            # bulk of it can be written with O_DIRECT (chunk_bytes leaves room for this)
+            off = part.base + ia * part.itemsize
+            at += (off - at) % self.align
             dst = buf[at:at + n]
             got = np.frombuffer(part.get(ia, ib, dst if part.scratch_bytes else None), np.uint8)
             if not np.may_share_memory(got, dst):
@@ -460,13 +615,15 @@ class SaveJob:
     def _write_pieces(self, c: int, pieces: list) -> None:
         """pwrite chunk c's private copy, then WRITTEN."""
         done = []
+        direct = 0
         for off, view in pieces:
             mv = memoryview(view)
-            _pwrite_all(self.fd, mv, off)
+            direct += pwrite_range(self.fd, self.direct_fd, mv, off)
             done.append((off, len(mv), zlib.crc32(mv)))
         if self.max_bytes_per_s:
             self._pace(sum(n for _, n, _ in done))
         with self._cv:
+            self.direct_bytes += direct
             self.crcs.extend(done)
             self.bytes_done += sum(n for _, n, _ in done)
             self.states[c] = ChunkState.WRITTEN
@@ -512,19 +669,32 @@ class SaveJob:
             buf = self._snapshot_buffer()
             buf[::4096] = 0  # one write per page commits it (a huge page takes one per 2 MiB too)
             with self._cv:
-                if self.done:
-                    return
-                self._free.append(buf)
+                if not self._harvested:
+                    self._free.append(buf)
+                    buf = None
+            if buf is not None:  # the job ended meanwhile: the buffer goes to the pool, not lost
+                self.pool.give([buf])
+                return
             made += 1
 
     def _snapshot_buffer(self) -> np.ndarray:
         """A new snapshot buffer of one chunk, counted (the prefault thread and the update
         thread both make them)."""
-        buf = chunk_buffer(self.chunk_bytes)
+        buf = self._buffer()
         with self._cv:
             self.snapshot_bytes += buf.nbytes
             self.snapshot_peak = max(self.snapshot_peak, self.snapshot_bytes)
         return buf
+
+    def _buffer(self) -> np.ndarray:
+        """One chunk's buffer: a pooled one (touched before) if there is one, else fresh."""
+        buf = self.pool.take(self.chunk_bytes)
+        with self._cv:
+            if buf is None:
+                self.buffers_made += 1
+            else:
+                self.buffers_reused += 1
+        return buf if buf is not None else chunk_buffer(self.chunk_bytes)
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -534,7 +704,7 @@ class SaveJob:
 
     def _writer(self) -> None:
         lower_this_threads_priority()
-        own = chunk_buffer(self.chunk_bytes)  # this writer's copy of the chunk it writes
+        own = self._buffer()  # this writer's copy of the chunk it writes
         try:
             while (c := self._claim_next()) is not None:
                 with self._cv:
@@ -553,6 +723,7 @@ class SaveJob:
         except BaseException as e:  # noqa: BLE001 - recorded, raised by wait()
             self._fail(e)
         finally:
+            self.pool.give([own])
             with self._cv:
                 self._alive -= 1
                 last = self._alive == 0
@@ -568,6 +739,7 @@ class SaveJob:
                        and any(s is not ChunkState.WRITTEN for s in self.states)):
                     self._cv.wait(0.1)
             if self.error is None and not self._cancelled:
+                self._close_direct()
                 os.fsync(self.fd)
                 os.close(self.fd)
                 self.fd = -1
@@ -583,11 +755,16 @@ class SaveJob:
             if self.error is not None or self._cancelled:
                 self._remove_tmp()
             elif self.fd >= 0:
+                self._close_direct()
                 os.close(self.fd)
                 self.fd = -1
             self.seconds = time.monotonic() - self.started
-            self._copies.clear()
-            self._free.clear()
+            with self._cv:
+                self._harvested = True  # from now on a prefaulted buffer goes straight to the pool
+                spare = self._free + [buf for buf, _ in self._copies.values()]
+                self._copies.clear()
+                self._free.clear()
+            self.pool.give(spare)
             self.snapshot_bytes = 0
             if self._on_done is not None:
                 try:
@@ -598,7 +775,16 @@ class SaveJob:
             with self._cv:
                 self._cv.notify_all()
 
+    def _close_direct(self) -> None:
+        if self.direct_fd >= 0:
+            try:
+                os.close(self.direct_fd)
+            except OSError:
+                pass
+            self.direct_fd = -1
+
     def _remove_tmp(self) -> None:
+        self._close_direct()
         if self.fd >= 0:
             try:
                 os.close(self.fd)
@@ -668,4 +854,5 @@ class SaveJob:
                 "error": "" if self.error is None else f"{type(self.error).__name__}: {self.error}",
                 "seconds": self.seconds if self.done else time.monotonic() - self.started,
                 "waited_s": self.waited_s, "snapshot": self.snapshot, "snapshot_peak": self.snapshot_peak,
-                "ensure_writes": self.ensure_writes}
+                "ensure_writes": self.ensure_writes, "direct_bytes": self.direct_bytes,
+                "buffers_made": self.buffers_made, "buffers_reused": self.buffers_reused}

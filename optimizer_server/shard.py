@@ -28,7 +28,7 @@ import numpy as np
 from zero_offload.kernels import cpu_adam
 
 from . import protocol as P
-from .ckpt_io import SAVE_CHUNK, SaveJob
+from .ckpt_io import SAVE_CHUNK, BufferPool, SaveJob
 from .shm import Segment, ShardLayout
 from .shard_checkpoint import ShardCheckpoint
 from .shard_phase import ShardPhase
@@ -63,6 +63,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
                  save_max_bytes_per_s: float = 0.0):
         self.session = session
         self.save_max_bytes_per_s = save_max_bytes_per_s  # ServerConfig's cap on a save's writes
+        self.save_pool = BufferPool()  # the save jobs' chunk buffers, kept between saves (ckpt_io)
         self.save_note = ""  # why the newest background save took no snapshot ("" if it did)
         self.rank = hello.rank
         self.world_size = hello.world_size
@@ -132,6 +133,7 @@ class Shard(ShardSpeculation, ShardCheckpoint):
         being written is cancelled first (its writers read the segment)."""
         if self.save_job is not None and not self.save_job.done:
             self.save_job.cancel()
+        self.save_pool.clear()
         self.grads = []
         self.weights16 = self.staging = self.progress = self.ready = None
         self.weights16_slots = []

@@ -16,7 +16,7 @@ from . import checkpoint as C
 from . import protocol as P
 from .shard_phase import ShardPhase
 from .atomic import atomic_write_bytes, fsync_dir
-from .ckpt_io import IO_THREADS, SAVE_CHUNK, SaveJob, combine_pieces
+from .ckpt_io import DIRECT_ALIGN, IO_THREADS, SAVE_CHUNK, SaveJob, combine_pieces
 from .piece_map import PieceMap
 from .state import ShardStateArrays
 
@@ -60,7 +60,9 @@ class ShardCheckpoint:
         """Host RAM a save may take beyond the state: a snapshot of the whole file, at
         most, and each writer thread's copy of one chunk (ckpt_io.SaveJob)."""
         per_elem = self.arrays.saved_bytes() / max(1, self.numel)
-        return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK))
+        chunks = -(-self.numel // SAVE_CHUNK) + IO_THREADS
+        pad = chunks * 2 * len(self.arrays.names) * DIRECT_ALIGN  # each piece aligned for O_DIRECT in its buffer
+        return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK) + pad)
 
     def start_save(self, directory: str, *, snapshot: bool = True, on_done=None, pieces: PieceMap | None = None
                    ) -> SaveJob:
@@ -105,7 +107,7 @@ class ShardCheckpoint:
             self._io_done += self.save_job.bytes_done
         self.save_job = SaveJob(bin_path, parts, self.numel, nbytes, finish,
                                 max_bytes_per_s=self.save_max_bytes_per_s, snapshot=snapshot, on_done=on_done,
-                                pieces=pieces, file_size=file_size)
+                                pieces=pieces, file_size=file_size, pool=self.save_pool)
         self.save_seq += 1
         return self.save_job
 

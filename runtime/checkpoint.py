@@ -22,7 +22,7 @@ import numpy as np
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
-from zero_offload.server.ckpt_io import lower_this_threads_priority
+from zero_offload.server.ckpt_io import chunk_buffer, lower_this_threads_priority, write_file
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
@@ -47,7 +47,7 @@ def _write_engine_files(tmp: Path, k: int, W: int, device16: np.ndarray, pending
     for prefix, arr in ((C.DEVICE16, device16), (C.PENDING16, pending16)):
         if arr is not None:
             data = np.ascontiguousarray(arr)
-            atomic_write_bytes(C.rank_file(tmp, prefix, k, W, ".bin"), memoryview(data).cast("B"))
+            write_file(C.rank_file(tmp, prefix, k, W, ".bin"), data)
             sums[prefix] = C.checksum_str(C.crc32_update(0, data))
     meta = dict(meta, checksums=sums)
     atomic_write_bytes(C.rank_file(tmp, C.ENGINE, k, W, ".json"), json.dumps(meta, indent=1).encode())
@@ -181,7 +181,8 @@ class EngineCheckpoint:
         writer thread, overlapping the next forward."""
         buf = self._snaps.get(i)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = self._snaps[i] = np.empty_like(src)
+            # page-aligned, so that its file is written with O_DIRECT (ckpt_io.write_file)
+            buf = self._snaps[i] = chunk_buffer(src.nbytes).view(src.dtype).reshape(src.shape)
         np.copyto(buf, src)
         return buf
 

@@ -6,8 +6,8 @@ optimizer state) trains through OffloadEngine on the CPU device against a server
 starts.  Per size and state dtype, in one process and one run:
   - the steady step (median of 5; each step waits for its update, so the update is in it);
   - a blocking save_checkpoint (the baseline a user compares with);
-  - two background saves (the process's first, whose snapshot takes memory it never used
-    before, and a later one), with the snapshot (the default), then in a new server with it
+  - three background saves (--saves: the process's first, whose snapshot and writers take
+    memory it never used before, then later ones, which reuse those buffers: ckpt_io.BufferPool), with the snapshot (the default), then in a new server with it
     turned off (--no-save-snapshot: each update writes what it overwrites first, as before
     the snapshot): for each, how long save_checkpoint took to return, every step until the
     save was published (the slowest and the median, against the steady step), the update's
@@ -42,7 +42,7 @@ from bench_scale import Tables, disk_bound  # noqa: E402
 SEED = 0
 
 
-def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool) -> dict:
+def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool, saves: int = 3) -> dict:
     """One size, one server: steady steps, a blocking save, a background one."""
     rows = int(n) // 64
     torch.manual_seed(SEED)
@@ -72,7 +72,7 @@ def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool) -> 
             out["blocking_save_s"] = time.perf_counter() - t0
             out["file_bytes"] = os.path.getsize(os.path.join(path, "shard-r0-of-1.bin"))
             out["saves"] = []
-            for _ in range(2):  # the first save of a process, and a later one (memory it has used before)
+            for _ in range(saves):  # the first save of a process (fresh memory), then later ones (reused buffers)
                 for _ in range(3):
                     step()
                 t0 = time.perf_counter()
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[6e8])
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--saves", type=int, default=3, help="background saves per server (the first pays fresh memory)")
     ap.add_argument("--dir", default="/var/tmp/zo-bench-bg")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ap.add_argument("--section", default="", help="the BENCHMARKS.md section (default bench_bg_save_<dtype>)")
@@ -123,11 +124,12 @@ def main() -> None:
     os.makedirs(a.dir, exist_ok=True)
     rows = []
     for n in a.sizes:
-        res = [run(n, a.state_dtype, a.dir, a.threads, snap) for snap in (True, False)]
+        res = [run(n, a.state_dtype, a.dir, a.threads, snap, a.saves) for snap in (True, False)]
         w, _ = disk_bound(a.dir, res[0]["file_bytes"])
         for r in res:
             print(json.dumps(r), flush=True)
-            for bg, which in zip(r["saves"], ("first", "second")):
+            for i, bg in enumerate(r["saves"]):
+                which = f"#{i + 1}"
                 rows.append(row(r, bg, which, w))
         rows.append(f"| | disk bound: {w / 1e9:.2f} GB/s write | | | | | | | | | | | | |")
     cmd = "python scripts/bench_bg_save.py " + " ".join(sys.argv[1:])
