@@ -52,7 +52,7 @@ from typing import Callable
 
 import numpy as np
 
-from .atomic import EXCL_FLAGS, temp_name
+from .atomic import EXCL_FLAGS, atomic_write, temp_name
 
 IO_THREADS = 4                 # concurrent preads/pwrites: a fast NVMe needs several in flight
 IO_CHUNK_BYTES = 16 << 20      # one pread or pwrite: large enough for the disk's sequential speed
@@ -247,38 +247,44 @@ def pwrite_range(fd: int, direct_fd: int, view: memoryview, offset: int) -> int:
 
 
 def write_file(path: Path, data, mode: int = FILE_MODE, threads: int = IO_THREADS) -> None:
-    """data's bytes as the file path, crash-safe as optimizer_server.atomic's writes (a
+    """data's bytes as the file path, crash-safe (optimizer_server.atomic.atomic_write: a
     random temporary name opened O_EXCL|O_NOFOLLOW, fsync, rename), in large pieces on
     several threads, their bulk through O_DIRECT where data's address allows it (a
     page-aligned buffer, such as chunk_buffer's)."""
-    path = Path(path)
-    tmp = temp_name(path)
     view = memoryview(data).cast("B")
-    fd = os.open(tmp, EXCL_FLAGS, mode)
-    dfd = -1
-    try:
-        os.fchmod(fd, mode)
+
+    def write(f) -> None:
+        fd = f.fileno()
         dfd = open_direct(fd, os.O_WRONLY)
-        spans = _spans(len(view), IO_CHUNK_BYTES)
-        if len(spans) <= 1 or threads <= 1:
-            for a, b in spans:
-                pwrite_range(fd, dfd, view[a:b], a)
-        else:
-            with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-write") as ex:
-                list(ex.map(lambda s: pwrite_range(fd, dfd, view[s[0]:s[1]], s[0]), spans))
-        os.fsync(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        for f in (dfd, fd):
-            if f >= 0:
-                os.close(f)
+        try:
+            _each_span(lambda a, b: pwrite_range(fd, dfd, view[a:b], a), _spans(len(view), IO_CHUNK_BYTES),
+                       threads, "ckpt-write")
+        finally:
+            _close_quietly(dfd)
+    atomic_write(path, write, mode)
+
+
+def _close_quietly(fd: int) -> int:
+    """Close fd if open (>= 0), ignoring an error (a cleanup path); -1, the closed value."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return -1
 
 
 def _spans(total: int, step: int) -> list[tuple[int, int]]:
     return [(a, min(total, a + step)) for a in range(0, total, step)]
+
+
+def _each_span(fn: Callable[[int, int], object], spans: list, threads: int, name: str) -> list:
+    """[fn(a, b) for each span], on up to `threads` threads (preads, pwrites and zlib.crc32
+    release the GIL, so they overlap), in the spans' order."""
+    if len(spans) <= 1 or threads <= 1:
+        return [fn(a, b) for a, b in spans]
+    with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix=name) as ex:
+        return list(ex.map(lambda s: fn(*s), spans))
 
 
 def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> None:
@@ -302,11 +308,7 @@ def _read_pieces(path: Path, offset: int, out: np.ndarray, threads: int, checksu
         _pread_exact(fd, view[a:b], offset + a, str(path))
         return offset + a, b - a, zlib.crc32(view[a:b]) if checksum else 0
     try:
-        spans = _spans(len(view), IO_CHUNK_BYTES)
-        if len(spans) <= 1 or threads <= 1:
-            return [piece(a, b) for a, b in spans]
-        with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-read") as ex:
-            return list(ex.map(lambda s: piece(*s), spans))
+        return _each_span(piece, _spans(len(view), IO_CHUNK_BYTES), threads, "ckpt-read")
     finally:
         os.close(fd)
 
@@ -336,11 +338,7 @@ def range_crc(path: Path, lo: int, hi: int | None, threads: int = IO_THREADS) ->
             v = memoryview(buf)[:b - a]
             _pread_exact(fd, v, a, str(path))
             return a, b - a, zlib.crc32(v)
-        if len(spans) <= 1 or threads <= 1:
-            pieces = [piece(a, b) for a, b in spans]
-        else:
-            with ThreadPoolExecutor(min(threads, len(spans)), thread_name_prefix="ckpt-crc") as ex:
-                pieces = list(ex.map(lambda s: piece(*s), spans))
+        pieces = _each_span(piece, spans, threads, "ckpt-crc")
         return combine_pieces([(a - lo, n, c) for a, n, c in pieces]), size
     finally:
         os.close(fd)
@@ -739,7 +737,7 @@ class SaveJob:
                        and any(s is not ChunkState.WRITTEN for s in self.states)):
                     self._cv.wait(0.1)
             if self.error is None and not self._cancelled:
-                self._close_direct()
+                self.direct_fd = _close_quietly(self.direct_fd)
                 os.fsync(self.fd)
                 os.close(self.fd)
                 self.fd = -1
@@ -755,7 +753,7 @@ class SaveJob:
             if self.error is not None or self._cancelled:
                 self._remove_tmp()
             elif self.fd >= 0:
-                self._close_direct()
+                self.direct_fd = _close_quietly(self.direct_fd)
                 os.close(self.fd)
                 self.fd = -1
             self.seconds = time.monotonic() - self.started
@@ -775,22 +773,9 @@ class SaveJob:
             with self._cv:
                 self._cv.notify_all()
 
-    def _close_direct(self) -> None:
-        if self.direct_fd >= 0:
-            try:
-                os.close(self.direct_fd)
-            except OSError:
-                pass
-            self.direct_fd = -1
-
     def _remove_tmp(self) -> None:
-        self._close_direct()
-        if self.fd >= 0:
-            try:
-                os.close(self.fd)
-            except OSError:
-                pass
-            self.fd = -1
+        self.direct_fd = _close_quietly(self.direct_fd)
+        self.fd = _close_quietly(self.fd)
         if self.tmp is None:
             return  # the shared file is its maker's (the checkpoint's directory goes if the save fails)
         try:
