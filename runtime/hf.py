@@ -45,7 +45,7 @@ from transformers import Trainer
 
 from zero_offload.server.checkpoint import has_checkpoint
 
-from . import compute_dtype
+from . import compute_dtype, fsdp2
 from .config import OffloadConfig
 from .devices import resolve_device
 from .offload_adamw import OffloadAdamW
@@ -80,7 +80,6 @@ class OffloadTrainer(Trainer):
                                  f"adam_epsilon, weight_decay, gradient_accumulation_steps, max_grad_norm); "
                                  f"set it there")
         super().__init__(*args, **kwargs)
-        self._refuse_fsdp2_checkpoints()
         self._optimizer_from_optim()
         # before anything wraps the model (evaluate() before train() does too)
         self._compute_dtype = self._expected_compute_dtype()
@@ -89,19 +88,6 @@ class OffloadTrainer(Trainer):
         if self.args.fp16:
             raise ValueError("OffloadTrainer does not train with fp16=True (loss scaling through a plain backward "
                              "is not supported): use bf16=True, or the engine API (OffloadEngine) for fp16")
-
-    def _refuse_fsdp2_checkpoints(self) -> None:
-        """expert.multi_rank="fsdp2-*" on several processes trains, but Trainer's own
-        save_model writes model.state_dict() on rank 0 alone, which for a model the library
-        sharded with FSDP2 is a collective (its DTensors): the save would hang.  Refused
-        before training, naming the ways that work."""
-        expert = self.offload_options.get("expert") or {}
-        how = expert.get("multi_rank") if isinstance(expert, dict) else getattr(expert, "multi_rank", None)
-        if how and how != "builtin" and self.args.world_size > 1 and self.args.save_strategy != "no":
-            raise ValueError(f"OffloadTrainer with expert.multi_rank={how!r} on {self.args.world_size} processes "
-                             f"cannot save Trainer checkpoints yet (Trainer saves the FSDP2-sharded model on rank 0 "
-                             f"alone and would hang): set save_strategy='no' (and save with "
-                             f"trainer.optimizer.save_checkpoint), or keep multi_rank='builtin'")
 
     def _optimizer_from_optim(self) -> None:
         """TrainingArguments.optim as an optimizer class and a state dtype (module
@@ -216,6 +202,21 @@ class OffloadTrainer(Trainer):
     def _clip_grad_norm(self, model):
         # the parameters hold no .grad (they went to the host): the engine has the norm
         return self.offload_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A model FSDP2 shards (the library's wrapping with several processes, or the
+        user's fully_shard) holds each rank's rows: Trainer's own save would read them on
+        rank 0 alone, a collective for the others' (a hang).  Here every rank takes part
+        in gathering the whole state dict (fsdp2.full_state_dict, on rank 0 only) and
+        rank 0 writes it as Trainer would: a checkpoint's model files read as a plain
+        run's (from_pretrained, or a resume on any number of processes)."""
+        if self.args.world_size <= 1 or not fsdp2.is_sharded(self.model):
+            return super().save_model(output_dir, _internal_call)
+        state_dict = fsdp2.full_state_dict(self.model)
+        if self.args.should_save:
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank writes its shard (a collective), in the background: training goes on

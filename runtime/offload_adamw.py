@@ -338,11 +338,13 @@ class OffloadAdamW(torch.optim.Optimizer):
                              f"its param_groups do not name: not a torch optimizer's state_dict() as it saved it")
         for s, g in zip(state_dict["param_groups"], self.param_groups):
             for key, p in zip(s["params"], g["params"]):
+                st = states.get(key)
                 if proxy is not None:
                     if id(p) not in proxy:
                         continue  # a frozen shard: no proxy, nothing to load
+                    st = _rows_of(st, p)
                     p = proxy[id(p)]
-                pairs.append((p, states.get(key), f"parameter {key} of the state dict"))
+                pairs.append((p, st, f"parameter {key} of the state dict"))
         torch_state.load(self.engine, pairs, self.MOMENTS, directory)
         self._set_groups([torch_state.group_values(s) for s in state_dict["param_groups"]])
         if self._shards is not None:
@@ -397,3 +399,14 @@ class OffloadAdamW(torch.optim.Optimizer):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _rows_of(st, p: torch.Tensor):
+    """A torch optimizer's state entry for FSDP2 parameter `p` as this rank's local shard
+    has it: a whole moment (a plain Trainer's optimizer.pt, saved on one process) is cut
+    to the rank's rows; a sharded one (DCP's, a DTensor) and the step count stay."""
+    if not isinstance(st, dict):
+        return st
+    return {k: fsdp2.local_rows(v, p) if (k != "step" and isinstance(v, torch.Tensor) and not fsdp2.is_dtensor(v)
+                                          and v.dim() > 0 and tuple(v.shape) == tuple(p.shape)) else v
+            for k, v in st.items()}

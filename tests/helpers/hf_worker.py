@@ -21,9 +21,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
 from tests.test_hf_trainer import TextWindows, Record, Updates, args, tiny_gpt2  # noqa: E402
+from zero_offload import fsdp2  # noqa: E402
 from zero_offload.hf import OffloadTrainer  # noqa: E402
 
 
@@ -57,10 +59,16 @@ def main():
                        train_dataset=TextWindows(), callbacks=cbs,
                        offload={"server": {"threads": 1}, "expert": {"multi_rank": a.multi_rank}})
     t.train(resume_from_checkpoint=True if a.resume == "true" else a.resume)
+    # a model FSDP2 shards (the library's wrapping) holds each rank's rows: the whole
+    # weights are gathered on every rank (a collective), then fingerprinted on rank 0
+    names = [n for n, _ in model.named_parameters()]
+    state = fsdp2.full_state_dict(model) if fsdp2.is_sharded(model) else dict(model.named_parameters())
     if t.args.process_index == 0:
-        weights = {n: p.detach().float().double().square().sum().item() for n, p in model.named_parameters()}
+        weights = {n: state[n].detach().float().double().square().sum().item() for n in names}
         with open(os.path.join(a.out, "rank0.json"), "w") as f:
             json.dump({"logs": rec.logs, "updates": upd.seen, "world": t.args.world_size, "weights": weights}, f)
+    if dist.is_initialized():  # as a torchrun script ends
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
