@@ -35,7 +35,7 @@ LrType = Union[float, Callable[[int], float]]
 MODES = ("exact", "dpu")
 # how mode="exact" hides the CPU update (runtime.exact_mode: every one gives the bits of sync)
 EXACT_STRATEGIES = ("auto", *STRATEGIES)
-MULTI_RANK = ("builtin", "fsdp2-zero2", "fsdp2-zero3")  # ExpertConfig.multi_rank
+MULTI_RANK = ("auto", "builtin", "fsdp2-zero2", "fsdp2-zero3")  # ExpertConfig.multi_rank
 
 
 @dataclass(kw_only=True)
@@ -148,12 +148,15 @@ class ExpertConfig:
     trace_dir: str = ""
     """Write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
     zero-offload-launch --trace-dir sets, else no tracing)."""
-    multi_rank: str = "builtin"
-    """OffloadAdamW/OffloadLion with several ranks on a plain model (given model=): "builtin",
-    the engine's own ZeRO-2 collectives; "fsdp2-zero2" or "fsdp2-zero3": the library
-    shards the model with torch's FSDP2 (runtime.fsdp2.wrap: one unit per transformer
-    block, the root last; reshard_after_forward False or True) and offloads each rank's
-    local shards, as for a model the user wrapped.  A model already wrapped with
+    multi_rank: str = "auto"
+    """OffloadAdamW/OffloadLion (and OffloadTrainer) with several ranks on a plain model
+    (given model=): "fsdp2-zero2" or "fsdp2-zero3": the library shards the model with
+    torch's FSDP2 (runtime.fsdp2.wrap: one unit per transformer block, the root last;
+    reshard_after_forward False or True) and offloads each rank's local shards, as for a
+    model the user wrapped; "builtin": the engine's own ZeRO-2 collectives (what
+    OffloadEngine and an optimizer built without model= use); "auto" (the default):
+    "fsdp2-zero2", but "builtin" for int8 state (its per-256 scales do not follow
+    FSDP2's rows, so FSDP2 checkpoints refuse it).  A model already wrapped with
     fully_shard is taken as it is whatever this says."""
     # -- A/B switches for benchmarks and tests
     cpu_zero_copy: bool = True

@@ -111,7 +111,7 @@ def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int,
     return FlatMap(shared.numel, pieces, span_of_local, len(shared.spans), table)
 
 
-class _Group:
+class Group:
     """FSDP2's process group (a LocalShards' group, rank and world size), as CheckpointDir's
     agree and barrier."""
 
@@ -212,7 +212,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
     step() that finds every rank's server done, or at wait_checkpoint())."""
     if engine.cfg.state_dtype == "int8":  # before anything is written
         raise ValueError(INT8_REFUSED)
-    g = _Group(shards)
+    g = Group(shards)
     engine.wait_checkpoint()  # one save at a time: the previous one is published (or fails) first
     try:
         engine._check_between_steps("save_checkpoint()")
@@ -267,7 +267,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
         return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
 
 
-def _publish(g: _Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, params: list,
+def _publish(g: Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, params: list,
              writer: _PlacedWeights, N: int, ok: bool, err, st: dict) -> str:
     """Every rank: the CRCs joined on rank 0, which writes the manifests; then the
     directory is published as any checkpoint is (CheckpointDir.commit)."""
@@ -367,7 +367,7 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
     pieces out of any checkpoint (module docstring), loaded by its engine.  The ranks
     agree after the checks and after the load, so a refusal on one rank is an error on
     every rank (none waits in a collective for a rank that gave up)."""
-    g = _Group(shards)
+    g = Group(shards)
     engine.wait_checkpoint()  # a background save of ours is published (or fails) first
     try:
         engine._check_between_steps("load_checkpoint()")
@@ -409,7 +409,7 @@ def load(engine, fmap: FlatMap, directory: str, shards) -> None:
                                    f"every rank", code=E_CHECKPOINT)
 
 
-def _verify_together(g: _Group, checks: list[tuple[Path, str | None]]) -> None:
+def _verify_together(g: Group, checks: list[tuple[Path, str | None]]) -> None:
     """C.verify for each (file, expected checksum), the reading shared: each rank checks
     its 1/world of every file's bytes and the ranks' CRCs are combined, so the group
     reads the checkpoint once instead of once per rank.  Every rank raises the same

@@ -45,7 +45,7 @@ from transformers import Trainer
 
 from zero_offload.server.checkpoint import has_checkpoint
 
-from . import compute_dtype, fsdp2
+from . import accelerate_prep, compute_dtype, fsdp2
 from .config import OffloadConfig
 from .devices import resolve_device
 from .offload_adamw import OffloadAdamW
@@ -173,8 +173,7 @@ class OffloadTrainer(Trainer):
         torch.compile) only, Trainer having put the model on its device.  Where Accelerate
         would not use DDP (FSDP, DeepSpeed) its preparation is left as it is."""
         acc = self.accelerator
-        kind = str(getattr(acc.distributed_type, "value", acc.distributed_type))
-        if not (kind == "NO" or kind.startswith("MULTI_")):
+        if not accelerate_prep.would_wrap_in_ddp(acc):
             return  # FSDP, DeepSpeed, XLA: Accelerate's own wrapping, as before
         prepare_model = acc.prepare_model
 

@@ -45,7 +45,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import compute_dtype, fsdp2, fsdp2_checkpoint
+from . import accelerate_prep, compute_dtype, fsdp2, fsdp2_checkpoint
 from .config import OffloadConfig
 from .devices import resolve_device
 from .dtypes import TORCH_DTYPES
@@ -159,6 +159,8 @@ class OffloadAdamW(torch.optim.Optimizer):
         FSDP2's own accumulation (fsdp2.SyncEveryK) and the engine sees one backward per
         step.  Returns (params, cfg) to build with."""
         how = cfg.expert.multi_rank
+        if how == "auto":  # (config.py) int8 state's checkpoints do not go through FSDP2
+            how = "builtin" if cfg.state_dtype == "int8" else "fsdp2-zero2"
         if how == "builtin" or model is None or not (dist.is_available() and dist.is_initialized()) \
                 or dist.get_world_size() == 1:
             return params, cfg
@@ -204,6 +206,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                              f"all-gather reads the local shards before the forward, so the update cannot run "
                              f"during it; use 'sync' (or mode='dpu')")
         self._shards = fsdp2.LocalShards(params)
+        accelerate_prep.install()  # Accelerate's prepare(model) would wrap these shards in DDP
         proxy = self._shards.proxy_of
         for g in groups:  # frozen shards have no proxy: left alone, as torch.optim leaves them
             g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
@@ -345,7 +348,10 @@ class OffloadAdamW(torch.optim.Optimizer):
                     st = _rows_of(st, p)
                     p = proxy[id(p)]
                 pairs.append((p, st, f"parameter {key} of the state dict"))
-        torch_state.load(self.engine, pairs, self.MOMENTS, directory)
+        # FSDP2's ranks (each a one-rank engine) refuse, write and load together
+        together = self._shards is not None and self._shards.world > 1
+        torch_state.load(self.engine, pairs, self.MOMENTS, directory,
+                         agree=fsdp2_checkpoint.Group(self._shards).agree if together else None)
         self._set_groups([torch_state.group_values(s) for s in state_dict["param_groups"]])
         if self._shards is not None:
             self._shards.copy_back()  # the loaded device weights into the local shards

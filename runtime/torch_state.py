@@ -49,6 +49,7 @@ import math
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -108,24 +109,33 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = None) -> None:
+def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = None,
+         agree: Callable[[bool], bool] | None = None) -> None:
     """Load the moments and step counts of `pairs` [(the engine's parameter, its torch
     state dict entry or None, a name for errors)] into the engine (module docstring).
     With several ranks (each passing the same dict) `directory` is one every rank sees:
-    the temporary checkpoint goes there; with one, None means TMPDIR."""
+    the temporary checkpoint goes there; with one, None means TMPDIR.  `agree`: for
+    one-rank engines that train together (FSDP2's ranks, each its own local shards and a
+    private temporary checkpoint), True on every rank iff its argument is True on every
+    rank: a refusal, or a failed write or load, on one rank raises on all of them."""
     several = engine.world_size > 1
     if several and directory is None:
         raise ValueError("with several ranks a torch optimizer's state dict loads through a checkpoint in a "
                          "directory every rank sees: build the optimizer with state_dir='...'")
+    if several:
+        agree = engine.coll.all_ok
     try:
         counts, checked = _check(engine, pairs, moments)
         err = None
     except ValueError as e:
         err = e
-    if several and not engine.coll.all_ok(err is None):  # every rank refuses, none is left in a collective
+    if agree is not None and not agree(err is None):  # every rank refuses, none is left in a collective
         raise err or ValueError("another rank refused its torch state dict (its error says why)")
     if err is not None:
         raise err
+    if agree is not None and not several:
+        _load_private(engine, checked, moments, counts, directory, agree)
+        return
     if several:  # one name for every rank, drawn on rank 0
         token = engine.coll.all_reduce_max([float(secrets.randbits(48)) if engine.rank == 0 else 0.0])[0]
         tmp = Path(directory) / f"{TMP_PREFIX}{int(token):012x}"
@@ -151,6 +161,37 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
             engine.coll.barrier()  # every rank has read its files
         if engine.rank == 0 or not several:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_private(engine, checked: list, moments: tuple[str, ...], counts: np.ndarray, directory: str | None,
+                  agree: Callable[[bool], bool]) -> None:
+    """load()'s temporary checkpoint for one of several one-rank engines (FSDP2): each
+    rank its own private one.  Whether every rank wrote its one is agreed before any
+    rank loads (a full disk on one rank: nothing loaded anywhere), and whether every
+    rank loaded it after, so no rank trains on while another has raised."""
+    if directory is not None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    tmp = scratch.make(TMP_PREFIX, directory)
+    try:
+        err = None
+        try:
+            d = Path(engine.save_checkpoint(str(tmp), keep=1))
+            _rewrite(d, 0, 1, checked, moments, counts)
+        except OSError as e:
+            err = e
+        if not agree(err is None):
+            raise OSError("a rank could not write its temporary checkpoint of the torch state dict (disk "
+                          "full?): nothing was loaded on any rank") from err
+        try:
+            engine.load_checkpoint(str(d))
+        except Exception as e:
+            agree(False)
+            raise e
+        if not agree(True):
+            raise RuntimeError("another rank could not load its part of the torch state dict (its error says "
+                               "why): this rank holds the loaded state, that one its old one; load again")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, list]:

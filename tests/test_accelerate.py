@@ -27,21 +27,27 @@ def run(out, which, nproc):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, env=dict(env, PYTHONPATH=ROOT))
 
 
-@pytest.mark.parametrize("nproc,which", [(1, "offload"), (2, "offload"), (2, "offload-fsdp2")])
+@pytest.mark.parametrize("nproc,which", [(1, "offload"), (2, "offload"), (2, "offload-builtin"),
+                                         (2, "offload-prepared")])
 def test_accelerate_script_trains_like_torch_adamw(tmp_path, nproc, which):
-    """offload-fsdp2: expert.multi_rank="fsdp2-zero2", the library shards the plain model
-    with FSDP2 (one unit per block, the root last) and the script's accumulation of 2
-    micro-batches becomes FSDP2's (fsdp2.SyncEveryK): the same bounds against torch AdamW,
-    and 16-bit local shards; close() removes SyncEveryK's hook (mutation: not removing it
-    fails the hook count).  (Mutation: SyncEveryK syncing every micro-batch hands the
-    engine two backwards per step, which it refuses.)"""
+    """One process, and two on each multi-rank path: the default (expert.multi_rank="auto":
+    the library shards the plain model with FSDP2, one unit per block, the root last, and
+    the script's accumulation of 2 micro-batches becomes FSDP2's, fsdp2.SyncEveryK) and
+    the built-in ZeRO-2: the same bounds against torch AdamW; 16-bit local shards where
+    FSDP2 shards.  offload-prepared: the default path with the model prepared too, as a
+    plain Accelerate script does (accelerate_prep keeps Accelerate from wrapping FSDP2's
+    shards in DDP).  close() removes SyncEveryK's hook (mutation: not removing it fails
+    the hook count).  (Mutations: SyncEveryK syncing every micro-batch hands the engine
+    two backwards per step, which it refuses; accelerate_prep.install() not called fails
+    offload-prepared in DDP's constructor.)"""
     for w in ("torch", which):
         p = run(tmp_path, w, nproc)
         assert p.returncode == 0, p.stdout + p.stderr
+    sharded = nproc > 1 and which != "offload-builtin"
     for r in range(nproc):
         a, b = (torch.load(tmp_path / f"{w}-rank{r}.pt") for w in (which, "torch"))
-        assert a["shards"] == (["torch.bfloat16"] if which == "offload-fsdp2" else [])
-        if which == "offload-fsdp2":  # close() takes the accumulation's forward hook off the model
+        assert a["shards"] == (["torch.bfloat16"] if sharded else [])
+        if sharded:  # close() takes the accumulation's forward hook off the model
             assert a["hooks"][1] == a["hooks"][0] - 1, a["hooks"]
         assert a["world"] == nproc and len(a["losses"]) == STEPS
         assert all(abs(x - y) / y < 1e-3 for x, y in zip(a["losses"], b["losses"])), (a["losses"], b["losses"])

@@ -228,9 +228,11 @@ def launch_worker(out, nproc: int, *opts, killed: bool = False) -> dict:
 
 
 def test_two_processes_train_like_one_and_resume_a_plain_trainer_checkpoint(tmp_path):
-    """OffloadTrainer under a launcher with 2 processes (as torchrun): Accelerate would wrap
-    the model in DDP (and copy it to cpu:0), which the engine refuses; OffloadTrainer
-    prepares it without either, the engine reducing the gradients itself (ZeRO-2).  Each
+    """OffloadTrainer under a launcher with 2 processes (as torchrun), on the built-in
+    multi-rank path (expert.multi_rank="builtin"; the default is FSDP2's, the test
+    after): Accelerate would wrap the model in DDP (and copy it to cpu:0), which the
+    engine refuses; OffloadTrainer prepares it without either, the engine reducing the
+    gradients itself (ZeRO-2).  Each
     process takes half of the same global batch: losses within 1e-3 relative of the
     one-process run's (measured 1e-5) and grad norms within 1e-2, both ranks' checkpoint
     files at save_steps.  Then a plain Trainer's checkpoint (torch AdamW, one process)
@@ -239,7 +241,7 @@ def test_two_processes_train_like_one_and_resume_a_plain_trainer_checkpoint(tmp_
     Accelerate's fails the first backward on both ranks, naming DDP.)"""
     log.info("seed %d", SEED)
     one, _ = run(OffloadTrainer, tmp_path / "one", max_steps=10, per_device_train_batch_size=4)
-    two = launch_worker(tmp_path / "two", 2, "--steps", 10, "--batch", 4)
+    two = launch_worker(tmp_path / "two", 2, "--steps", 10, "--batch", 4, "--multi-rank", "builtin")
     assert two["world"] == 2 and [s for s, _, _ in two["logs"]] == list(range(1, 11))
     for (s, a, na), (_, b, nb) in zip(two["logs"], one):
         assert abs(a - b) / b < 1e-3, (s, a, b)
@@ -250,7 +252,8 @@ def test_two_processes_train_like_one_and_resume_a_plain_trainer_checkpoint(tmp_
     ref, _ = run(transformers.Trainer, tmp_path / "plain", max_steps=10, per_device_train_batch_size=4,
                  save_strategy="steps", save_steps=5)
     ck = tmp_path / "plain" / "checkpoint-5"
-    resumed = launch_worker(tmp_path / "plain", 2, "--steps", 10, "--batch", 4, "--resume", ck)
+    resumed = launch_worker(tmp_path / "plain", 2, "--steps", 10, "--batch", 4, "--resume", ck,
+                            "--multi-rank", "builtin")
     assert resumed["updates"] == [[s, s] for s in range(6, 11)]
     for (s, a, _), (_, b, _) in zip(resumed["logs"], ref[5:]):
         assert abs(a - b) / b < 1e-2, (s, a, b)
@@ -281,8 +284,8 @@ def test_a_run_killed_after_a_save_resumes_from_a_whole_checkpoint(tmp_path, lim
 
 
 def test_trainer_checkpoints_of_a_model_the_library_shards_resume_bitwise(tmp_path):
-    """OffloadTrainer on 2 processes with expert.multi_rank="fsdp2-zero2" (the library
-    shards the model with FSDP2) saves Trainer checkpoints: the model file holds the whole
+    """OffloadTrainer on 2 processes on the default multi-rank path (the library shards
+    the model with FSDP2, ZeRO-2) saves Trainer checkpoints: the model file holds the whole
     weights (the plain model's shapes, gathered from every rank's rows), the optimizer's
     checkpoint the shared layout.  Losses within 1e-3 of one process's; resumed from
     checkpoint-5 on 2 processes, steps 6-10 log the uninterrupted run's losses and end on
@@ -293,7 +296,7 @@ def test_trainer_checkpoints_of_a_model_the_library_shards_resume_bitwise(tmp_pa
     plain resume on its shape check; without the save_model override the first save
     hangs until this test's timeout.)"""
     log.info("seed %d", SEED)
-    opts = ["--steps", 10, "--batch", 4, "--multi-rank", "fsdp2-zero2"]
+    opts = ["--steps", 10, "--batch", 4]  # no --multi-rank: the library's default
     one, _ = run(OffloadTrainer, tmp_path / "one", max_steps=10, per_device_train_batch_size=4)
     whole = launch_worker(tmp_path / "whole", 2, *opts)
     assert whole["world"] == 2 and [s for s, _, _ in whole["logs"]] == list(range(1, 11))

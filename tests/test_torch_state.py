@@ -172,31 +172,39 @@ def test_what_cannot_continue_is_refused_and_loses_nothing(tmp_path, monkeypatch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def launch_worker(out, nproc: int) -> dict:
+def launch_worker(out, nproc: int, multi_rank: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(nproc),
-           os.path.join(ROOT, "tests", "helpers", "torch_state_worker.py"), str(out)]
+           os.path.join(ROOT, "tests", "helpers", "torch_state_worker.py"), str(out), *([multi_rank] if multi_rank else [])]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200,
                        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return torch.load(os.path.join(out, "result.pt"))
 
 
-def test_several_ranks_load_one_dict_each_into_their_shards(tmp_path):
-    """ZeRO-2 on 2 ranks, each with the same torch AdamW dict (tests/helpers/torch_state_worker.py):
-    each rank writes its shard's range of the moments into the checkpoint in state_dir,
-    and 5 steps later the masters are the one-rank run's within 1e-2 of the distance they
-    moved (measured 3e-3: the halves' 16-bit gradients), with the same step counts
-    (one parameter one behind: it had no gradient in torch's first step); the temporary
-    checkpoint is gone.  Without state_dir the load is refused on every rank, naming it;
-    with a bad dict on rank 1 alone, rank 0 refuses too (without the agreement it would wait
-    in the save's collective while rank 1 had raised, and the launch would time out).
-    (Mutation: each rank writing its moments at the flat space's offsets instead of its
-    shard's: rank 1's half of the moments lands outside its file or on the wrong elements.)"""
-    one, two = launch_worker(tmp_path / "one", 1), launch_worker(tmp_path / "two", 2)
+@pytest.mark.parametrize("multi_rank", ["builtin", None], ids=["builtin", "fsdp2-default"])
+def test_several_ranks_load_one_dict_each_into_their_shards(tmp_path, multi_rank):
+    """2 ranks, each with the same torch AdamW dict (tests/helpers/torch_state_worker.py),
+    on the built-in ZeRO-2 and on the default path (the library's FSDP2 wrapping: each
+    rank's local rows of every moment, fsdp2.local_rows): 5 steps later the masters are
+    the one-rank run's within 1e-2 of the distance they moved (measured 3e-3: the halves'
+    16-bit gradients), with the same step counts (one parameter one behind: it had no
+    gradient in torch's first step); the temporary checkpoint is gone.  Built-in: each
+    rank writes its shard's range into one checkpoint in state_dir, so without state_dir
+    the load is refused on every rank, naming it; FSDP2: each rank's engine is a
+    one-rank one with a private temporary, so it loads without.  With a bad dict on rank
+    1 alone, rank 0 refuses too (without the agreement rank 0 would train on, or wait in
+    a collective, while rank 1 had raised).  (Mutations: each rank writing its moments
+    at the flat space's offsets instead of its shard's; under FSDP2, no agreement
+    (agree=None) leaves rank 0 without the refusal.)"""
+    one, two = launch_worker(tmp_path / "one", 1), launch_worker(tmp_path / "two", 2, multi_rank)
     assert one["updates"] == two["updates"] == 8
     assert one["param_updates"] == two["param_updates"] and sorted(set(one["param_updates"])) == [7, 8]
     assert one["left"] == two["left"] == []
-    assert "without_state_dir" not in one and "state_dir=" in two["without_state_dir"]
+    assert "without_state_dir" not in one
+    if multi_rank == "builtin":
+        assert "state_dir=" in two["without_state_dir"]
+    else:
+        assert "without_state_dir" not in two
     assert "another rank refused" in two["one_refused"]  # rank 1's dict was the bad one
     for n, w in one["start"].items():
         err = rel_err(two["master"][n] - w, one["master"][n] - w)

@@ -2,12 +2,13 @@
 
     python -m zero_offload.launch --nproc-per-node 2 tests/helpers/accelerate_worker.py OUT_DIR OPT STEPS
 
-OPT: offload | torch (torch.optim.AdamW: the reference) | offload-ddp (prepares the
-model with several processes: must be refused) | offload-fsdp2 (expert.multi_rank=
-"fsdp2-zero2": the library shards the plain model with FSDP2).  Unchanged between the two but for
-the optimizer's class: accelerator.prepare, accumulate, backward, clip_grad_norm_;
-with several processes OffloadAdamW's model is not prepared (DDP would replace its
-parameters' storage; the engine reduces the gradients itself).  Writes each rank's
+OPT: offload (the library's default multi-rank path: with several processes it shards
+the plain model with FSDP2, expert.multi_rank="auto") | offload-builtin (the engine's
+own ZeRO-2, expert.multi_rank="builtin") | offload-prepared (the default path, with the
+model prepared by Accelerate as a plain script does: accelerator.prepare(model, opt, dl,
+sched)) | offload-ddp (the built-in path with the model prepared: must be refused) |
+torch (torch.optim.AdamW: the reference).  Unchanged between them but for the
+optimizer's class: accelerator.prepare, accumulate, backward, clip_grad_norm_.  Writes each rank's
 losses, norms and final weights (or the error) to OUT_DIR.
 """
 import os
@@ -40,15 +41,15 @@ def train(out: str, which: str, steps: int) -> dict:
     model = gpt()
     kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     if which.startswith("offload"):
-        if which == "offload-fsdp2":
-            kw["expert"] = {"multi_rank": "fsdp2-zero2"}
+        if which in ("offload-builtin", "offload-ddp"):
+            kw["expert"] = {"multi_rank": "builtin"}
         opt = OffloadAdamW(model.parameters(), **kw, model=model, grad_accumulation_steps=2, server={"threads": 1})
         hooks_open = len(model._forward_pre_hooks)
     else:
         opt = torch.optim.AdamW(model.parameters(), **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     dl = torch.utils.data.DataLoader(Tokens(), batch_size=4, shuffle=False)
-    if which in ("offload", "offload-fsdp2") and acc.num_processes > 1:
+    if which in ("offload", "offload-builtin") and acc.num_processes > 1:
         opt, dl, sched = acc.prepare(opt, dl, sched)
     else:
         model, opt, dl, sched = acc.prepare(model, opt, dl, sched)

@@ -47,7 +47,7 @@ def main():
     ap.add_argument("--save-total-limit", type=int, default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--kill-at-save", type=int, default=None)
-    ap.add_argument("--multi-rank", default="builtin", help="OffloadConfig.expert.multi_rank")
+    ap.add_argument("--multi-rank", default=None, help="OffloadConfig.expert.multi_rank (default: the library's)")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rec, upd = Record(), Updates()
@@ -57,7 +57,8 @@ def main():
                                               save_strategy="steps", save_steps=a.save_steps,
                                               save_total_limit=a.save_total_limit),
                        train_dataset=TextWindows(), callbacks=cbs,
-                       offload={"server": {"threads": 1}, "expert": {"multi_rank": a.multi_rank}})
+                       offload={"server": {"threads": 1},
+                                **({"expert": {"multi_rank": a.multi_rank}} if a.multi_rank else {})})
     t.train(resume_from_checkpoint=True if a.resume == "true" else a.resume)
     # a model FSDP2 shards (the library's wrapping) holds each rank's rows: the whole
     # weights are gathered on every rank (a collective), then fingerprinted on rank 0

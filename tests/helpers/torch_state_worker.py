@@ -1,12 +1,13 @@
 """One rank of tests/test_torch_state.py's several-rank case, run under zero-offload-launch.
 
-    python -m zero_offload.launch --nproc-per-node N tests/helpers/torch_state_worker.py OUT
+    python -m zero_offload.launch --nproc-per-node N tests/helpers/torch_state_worker.py OUT [MULTI_RANK]
 
 Every rank runs the same torch AdamW training (an MLP in fp32, 3 steps on the whole
 global batch, one parameter without a gradient in the first step), so every rank holds
 the same state dict, as each would after torch.load of one optimizer.pt.  Then
 OffloadAdamW on the model (state_dir=OUT/state) loads it and trains 5 steps, each rank
-on its rows of the batch (ZeRO-2: each rank's shard of the state).  Rank 0 writes
+on its rows of the batch (each rank's shard of the state; MULTI_RANK is expert.multi_rank,
+the library's default without it).  Rank 0 writes
 OUT/result.pt: the weights torch left, the masters, the update counter and per-parameter step counts, the
 error a load without state_dir raised, and (several ranks) the one it raised when only
 rank 1's dict was bad.
@@ -41,6 +42,7 @@ def groups(model):
 
 def main():
     out = sys.argv[1]
+    expert = {"multi_rank": sys.argv[2]} if len(sys.argv) > 2 else {}
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
@@ -56,13 +58,14 @@ def main():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     from zero_offload import OffloadAdamW
     res = {}
-    with OffloadAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), model=model, server={"threads": 1}) as opt:
+    with OffloadAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), model=model, server={"threads": 1},
+                     expert=expert) as opt:
         try:
             opt.load_state_dict(sd)
         except ValueError as e:
             res["without_state_dir"] = str(e)
     opt = OffloadAdamW(groups(model), lr=1e-2, betas=(0.9, 0.95), model=model, server={"threads": 1},
-                       state_dir=os.path.join(out, "state"))
+                       state_dir=os.path.join(out, "state"), expert=expert)
     if world > 1:  # rank 1's dict has a wrong shape: every rank refuses, none waits in a collective
         bad = dict(sd, state={**sd["state"], 0: {**sd["state"][0], "exp_avg": sd["state"][0]["exp_avg"][:1]}})
         try:
