@@ -78,8 +78,10 @@ def run_path(path: str, args) -> dict:
         fully_shard(model, mp_policy=mp, reshard_after_forward=zero3)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
+    # "builtin" asks for the engine's own ZeRO-2 (the default on a plain model is FSDP2's)
+    how = {"exact_strategy": "sync", **({"multi_rank": "builtin"} if path == "builtin" else {})}
     opt = OffloadAdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                       lr=1e-3, model=model, server={"threads": 1}, expert={"exact_strategy": "sync"})
+                       lr=1e-3, model=model, server={"threads": 1}, expert=how)
     per = ROWS // world
     times, losses = [], []
     for t in range(1, args.steps + 1):
@@ -119,7 +121,7 @@ def ckpt_path(path: str, args) -> dict:
         from torch.distributed.fsdp import fully_shard
         fully_shard(model)
     opt = OffloadAdamW(model.parameters(), lr=1e-3, model=model, server={"threads": 1},
-                       expert={"exact_strategy": "sync"})
+                       expert={"exact_strategy": "sync", **({"multi_rank": "builtin"} if path == "builtin" else {})})
     gen = torch.Generator().manual_seed(SEED + rank)
     for _ in range(2):
         model(torch.randint(0, rows, (8, 64), generator=gen)).backward()
