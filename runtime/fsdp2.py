@@ -160,20 +160,26 @@ def full_state_dict(model: torch.nn.Module) -> dict:
     out = {}
     for name, v in model.state_dict().items():
         if is_dtensor(v):
-            mesh = v.device_mesh
-            group, world = mesh.get_group(), mesh.size()
-            local = v.to_local()
-            rows = v.shape[0] if v.dim() else 0
-            per = -(-rows // world)
-            piece = local.new_zeros((per, *v.shape[1:]))
-            piece[:local.shape[0]].copy_(local)
-            whole = local.new_empty((per * world, *v.shape[1:]))
-            _all_gather(whole, piece, group=group)
-            released_by_collective_threads(whole, piece)
-            v = whole[:rows]
+            v = gather_whole(v.to_local(), tuple(v.shape), v.device_mesh)
         if rank0:
             out[name] = v.detach().to("cpu", copy=True)
     return out
+
+
+def gather_whole(local: torch.Tensor, shape: tuple, mesh) -> torch.Tensor:
+    """The whole tensor of `shape` whose dim-0 chunks (FSDP2's Shard(0)) the ranks of
+    `mesh` hold, `local` this rank's, on every rank: one blocking all-gather of equal
+    padded pieces (all chunks but the last ones are ``ceil(rows / world)`` long).  A
+    collective of the mesh's ranks."""
+    group, world = mesh.get_group(), mesh.size()
+    rows = shape[0] if shape else 0
+    per = -(-rows // world)
+    piece = local.new_zeros((per, *shape[1:]))
+    piece[:local.shape[0]].copy_(local.reshape(-1, *shape[1:]))
+    whole = local.new_empty((per * world, *shape[1:]))
+    _all_gather(whole, piece, group=group)
+    released_by_collective_threads(whole, piece)
+    return whole[:rows]
 
 
 def released_by_collective_threads(*tensors: torch.Tensor, bound_s: float = 1.0) -> bool:
@@ -346,6 +352,7 @@ class LocalShards:
             return sq
         v = sq.detach().reshape(1).to(self.coll_device, copy=True)
         dist.all_reduce(v, group=self.group)
+        released_by_collective_threads(v)
         return v[0].cpu()
 
     def refresh(self) -> None:
@@ -370,17 +377,15 @@ class LocalShards:
                           device=self.coll_device)
         if self.world > 1:  # one rank's refusal is every rank's
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            released_by_collective_threads(ok)
         if not float(ok[0]):
             raise host_memory.room_error(need, "master_state_dict() of an FSDP2 model (the whole fp32 model on "
                                          "every rank)", host_memory.MASTER_INSTEAD)
-        DTensor = dtensor_class()
         out = {}
         for p in self.frozen:
-            out[names[id(p)][0]] = p.detach().full_tensor().float().cpu()
+            out[names[id(p)][0]] = gather_whole(p.detach().to_local(), tuple(p.shape), p.device_mesh).float().cpu()
         for p, m in zip(self.params, local_masters):
-            d = DTensor.from_local(m.reshape(p.to_local().shape).to(p.device), p.device_mesh, p.placements,
-                                   shape=p.shape, stride=p.stride(), run_check=False)
-            out[names[id(p)][0]] = d.full_tensor().cpu()
+            out[names[id(p)][0]] = gather_whole(m.to(p.device), tuple(p.shape), p.device_mesh).cpu()
         return out
 
     def detach(self) -> None:

@@ -61,6 +61,7 @@ from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
 from zero_offload.server.state import INT8_CODES, ShardStateArrays
 
+from . import fsdp2
 from .checkpoint import InFlight, _EngineFiles
 from .flat import FlatParams
 
@@ -131,6 +132,7 @@ class Group:
             return flag
         t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
         dist.all_reduce(t, op=op, group=self.group)
+        fsdp2.released_by_collective_threads(t)
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -145,6 +147,7 @@ class Group:
         n = torch.tensor([len(rows)], dtype=torch.int64, device=self.device)
         counts = [torch.zeros_like(n) for _ in range(self.world)]
         dist.all_gather(counts, n, group=self.group)
+        fsdp2.released_by_collective_threads(n, *counts)
         counts = [int(c.item()) for c in counts]
         if max(counts) == 0:
             return []
@@ -154,6 +157,7 @@ class Group:
         mine = mine.to(self.device)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(parts, mine, group=self.group)
+        fsdp2.released_by_collective_threads(mine, *parts)
         return [tuple(r) for part, k in zip(parts, counts) for r in part[:k].cpu().tolist()]
 
 
