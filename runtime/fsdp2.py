@@ -142,9 +142,16 @@ def wrap(model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dty
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` has a parameter FSDP2 shards (a DTensor): its state_dict() then
-    holds each rank's rows, and gathering it is a collective of every rank."""
-    return any(is_dtensor(p) for p in model.parameters())
+    """Whether FSDP2 shards `model` (fully_shard on it or a submodule): its state_dict()
+    then holds each rank's rows, and gathering it is a collective of every rank.  Asked
+    of the modules, not the parameters: between a forward and its reshard (ZeRO-2 keeps
+    them gathered after an evaluation's forward) the registered parameters are FSDP2's
+    plain unsharded tensors."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = ()
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(is_dtensor(p) for p in model.parameters())
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:
@@ -164,6 +171,29 @@ def full_state_dict(model: torch.nn.Module) -> dict:
         if rank0:
             out[name] = v.detach().to("cpu", copy=True)
     return out
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict) -> None:
+    """A whole (plain) state dict, as every rank read it, into an FSDP2 model: each
+    sharded tensor takes its rows (local_rows) into its local shard in place, every other
+    tensor its value.  A name the dict lacks is fine where a tied tensor of another name
+    is in it (save_pretrained drops tied copies); otherwise a ValueError naming them, with
+    nothing changed.  No collective."""
+    mine = model.state_dict()
+    by_tensor: dict[int, list[str]] = {}
+    for k, v in mine.items():
+        by_tensor.setdefault(id(v), []).append(k)
+    missing = [ks[0] for ks in by_tensor.values() if not any(k in full for k in ks)]
+    if missing:
+        raise ValueError(f"the state dict lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}: not this "
+                         f"model's (build the model it was saved from)")
+    for ks in by_tensor.values():
+        v, src = mine[ks[0]], full[next(k for k in ks if k in full)]
+        if is_dtensor(v):
+            v.to_local().copy_(local_rows(src, v))
+        else:
+            v.copy_(src)
 
 
 def gather_whole(local: torch.Tensor, shape: tuple, mesh) -> torch.Tensor:

@@ -217,6 +217,28 @@ class OffloadTrainer(Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    def _load_best_model(self) -> None:
+        """load_best_model_at_end with a model FSDP2 shards: Trainer's own load copies whole
+        tensors into the sharded parameters, which fails.  Here the optimizer is closed
+        first (its close lands the last update into the local shards, which would
+        otherwise overwrite what is loaded next), then every rank reads the best
+        checkpoint's weights and takes its rows of each (fsdp2.load_full_state_dict)."""
+        if self.args.world_size <= 1 or not fsdp2.is_sharded(self.model):
+            return super()._load_best_model()
+        import safetensors.torch
+        d = self.state.best_model_checkpoint
+        files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"load_best_model_at_end: {d} holds no .safetensors weights (a model FSDP2 shards "
+                             f"loads from those): save with save_safetensors=True")
+        if self.optimizer is not None:
+            self.offload_optimizer.close()
+        full = {}
+        for f in files:
+            full.update(safetensors.torch.load_file(os.path.join(d, f)))
+        log.info("Loading best model from %s (score: %s).", d, self.state.best_metric)
+        fsdp2.load_full_state_dict(self.model, full)
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank writes its shard (a collective), in the background: training goes on
         # while the server writes, and the next step (or the end of train()) publishes it.

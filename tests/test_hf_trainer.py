@@ -318,3 +318,24 @@ def test_trainer_checkpoints_of_a_model_the_library_shards_resume_bitwise(tmp_pa
     assert from_plain["updates"] == [[s, s] for s in range(6, 11)]
     for (s, a, _), (_, b, _) in zip(from_plain["logs"], ref[5:]):
         assert abs(a - b) / b < 1e-2, (s, a, b)
+
+
+def test_load_best_model_at_end_on_a_model_the_library_shards(tmp_path):
+    """load_best_model_at_end on 2 processes on the default (FSDP2) path, evaluating at
+    every save (so ZeRO-2 leaves the parameters gathered after the evaluation's forward
+    when the save comes), with the "best" the highest eval loss: checkpoint-5 is taken,
+    and the model ends on its weights exactly (each tensor's sum of squares against the
+    checkpoint's file), not the last step's.  (Mutations: not closing the optimizer
+    before the load lets its close overwrite the shards with the last step's weights;
+    fsdp2.is_sharded asked of the parameters sends the save after an evaluation down
+    Trainer's own path on rank 0 alone, which hangs until this test's timeout.)"""
+    res = launch_worker(tmp_path, 2, "--steps", 10, "--batch", 4, "--best")
+    state = json.loads((tmp_path / "checkpoint-10" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"].endswith("checkpoint-5"), state["best_model_checkpoint"]
+
+    def sums(ck):
+        d = safetensors.torch.load_file(str(tmp_path / ck / "model.safetensors"))
+        return {k: d[k].double().square().sum().item() for k in res["weights"] if k in d}
+    best, last = sums("checkpoint-5"), sums("checkpoint-10")
+    assert len(best) == len(res["weights"]) and best == res["weights"]
+    assert last != best

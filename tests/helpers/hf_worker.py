@@ -9,7 +9,9 @@ The test module's tiny GPT-2, text and TrainingArguments, with a per-device batc
 BATCH / world (the same global batch as one process with BATCH).  --resume: the
 resume_from_checkpoint argument (a path, or "true").  --multi-rank: expert.multi_rank.  --kill-at-save N: SIGKILL this
 process in on_save at step N (after Trainer's checkpoint-N is written, before the next
-step: a background optimizer save is not yet published).  Rank 0 writes OUT/rank0.json:
+step: a background optimizer save is not yet published).  --best: evaluate at every save,
+load_best_model_at_end, the "best" being the highest eval loss (so an earlier checkpoint than
+the last is the one loaded).  Rank 0 writes OUT/rank0.json:
 the logged (step, loss, grad_norm), the update counter after each step, and the final
 weights' sum of squares per parameter, at full precision, as a fingerprint.
 """
@@ -47,6 +49,8 @@ def main():
     ap.add_argument("--save-total-limit", type=int, default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--kill-at-save", type=int, default=None)
+    ap.add_argument("--best", action="store_true",
+                    help="evaluate at every save and load the best (highest eval loss) checkpoint's model at the end")
     ap.add_argument("--multi-rank", default=None, help="OffloadConfig.expert.multi_rank (default: the library's)")
     a = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -55,8 +59,12 @@ def main():
     model = tiny_gpt2()
     t = OffloadTrainer(model=model, args=args(a.out, max_steps=a.steps, per_device_train_batch_size=a.batch // world,
                                               save_strategy="steps", save_steps=a.save_steps,
-                                              save_total_limit=a.save_total_limit),
+                                              save_total_limit=a.save_total_limit,
+                                              **(dict(eval_strategy="steps", eval_steps=a.save_steps,
+                                                      load_best_model_at_end=True, metric_for_best_model="loss",
+                                                      greater_is_better=True) if a.best else {})),
                        train_dataset=TextWindows(), callbacks=cbs,
+                       **(dict(eval_dataset=TextWindows(n=8)) if a.best else {}),
                        offload={"server": {"threads": 1},
                                 **({"expert": {"multi_rank": a.multi_rank}} if a.multi_rank else {})})
     t.train(resume_from_checkpoint=True if a.resume == "true" else a.resume)
