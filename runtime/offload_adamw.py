@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from . import accelerate_prep, compute_dtype, fsdp2, fsdp2_checkpoint
-from .config import OffloadConfig
+from .config import MULTI_RANK, OffloadConfig
 from .devices import resolve_device
 from .dtypes import TORCH_DTYPES
 from .engine import OffloadEngine
@@ -161,13 +161,14 @@ class OffloadAdamW(torch.optim.Optimizer):
         how = cfg.expert.multi_rank
         if how == "auto":  # (config.py) int8 state's checkpoints do not go through FSDP2
             how = "builtin" if cfg.state_dtype == "int8" else "fsdp2-zero2"
-        if how == "builtin" or model is None or not (dist.is_available() and dist.is_initialized()) \
-                or dist.get_world_size() == 1:
+        if model is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return params, cfg
         params = list(params)
         given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-        if any(fsdp2.is_dtensor(p) for p in given):
-            return params, cfg  # wrapped by the user already
+        device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
+        self._agree_on_path(how, device)
+        if how == "builtin" or any(fsdp2.is_dtensor(p) for p in given):
+            return params, cfg  # the engine's own collectives, or a model the user wrapped already
         name_of: dict[int, str] = {}
         for n, p in model.named_parameters(remove_duplicate=False):
             name_of.setdefault(id(p), n)
@@ -175,7 +176,6 @@ class OffloadAdamW(torch.optim.Optimizer):
         if missing:
             raise ValueError("a parameter of the optimizer is not one of the model's: with expert.multi_rank="
                              f"{how!r} the library shards the model, so pass the model the parameters belong to")
-        device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
         compute, _ = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)
         # agreed before use: each rank reads its own CPU, and FSDP2's all-gathers need one
         # param_dtype on every rank (fp32 compute if any rank would emulate 16-bit matmul)
@@ -193,6 +193,20 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._sync = fsdp2.SyncEveryK(model, cfg.grad_accumulation_steps)
             cfg = dataclasses.replace(cfg, grad_accumulation_steps=1)
         return params, cfg
+
+    @staticmethod
+    def _agree_on_path(how: str, device: torch.device) -> None:
+        """The multi-rank path every rank resolved (expert.multi_rank; "auto" reads
+        state_dtype), agreed before any rank takes it: ranks on different paths would
+        pair unrelated collectives and hang.  One all-reduce of (path, -path) with MAX."""
+        code = MULTI_RANK.index(how)
+        t = torch.tensor([code, -code], dtype=torch.int32, device=fsdp2.collective_device(device.type))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        fsdp2.released_by_collective_threads(t)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(f"the ranks resolved expert.multi_rank to different paths ({MULTI_RANK[-int(t[1])]!r} "
+                             f"and {MULTI_RANK[int(t[0])]!r}; this rank {how!r}): give every rank the same "
+                             f"offload options (multi_rank, and state_dtype, which 'auto' reads)")
 
     def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig) -> OffloadConfig:
         """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards

@@ -336,3 +336,38 @@ def test_ranks_agree_on_the_compute_dtype_of_the_librarys_wrapping(tmp_path):
         assert a["losses"] == b["losses"], r
         assert all(torch.equal(a["master"][k], b["master"][k]) for k in b["master"]), r
         assert {dt for dt, _ in a["local"].values()} == {"torch.float32"}, r
+
+
+DIFFERENT_PATHS = '''
+import os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, os.environ["PYTHONPATH"])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+from zero_offload import OffloadAdamW
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+try:  # "auto" resolves to the built-in path for int8 state, to FSDP2's for fp32
+    OffloadAdamW(model.parameters(), lr=1e-3, model=model, state_dtype="int8" if rank == 1 else "fp32",
+                 server={"threads": 1}).close()
+except ValueError as e:
+    open(os.path.join(sys.argv[1], f"err{rank}.txt"), "w").write(str(e))
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_resolving_different_multi_rank_paths_both_refuse(tmp_path):
+    """Rank 1 given int8 state ("auto": the built-in path), rank 0 fp32 (FSDP2's): the
+    path is agreed before either is taken, and both ranks raise naming the options to
+    align, instead of rank 0 sharding with FSDP2 while rank 1 waits in the built-in
+    path's collectives.  (Mutation: _agree_on_path not called: the launch hangs or fails
+    elsewhere, with no such error on both ranks.)"""
+    script = tmp_path / "different_paths.py"
+    script.write_text(DIFFERENT_PATHS)
+    p = subprocess.run([sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", str(script),
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    said = [(tmp_path / f"err{r}.txt").read_text() if (tmp_path / f"err{r}.txt").exists() else "" for r in (0, 1)]
+    assert all("different paths" in s and "same offload options" in s for s in said), (said, p.stdout[-2000:],
+                                                                                      p.stderr[-2000:])
