@@ -357,3 +357,26 @@ def test_three_processes_on_the_default_path_train_like_one_and_resume_bitwise(t
         assert abs(a - b) / b < 1e-3, (s, a, b)
     resumed = launch_worker(tmp_path / "three", 3, *opts, "--resume", tmp_path / "three" / "checkpoint-3")
     assert resumed["logs"] == whole["logs"][3:] and resumed["weights"] == whole["weights"]
+
+
+def test_two_processes_killed_after_a_save_resume_from_a_whole_checkpoint(tmp_path):
+    """The default (FSDP2) path on 2 processes, each SIGKILLed right after Trainer wrote
+    checkpoint-4 (on_save), before the next step: the background optimizer save of step 4
+    is not published, so resume_from_checkpoint=True takes checkpoint-2, and the resumed
+    run (2 processes) redoes steps 3-6 with the uninterrupted run's losses and ends on its
+    weights, bit for bit; nothing of the killed run is left running.  (Mutation: Trainer's
+    own pick of the newest checkpoint fails the resume on checkpoint-4's missing optimizer
+    state.)"""
+    opts = ["--steps", 6, "--save-steps", 2, "--batch", 4]
+    whole = launch_worker(tmp_path / "whole", 2, *opts)
+    cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2", WORKER, str(tmp_path / "run"),
+           *map(str, opts), "--kill-at-save", "4"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=250,
+                       env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert p.returncode != 0, p.stdout[-2000:]
+    assert not procs.matching(str(tmp_path / "run")), "a process of the killed run is still running"
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-2", "checkpoint-4"]
+    resumed = launch_worker(tmp_path / "run", 2, *opts, "--resume", "true")
+    assert [x[0] for x in resumed["updates"]] == [3, 4, 5, 6]
+    assert [x[:2] for x in resumed["logs"]] == [x[:2] for x in whole["logs"][2:]]
+    assert resumed["weights"] == whole["weights"]
