@@ -133,13 +133,10 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
         raise err or ValueError("another rank refused its torch state dict (its error says why)")
     if err is not None:
         raise err
-    if agree is not None and not several:
-        _load_private(engine, checked, moments, counts, directory, agree)
-        return
     if several:  # one name for every rank, drawn on rank 0
         token = engine.coll.all_reduce_max([float(secrets.randbits(48)) if engine.rank == 0 else 0.0])[0]
         tmp = Path(directory) / f"{TMP_PREFIX}{int(token):012x}"
-    else:
+    else:  # one rank, or FSDP2's one-rank engines: a private one each
         if directory is not None:
             os.makedirs(directory, mode=0o700, exist_ok=True)
         tmp = scratch.make(TMP_PREFIX, directory)
@@ -149,13 +146,16 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
         try:
             _rewrite(d, engine.rank, engine.world_size, checked, moments, counts)
         except OSError as e:
-            if not several:
+            if agree is None:
                 raise
             write_err = e  # raised below on every rank, with its cause on this one
-        if several and not engine.coll.all_ok(write_err is None):
+        if agree is not None and not agree(write_err is None):
             raise OSError(f"a rank could not write its part of the temporary checkpoint in {tmp} (disk full?): "
                           f"nothing was loaded") from write_err
-        engine.load_checkpoint(str(d))
+        if several or agree is None:
+            engine.load_checkpoint(str(d))  # the built-in path's LOAD fails on every rank together itself
+        else:
+            _load_together(engine, d, agree)
     finally:
         if several:
             engine.coll.barrier()  # every rank has read its files
@@ -163,35 +163,17 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _load_private(engine, checked: list, moments: tuple[str, ...], counts: np.ndarray, directory: str | None,
-                  agree: Callable[[bool], bool]) -> None:
-    """load()'s temporary checkpoint for one of several one-rank engines (FSDP2): each
-    rank its own private one.  Whether every rank wrote its one is agreed before any
-    rank loads (a full disk on one rank: nothing loaded anywhere), and whether every
-    rank loaded it after, so no rank trains on while another has raised."""
-    if directory is not None:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    tmp = scratch.make(TMP_PREFIX, directory)
+def _load_together(engine, d: Path, agree: Callable[[bool], bool]) -> None:
+    """FSDP2's one-rank engines load their private checkpoints, and agree that every
+    rank did, so no rank trains on while another has raised."""
     try:
-        err = None
-        try:
-            d = Path(engine.save_checkpoint(str(tmp), keep=1))
-            _rewrite(d, 0, 1, checked, moments, counts)
-        except OSError as e:
-            err = e
-        if not agree(err is None):
-            raise OSError("a rank could not write its temporary checkpoint of the torch state dict (disk "
-                          "full?): nothing was loaded on any rank") from err
-        try:
-            engine.load_checkpoint(str(d))
-        except Exception as e:
-            agree(False)
-            raise e
-        if not agree(True):
-            raise RuntimeError("another rank could not load its part of the torch state dict (its error says "
-                               "why): this rank holds the loaded state, that one its old one; load again")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        engine.load_checkpoint(str(d))
+    except Exception:
+        agree(False)
+        raise
+    if not agree(True):
+        raise RuntimeError("another rank could not load its part of the torch state dict (its error says why): "
+                           "this rank holds the loaded state, that one its old one; load again")
 
 
 def _check(engine, pairs: list, moments: tuple[str, ...]) -> tuple[np.ndarray, list]:
