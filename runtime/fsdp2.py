@@ -141,6 +141,13 @@ def wrap(model: torch.nn.Module, *, device: torch.device, param_dtype: torch.dty
     return len(found)
 
 
+def chunk_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """[r0, r1): the rows of dim 0 that FSDP2's Shard(0) gives `rank` of `world` (torch.chunk's
+    rule: chunks of ceil(rows / world), the last ones shorter or empty)."""
+    chunk = -(-rows // world)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
 def is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 shards `model` (fully_shard on it or a submodule): its state_dict()
     then holds each rank's rows, and gathering it is a collective of every rank.  Asked
@@ -203,7 +210,7 @@ def gather_whole(local: torch.Tensor, shape: tuple, mesh) -> torch.Tensor:
     collective of the mesh's ranks."""
     group, world = mesh.get_group(), mesh.size()
     rows = shape[0] if shape else 0
-    per = -(-rows // world)
+    per = chunk_rows(rows, world, 0)[1]  # every piece padded to the first (longest) chunk
     piece = local.new_zeros((per, *shape[1:]))
     piece[:local.shape[0]].copy_(local.reshape(-1, *shape[1:]))
     whole = local.new_empty((per * world, *shape[1:]))
@@ -230,9 +237,8 @@ def released_by_collective_threads(*tensors: torch.Tensor, bound_s: float = 1.0)
 
 def local_rows(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     """This rank's rows of a whole (unsharded) tensor shaped like `shard`'s parameter:
-    FSDP2's dim-0 sharding (torch.chunk over the mesh's ranks; ranks past the chunks get
-    none), e.g. a plain torch optimizer's moment loaded onto FSDP2's local shards.  A
-    ValueError if the rows found are not the local shard's shape (another sharding)."""
+    FSDP2's dim-0 sharding (chunk_rows), e.g. a plain torch optimizer's moment loaded
+    onto FSDP2's local shards.  A ValueError if the rows found are not the local shard's shape (another sharding)."""
     from torch.distributed.tensor import Shard
     if len(shard.placements) != 1 or not isinstance(shard.placements[0], Shard) or shard.placements[0].dim != 0:
         raise ValueError(f"a parameter sharded as {shard.placements}, not FSDP2's Shard(0) over one mesh "
@@ -240,9 +246,8 @@ def local_rows(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     if tuple(full.shape) != tuple(shard.shape):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} for a parameter of shape {tuple(shard.shape)}")
     mesh = shard.device_mesh
-    chunks = torch.chunk(full, mesh.size(), dim=0)
-    rank = mesh.get_local_rank()
-    rows = chunks[rank] if rank < len(chunks) else full[:0]
+    r0, r1 = chunk_rows(full.shape[0], mesh.size(), mesh.get_local_rank())
+    rows = full[r0:r1]
     local = shard.to_local()
     if tuple(rows.shape) != tuple(local.shape):
         raise ValueError(f"rows {tuple(rows.shape)} of a whole tensor against a local shard of "

@@ -98,8 +98,7 @@ def flat_map(engine, shards, order: list, group_of: dict, rank: int, world: int,
         p = proxy_of[id(s.param)]
         rows = p.shape[0] if p.dim() else 1
         cols = p.numel() // rows if rows else 0
-        chunk = -(-rows // world)
-        r0, r1 = min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+        r0, r1 = fsdp2.chunk_rows(rows, world, rank)
         if (r1 - r0) * cols != s.numel:
             raise ValueError(f"a local shard of {s.numel} elements where FSDP2's rows {r0}:{r1} of a "
                              f"{tuple(p.shape)} parameter hold {(r1 - r0) * cols}: this sharding is not "
