@@ -49,7 +49,7 @@ from zero_offload.server.client import ShardClient
 from zero_offload.server.errors import OptimizerServerError
 from zero_offload.server.protocol import E_ORDER
 
-from . import clipping, exact_mode, owners, step_message, wiring
+from . import clipping, engine_fsdp2, exact_mode, owners, step_message, wiring
 from .checkpoint import EngineCheckpoint
 from .config import OffloadConfig
 from .engine_backward import BackwardAPI
@@ -77,7 +77,7 @@ def _no_barrier() -> None:
 class OffloadEngine(BackwardAPI, CheckpointAPI):
     def __init__(self, model: torch.nn.Module, config: OffloadConfig | None = None, *,
                  param_groups: list | None = None, backward_mode: str = "engine", overlap_ok: bool = True,
-                 auto_overlap: bool = True, norm_reduce=None, **overrides):
+                 auto_overlap: bool = True, **overrides):
         """param_groups: torch.optim's groups, [{"params": [...], "weight_decay": 0.0, "lr": ...}, ...]
         over the model's trainable parameters (each in exactly one group), each with its own
         lr, betas, eps and weight_decay (the config's where a group does not say);
@@ -100,21 +100,31 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         after step() the parameters are the new ones (an EMA of them, a
         model.state_dict() saved there); forcing overlap_update still works.
 
-        norm_reduce: the parameters are this rank's shards of a model that another layer
-        shards (FSDP2: runtime.fsdp2): the engine trains them as one rank would, with no
-        collective of its own, and each step's local sum of squared gradients goes
-        through norm_reduce (a float64 scalar tensor in, the global sum out) for the
-        global norm that clipping and the overflow check use."""
+        Several ranks (runtime.engine_fsdp2): a model the user sharded with FSDP2
+        (fully_shard) is taken as it is, and a plain one is sharded with FSDP2 here
+        (expert.multi_rank; "builtin": the engine's own ZeRO-2 collectives instead).  On
+        FSDP2 each rank's engine trains its local shards as one rank would, and each
+        step's sum of squared gradients is all-reduced over FSDP2's group for the global
+        norm that clipping and the overflow check use."""
         if config is None:
             config = OffloadConfig(**overrides)
         elif overrides:
             raise TypeError("pass either an OffloadConfig or keyword overrides, not both")
+        self.phase = StepPhase.IDLE  # runtime.step_state: where the step is
+        # an FSDP2 model (the user's, or sharded here on several ranks): this rank's local
+        # shards are what the engine trains, with no collective of its own
+        self.fsdp2 = engine_fsdp2.take(model, config, param_groups, backward_mode)
+        self.model = model  # the user's (on several ranks: sharded by FSDP2 in place)
+        # the module whose parameters the engine lays out and trains: the model, or the proxies
+        self.trained = model
+        if self.fsdp2 is not None:
+            self.trained, config, param_groups, overlap_ok = (self.fsdp2.module, self.fsdp2.cfg, self.fsdp2.groups,
+                                                              False)
         self.cfg = cfg = config
-        self.model = model
         # the device, the ranks, the compute dtype, the flat layout, the candidate strategies
-        params = wiring.prepare(self, model, cfg, param_groups, backward_mode, overlap_ok, auto_overlap,
-                                local=norm_reduce is not None)
-        self.norm_reduce = norm_reduce
+        params = wiring.prepare(self, self.trained, cfg, param_groups, backward_mode, overlap_ok, auto_overlap,
+                                local=self.fsdp2 is not None)
+        self.norm_reduce = self.fsdp2.shards.reduce_sumsq if self.fsdp2 is not None else None
         self.param_aliases: dict[int, torch.Tensor] = {}  # runtime.owners: other tensors this engine trains
         S = self.flat.shard_numel
 
@@ -126,7 +136,6 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         self.grads: GradientsDown | None = None
         self._pinned = None
         self._hooks = []
-        self.phase = StepPhase.IDLE  # runtime.step_state: where the step is
         self._step_grads: GradStep | None = None  # the step whose gradients backward is producing
         self._bound = False  # the parameters view flat16 (set-up got that far)
         self._server_kernels: dict = {}  # server_simd, server_threads: asked once at set-up (stats())
@@ -137,7 +146,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
             wiring.init_weights(self)
             self._hooks = [s.param.register_post_accumulate_grad_hook(self._on_grad) for s in self.flat.spans]
             if self.picker is not None and any(map(exact_mode.overlaps, self.picker.order)):
-                self.pipeline = ForwardPipeline(model, self.flat, self.cycle, world_size=self.world_size,
+                self.pipeline = ForwardPipeline(self.trained, self.flat, self.cycle, world_size=self.world_size,
                                                 tracer=self.tracer, counters=self.counters)
         except BaseException:
             self.close()
@@ -159,6 +168,11 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         self.param_updates = np.zeros(len(self.flat.spans), dtype=np.int64)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
+        if self.fsdp2 is not None:
+            self.fsdp2.attach(self)  # the local shards 16-bit, FSDP2's gradient shards to this engine
+            # what the model computes in is FSDP2's param_dtype (the proxies hold the
+            # 16-bit weights and are never computed with): the inputs' dtype
+            self.compute_dtype, self._compute_why = self.fsdp2.compute_dtype(), "FSDP2's param_dtype"
 
     @property
     def flat16(self) -> torch.Tensor:
@@ -186,6 +200,8 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
             self.picker.step_ends(self.iteration, skipped=self.skipped_steps != skipped)
         if self.checkpoints.in_flight is not None:
             self._poll_checkpoint()
+        if self.fsdp2 is not None:
+            self.fsdp2.copy_back()  # the landed weights into the local shards, before the next all-gather
 
     def _step(self, grads: GradStep, clip_now: float | None = None) -> None:
         delayed = self.cfg.mode == "dpu" and self.iteration >= self.cfg.expert.dpu_warmup_steps
@@ -245,6 +261,8 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
         self._check_open()
         self._finish_overlap()
         self.cycle.land(copy=copy_weights)
+        if copy_weights and self.fsdp2 is not None:
+            self.fsdp2.copy_back()
 
     # ------------------------------------------------------------------ state
     def stats(self) -> dict:
@@ -253,9 +271,16 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                 "loss_scale": self.scaler.scale, **self.counters.report(), "grad_norm": self.last_grad_norm, "cpu_zero_copy": self._zero_copy,
                 "compute_dtype": str(self.compute_dtype).replace("torch.", ""),
                 "compute_dtype_why": self._compute_why, "num_params": self.flat.param_numel,
-                "shard_numel": self.flat.shard_numel, "rank": self.rank, "world_size": self.world_size,
-                "mode": self.cfg.mode, **self._server_kernels,
+                "shard_numel": self.flat.shard_numel, **self._ranks(), "mode": self.cfg.mode, **self._server_kernels,
                 **(self.picker.report() if self.picker is not None else {})}
+
+    def _ranks(self) -> dict:
+        """The job's ranks and the path between them (FSDP2: each rank's engine is a one-rank
+        engine over its local shards; shard_numel is then theirs)."""
+        if self.fsdp2 is not None:
+            return {"rank": self.fsdp2.shards.rank, "world_size": self.fsdp2.shards.world, "multi_rank": "fsdp2"}
+        return {"rank": self.rank, "world_size": self.world_size,
+                "multi_rank": "builtin" if self.world_size > 1 else "none"}
 
     # ------------------------------------------------------------------ teardown
     @property
@@ -293,7 +318,11 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                 except OptimizerServerError as e:
                     log.warning("closing: %s", e)
         finally:
-            self._release_all()
+            try:
+                self._release_all()
+            finally:
+                if self.fsdp2 is not None:  # the last weights into the local shards
+                    self.fsdp2.close()
 
     def _release_all(self) -> None:
         release_all(self)

@@ -31,6 +31,8 @@ class BackwardAPI:
             raise RuntimeError("backward() called twice for one step: call engine.step() after the last "
                                "micro-batch's backward")
         final = self._start_micro()
+        if self.fsdp2 is not None:  # FSDP2 reduce-scatters on the step's last micro-batch only
+            self.fsdp2.before_backward(final)
         with self.tracer.span("backward"), marker("zo.backward", self.is_cuda):
             (loss * (self.scaler.scale / self.cfg.grad_accumulation_steps)).backward()
         if final:
@@ -116,4 +118,4 @@ class BackwardAPI:
 
     def _check_views(self) -> None:
         """The parameters must still view flat16 (FlatParams.check_views)."""
-        self.flat.check_views(self.cycle.flat16, self.compute_dtype)
+        self.flat.check_views(self.cycle.flat16, self.cycle.flat16.dtype)

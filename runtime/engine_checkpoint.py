@@ -48,7 +48,13 @@ class CheckpointAPI:
         (runtime.distributed: never a full fp32 model on a device); rank0_only=True
         assembles them on rank 0 alone, and the other ranks return an empty dict
         (FSDP's full state dict convention), so a node holds one fp32 model, not one
-        per rank.  Every rank must call it (a collective)."""
+        per rank.  Every rank must call it (a collective).  On FSDP2 (runtime.engine_fsdp2)
+        every rank gets the whole model, keyed by the FSDP2 model's names."""
+        if self.fsdp2 is not None:
+            return self.fsdp2.gather_master(list(self._master_state_dict(False).values()))
+        return self._master_state_dict(rank0_only)
+
+    def _master_state_dict(self, rank0_only: bool) -> "OrderedDict[str, torch.Tensor]":
         self._check_between_steps("master_state_dict()")
         # its fp32 copy here, and with several ranks the gathered model on those that keep it
         gathered = self.world_size > 1 and (self.rank == 0 or not rank0_only)
@@ -101,7 +107,16 @@ class CheckpointAPI:
         files hold exactly this step's state.  The save is published (renamed, `latest`
         pointed at it) at the first step() that finds it done, or by wait_checkpoint();
         until then the previous checkpoint stays `latest`.  Returns the step directory
-        (not there yet with background=True)."""
+        (not there yet with background=True).  On FSDP2 (runtime.engine_fsdp2) a collective
+        of every rank, in the layout every topology and both paths load."""
+        if self.fsdp2 is not None:
+            return self.fsdp2.save(self, directory, keep, background)
+        return self.save_own_checkpoint(directory, keep, background)
+
+    def save_own_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
+        """save_checkpoint in the engine's own layout: on FSDP2 this rank's local shards
+        alone, as a one-rank checkpoint (what a rank's opt.state_dict() holds); else the
+        same as save_checkpoint."""
         self._check_between_steps("save_checkpoint()")
         dev, pending, meta = self._checkpoint_parts()
         if self.rank == 0:  # once per checkpoint: what zero_offload.export needs to name the master's pieces
@@ -151,7 +166,15 @@ class CheckpointAPI:
         """Restore a checkpoint saved with this world size or another: each rank
         reads its shard's range of every saved shard (optimizer_server.reshard),
         so a job can resume on fewer or more ranks.  Every file read is checked
-        against its checksum first."""
+        against its checksum first.  On FSDP2 any checkpoint of this model's optimizer, of
+        either path and any world size (runtime.fsdp2_checkpoint), a collective."""
+        if self.fsdp2 is not None:
+            self.fsdp2.load(self, directory)
+            return
+        self.load_own_checkpoint(directory)
+
+    def load_own_checkpoint(self, directory: str) -> None:
+        """load_checkpoint of a checkpoint in the engine's own layout (save_own_checkpoint's)."""
         self._check_between_steps("load_checkpoint()")
         self.wait_checkpoint()  # a background save of ours is published (or fails) first
         d, src, meta, metas = self.checkpoints.read_meta(
@@ -170,6 +193,8 @@ class CheckpointAPI:
                 pending = self.checkpoints.read_shard(d, "pending16", src, metas,
                                                       out=np.empty(self.flat.shard_numel, np.int16))
             self._restore(meta, counts, raw, pending, lambda slot: self.client.load(str(d), weights_slot=slot))
+        if self.fsdp2 is not None:
+            self.fsdp2.copy_back()  # the loaded device weights into the local shards
 
     def _restore(self, meta: dict, counts, raw: np.ndarray, pending: np.ndarray | None, server_load) -> None:
         """A load's second half, every file verified and this rank's words read: the

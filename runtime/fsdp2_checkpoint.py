@@ -67,6 +67,7 @@ from .flat import FlatParams
 
 log = logging.getLogger("zero_offload")
 ONE = 1          # the shared files are a one-rank checkpoint's
+SEEN = "seen"    # each rank's empty mark in the step directory (seen-rK-of-W.txt): one filesystem for all
 INT8_REFUSED = ("an FSDP2 checkpoint with int8 state: its scale per 256 elements does not follow FSDP2's rows, "
                 "so it cannot move between topologies bitwise; use state_dtype='bf16' or 'fp32' (or save each "
                 "rank's opt.state_dict() with torch.save)")
@@ -294,9 +295,18 @@ def _publish(g: Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, 
                                json.dumps(dict(meta, checksums=sums, params=params), indent=1).encode())
         except (OSError, ValueError, KeyError) as e:
             ok, err = False, e
+    # each rank's mark beside the shared files, which every rank wrote its rows into: rank
+    # 0 must see every rank's (one filesystem; on node-local disks each would publish a
+    # file of holes beside its own rows)
+    if ok:
+        try:
+            atomic_write_bytes(C.rank_file(tmp, SEEN, g.rank, g.world, ".txt"), b"")
+        except OSError as e:
+            ok, err = False, e
     expected = [C.rank_file(Path("."), p, 0, ONE, s) for p, s in
                 ((C.SHARD, ".bin"), (C.SHARD, ".json"), (C.ENGINE, ".json"), (C.DEVICE16, ".bin"))]
-    done, where = d.commit(tmp, ok, lambda k: expected if k == 0 else [])
+    done, where = d.commit(tmp, ok, lambda k: (expected if k == 0 else [])
+                           + [C.rank_file(Path("."), SEEN, k, g.world, ".txt")])
     if done:
         return where
     if isinstance(err, OptimizerServerDeadError):

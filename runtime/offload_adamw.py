@@ -43,15 +43,12 @@ import uuid
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from . import accelerate_prep, compute_dtype, fsdp2, fsdp2_checkpoint
-from .config import MULTI_RANK, OffloadConfig
+from . import engine_fsdp2, fsdp2
+from .config import OffloadConfig
 from .devices import resolve_device
-from .dtypes import TORCH_DTYPES
 from .engine import OffloadEngine
 from .optimizer_proxy import optim_method
-from .param_groups import state_dict_names
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
 from . import torch_state
 
@@ -66,17 +63,6 @@ class _Params(torch.nn.Module):
         super().__init__()
         for i, p in enumerate(params):
             self.register_parameter(f"param{i}", p)
-
-
-def _close(engine: OffloadEngine, shards, sync) -> None:
-    """Land the last update, stop the server; an FSDP2 model's local shards get it too,
-    and a model the library wrapped loses the accumulation's forward hook."""
-    engine.close()
-    if shards is not None:
-        shards.copy_back()
-        shards.detach()
-    if sync is not None:
-        sync.handle.remove()
 
 
 class OffloadAdamW(torch.optim.Optimizer):
@@ -120,29 +106,18 @@ class OffloadAdamW(torch.optim.Optimizer):
         params_all = [p for g in self.param_groups for p in g["params"]]
         groups = [{k: g[k] for k in ("params", *defaults)} for g in self.param_groups]
         self.state_dir = state_dir
-        self._names = None
-        self._shards = None  # an FSDP2 model's local shards (runtime.fsdp2)
-        norm_reduce = None
-        user_model = model
-        if any(fsdp2.is_dtensor(p) for p in params_all):
-            cfg = self._fsdp2(params_all, groups, model, cfg)
-            model, overlap_ok, norm_reduce = self._shards.module, False, self._shards.reduce_sumsq
-        else:
-            overlap_ok = model is not None  # a forward of the user's model runs the overlap's hooks
-            if model is None:
-                model = _Params(params_all)
+        # a forward of the user's model runs the overlap's hooks (FSDP2: the engine's part refuses them)
+        overlap_ok = model is not None
+        if model is None:
+            model = _Params(params_all)
         # auto_overlap=False: torch.optim's contract, the parameters are the new ones after step()
         self.engine = OffloadEngine(model, cfg, param_groups=groups, backward_mode="hooks", overlap_ok=overlap_ok,
-                                    auto_overlap=False, norm_reduce=norm_reduce)
+                                    auto_overlap=False)
         # the engine reads each group's values from these dicts, where schedulers write
         self.engine.optimizer.follow(self.param_groups)
-        if self._shards is not None:
-            # fp32 shards computed in a 16-bit param_dtype: 16-bit from here on (the
-            # master has their fp32 values); the FSDP2 modules are the model's
-            if user_model is not None and fsdp2.sixteen_bit_shards(user_model, self.engine.dtype):
-                self._shards.refresh()
-            self._shards.attach(self.engine)
-        self._close = weakref.finalize(self, _close, self.engine, self._shards, self._sync)
+        if self._sync is not None and self.engine.fsdp2 is not None:
+            self.engine.fsdp2.sync_handle, self._sync.handle = self._sync.handle, None  # closed with the engine
+        self._close = weakref.finalize(self, self.engine.close)
         self._instance = uuid.uuid4().hex  # tells this optimizer's own state_dict() apart (no state_dir)
         # one empty entry per parameter: the state is in the server, and torch.optim code
         # that tells "not stepped yet" by an empty opt.state (DCP's get_state_dict, which
@@ -151,94 +126,36 @@ class OffloadAdamW(torch.optim.Optimizer):
             self.state[p] = {}
         self._constructed = True
 
+    @property
+    def _shards(self):
+        """An FSDP2 model's local shards (runtime.fsdp2.LocalShards), or None."""
+        return self.engine.fsdp2.shards if self.engine.fsdp2 is not None else None
+
     def _library_fsdp2(self, params, model, cfg: OffloadConfig):
-        """expert.multi_rank="fsdp2-zero2"/"fsdp2-zero3" with several ranks and a plain model:
-        shard it with FSDP2 here (fsdp2.wrap), then take it as a model the user wrapped.
-        The parameters given (plain tensors, or param groups of them) are replaced by the
-        model's new sharded ones of the same names.  grad_accumulation_steps=k becomes
-        FSDP2's own accumulation (fsdp2.SyncEveryK) and the engine sees one backward per
-        step.  Returns (params, cfg) to build with."""
-        how = cfg.expert.multi_rank
-        if how == "auto":  # (config.py) int8 state's checkpoints do not go through FSDP2
-            how = "builtin" if cfg.state_dtype == "int8" else "fsdp2-zero2"
-        if model is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        """expert.multi_rank="fsdp2-zero2"/"fsdp2-zero3" (or "auto") with several ranks and a
+        plain model: shard it with FSDP2 here (runtime.engine_fsdp2.shard), before the param
+        groups are made, so they hold the model's new sharded parameters; the engine then
+        takes it as a model the user wrapped.  grad_accumulation_steps=k becomes FSDP2's own
+        accumulation (fsdp2.SyncEveryK) and the engine sees one backward per step.  Without
+        model= the engine's own collectives ("builtin").  Returns (params, cfg) to build with."""
+        if not engine_fsdp2.several_ranks():
             return params, cfg
+        if model is None:  # nothing to shard: the engine agrees on "builtin" with the other ranks
+            return params, dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, multi_rank="builtin"))
+        how = engine_fsdp2.resolve_path(cfg)
         params = list(params)
         given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
         device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
-        self._agree_on_path(how, device)
+        engine_fsdp2.agree_on_path(how, device)
+        # the engine agrees no second time: the path is settled
+        cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, multi_rank=how))
         if how == "builtin" or any(fsdp2.is_dtensor(p) for p in given):
             return params, cfg  # the engine's own collectives, or a model the user wrapped already
-        name_of: dict[int, str] = {}
-        for n, p in model.named_parameters(remove_duplicate=False):
-            name_of.setdefault(id(p), n)
-        missing = [p for p in given if id(p) not in name_of]
-        if missing:
-            raise ValueError("a parameter of the optimizer is not one of the model's: with expert.multi_rank="
-                             f"{how!r} the library shards the model, so pass the model the parameters belong to")
-        compute, _ = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)
-        # agreed before use: each rank reads its own CPU, and FSDP2's all-gathers need one
-        # param_dtype on every rank (fp32 compute if any rank would emulate 16-bit matmul)
-        wide = torch.tensor([1 if compute == torch.float32 else 0], dtype=torch.int32,
-                            device=fsdp2.collective_device(device.type))
-        dist.all_reduce(wide, op=dist.ReduceOp.MAX)
-        fsdp2.wrap(model, device=device, param_dtype=None if int(wide.item()) else TORCH_DTYPES[cfg.dtype],
-                   reshard_after_forward=how == "fsdp2-zero3")
-        new = dict(model.named_parameters(remove_duplicate=False))
-
-        def swap(ps):
-            return [new[name_of[id(p)]] for p in ps]
-        params = [dict(g, params=swap(g["params"])) if isinstance(g, dict) else new[name_of[id(g)]] for g in params]
+        params = engine_fsdp2.shard(model, params, cfg, device, how)
         if cfg.grad_accumulation_steps > 1:
             self._sync = fsdp2.SyncEveryK(model, cfg.grad_accumulation_steps)
             cfg = dataclasses.replace(cfg, grad_accumulation_steps=1)
         return params, cfg
-
-    @staticmethod
-    def _agree_on_path(how: str, device: torch.device) -> None:
-        """The multi-rank path every rank resolved (expert.multi_rank; "auto" reads
-        state_dtype), agreed before any rank takes it: ranks on different paths would
-        pair unrelated collectives and hang.  One all-reduce of (path, -path) with MAX."""
-        code = MULTI_RANK.index(how)
-        t = torch.tensor([code, -code], dtype=torch.int32, device=fsdp2.collective_device(device.type))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        fsdp2.released_by_collective_threads(t)
-        if int(t[0]) != -int(t[1]):
-            raise ValueError(f"the ranks resolved expert.multi_rank to different paths ({MULTI_RANK[-int(t[1])]!r} "
-                             f"and {MULTI_RANK[int(t[0])]!r}; this rank {how!r}): give every rank the same "
-                             f"offload options (multi_rank, and state_dtype, which 'auto' reads)")
-
-    def _fsdp2(self, params: list, groups: list, model, cfg: OffloadConfig) -> OffloadConfig:
-        """An FSDP2 (fully_shard) model: the engine trains proxies of this rank's local shards
-        (runtime.fsdp2); `groups` is rewritten onto them.  Returns the config it runs with."""
-        if cfg.grad_accumulation_steps != 1:
-            raise ValueError(f"grad_accumulation_steps={cfg.grad_accumulation_steps} with an FSDP2 model: accumulate "
-                             f"with FSDP2 (model.set_requires_gradient_sync(False) on the micro-batches before the "
-                             f"last), so the optimizer sees one backward per step, and leave it at 1")
-        if cfg.expert.exact_strategy not in ("auto", "sync", "speculation"):
-            raise ValueError(f"expert.exact_strategy={cfg.expert.exact_strategy!r} with an FSDP2 model: FSDP2's "
-                             f"all-gather reads the local shards before the forward, so the update cannot run "
-                             f"during it; use 'sync' (or mode='dpu')")
-        self._shards = fsdp2.LocalShards(params)
-        accelerate_prep.install()  # Accelerate's prepare(model) would wrap these shards in DDP
-        proxy = self._shards.proxy_of
-        for g in groups:  # frozen shards have no proxy: left alone, as torch.optim leaves them
-            g["params"] = [proxy[id(p)] for p in g["params"] if id(p) in proxy]
-        # every name model.state_dict() gives a parameter (a tied weight has several; the first
-        # is its named_parameters() name, master_state_dict()'s key here), for the checkpoint's
-        # parameter table, which then reads as the built-in path's
-        names = state_dict_names(model) if model is not None else {}
-        self._names = {id(p): names.get(id(p)) or [f"param{i}"] for i, p in enumerate(params)}
-        # the built-in path's layout of the same parameters (runtime.fsdp2_checkpoint):
-        # the model's trainable ones in its order (the optimizer's without model=), by group
-        group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
-        order = [p for p in (model.parameters() if model is not None else params)
-                 if p.requires_grad and id(p) in group_of]
-        self._layout = (order, group_of)
-        self._flat_map = None
-        # the proxies are never computed with (FSDP2 computes on its own all-gathered
-        # parameters): they hold the 16-bit weights whatever the CPU's matmul
-        return dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, compute_dtype=cfg.dtype))
 
     # ------------------------------------------------------------------ torch.optim API
     def add_param_group(self, param_group: dict) -> None:
@@ -255,9 +172,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.engine.step()
-        if self._shards is not None:
-            self._shards.copy_back()  # before the next forward's all-gather
+        self.engine.step()  # (FSDP2: the new weights are in the local shards before the next all-gather)
         if self._sync is not None:
             self._sync.stepped()
         return loss
@@ -321,8 +236,6 @@ class OffloadAdamW(torch.optim.Optimizer):
                              "state_dir) and restores only into the optimizer it came from at the step it was "
                              f"taken: build {type(self).__name__}(..., state_dir='...') or take it anew")
         self._set_groups(saved)
-        if self._shards is not None:
-            self._shards.copy_back()  # the loaded device weights into the local shards
 
     def _check_group_sizes(self, saved: list) -> None:
         if len(saved) != len(self.param_groups) or any(len(a["params"]) != len(b["params"])
@@ -363,27 +276,16 @@ class OffloadAdamW(torch.optim.Optimizer):
                     p = proxy[id(p)]
                 pairs.append((p, st, f"parameter {key} of the state dict"))
         # FSDP2's ranks (each a one-rank engine) refuse, write and load together
-        together = self._shards is not None and self._shards.world > 1
         torch_state.load(self.engine, pairs, self.MOMENTS, directory,
-                         agree=fsdp2_checkpoint.Group(self._shards).agree if together else None)
+                         agree=self.engine.fsdp2.agree() if self.engine.fsdp2 is not None else None)
         self._set_groups([torch_state.group_values(s) for s in state_dict["param_groups"]])
-        if self._shards is not None:
-            self._shards.copy_back()  # the loaded device weights into the local shards
 
     # ------------------------------------------------------------------ offload API
     def save_checkpoint(self, directory: str, keep: int = 2, background: bool = False) -> str:
         """OffloadEngine.save_checkpoint: directory/step-N with master, m, v, device weights
-        (background=True: written while training goes on; wait_checkpoint() publishes it)."""
-        if self._shards is not None:  # a collective over FSDP2's group, in the layout every topology reads
-            return fsdp2_checkpoint.save(self.engine, self._fsdp2_map(), self._shards, directory, keep,
-                                         background=background)
+        (background=True: written while training goes on; wait_checkpoint() publishes it;
+        FSDP2: a collective, in the layout every topology reads)."""
         return self.engine.save_checkpoint(directory, keep=keep, background=background)
-
-    def _fsdp2_map(self) -> "fsdp2_checkpoint.FlatMap":
-        if self._flat_map is None:
-            sh = self._shards
-            self._flat_map = fsdp2_checkpoint.flat_map(self.engine, sh, *self._layout, sh.rank, sh.world, self._names)
-        return self._flat_map
 
     def wait_checkpoint(self) -> str | None:
         """OffloadEngine.wait_checkpoint: publish the background save in flight."""
@@ -392,20 +294,13 @@ class OffloadAdamW(torch.optim.Optimizer):
     def load_checkpoint(self, directory: str) -> None:
         """OffloadEngine.load_checkpoint: any checkpoint of this model's optimizer, saved at any
         world size, with FSDP2 or the built-in path (with FSDP2 a collective)."""
-        if self._shards is not None:
-            fsdp2_checkpoint.load(self.engine, self._fsdp2_map(), directory, self._shards)
-            self._shards.copy_back()  # the loaded device weights into the local shards
-            return
         self.engine.load_checkpoint(directory)
 
     def master_state_dict(self, rank0_only: bool = False):
         """The fp32 master weights, keyed like model.state_dict() (with model=).  An FSDP2
         model: whole tensors gathered from every rank's shards (a collective), keyed by
         the model's parameter names (with model=) or param0, param1, ..."""
-        if self._shards is None:
-            return self.engine.master_state_dict(rank0_only)
-        local = list(self.engine.master_state_dict().values())  # the proxies' masters, in order
-        return self._shards.gather(self._names, local)
+        return self.engine.master_state_dict(rank0_only)
 
     def stats(self) -> dict:
         return self.engine.stats()

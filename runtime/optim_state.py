@@ -90,7 +90,7 @@ class InMemoryState:
                                          "whole state in this process)", instead)
         tmp = scratch.make(SCRATCH_PREFIX)
         try:
-            step_dir = Path(engine.save_checkpoint(tmp, keep=1))
+            step_dir = Path(engine.save_own_checkpoint(tmp, keep=1))
             files = {}
             for p in sorted(step_dir.rglob("*")):
                 if p.is_file():  # one copy: the file's bytes into the tensor's own buffer
@@ -126,6 +126,6 @@ def load_files(opt, files: dict) -> None:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(memoryview(t.contiguous().numpy()))  # no copy: the file's bytes straight from the tensor
-        opt.engine.load_checkpoint(str(root))
+        opt.engine.load_own_checkpoint(str(root))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -141,7 +141,7 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
             os.makedirs(directory, mode=0o700, exist_ok=True)
         tmp = scratch.make(TMP_PREFIX, directory)
     try:
-        d = Path(engine.save_checkpoint(str(tmp), keep=1))
+        d = Path(engine.save_own_checkpoint(str(tmp), keep=1))
         write_err = None
         try:
             _rewrite(d, engine.rank, engine.world_size, checked, moments, counts)
@@ -153,7 +153,7 @@ def load(engine, pairs: list, moments: tuple[str, ...], directory: str | None = 
             raise OSError(f"a rank could not write its part of the temporary checkpoint in {tmp} (disk full?): "
                           f"nothing was loaded") from write_err
         if several or agree is None:
-            engine.load_checkpoint(str(d))  # the built-in path's LOAD fails on every rank together itself
+            engine.load_own_checkpoint(str(d))  # the built-in path's LOAD fails on every rank together itself
         else:
             _load_together(engine, d, agree)
     finally:
@@ -167,7 +167,7 @@ def _load_together(engine, d: Path, agree: Callable[[bool], bool]) -> None:
     """FSDP2's one-rank engines load their private checkpoints, and agree that every
     rank did, so no rank trains on while another has raised."""
     try:
-        engine.load_checkpoint(str(d))
+        engine.load_own_checkpoint(str(d))
     except Exception:
         agree(False)
         raise

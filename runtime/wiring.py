@@ -17,7 +17,7 @@ from zero_offload.server.protocol import E_RESOURCE, QBLOCK, ShardSpec
 from zero_offload.server.state import bytes_per_param
 from zero_offload.server.tracing import Tracer
 
-from . import compute_dtype, distributed, exact_mode, fsdp2, host_memory, owners
+from . import compute_dtype, distributed, exact_mode, host_memory, owners
 from .config import OffloadConfig
 from .devices import process_group, resolve_device
 from .dtypes import TORCH_DTYPES
@@ -51,13 +51,6 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
-    if any(fsdp2.is_dtensor(p) for p in params):
-        # FSDP2's sharded parameters meet a flat space of plain tensors: refused before any
-        # process starts, instead of a DTensor error from deep inside the first copy
-        raise ValueError("the model's parameters are DTensors (torch.distributed.fsdp.fully_shard, FSDP2): "
-                         "OffloadEngine trains plain tensors; for an FSDP2 model use OffloadAdamW (or "
-                         "OffloadLion), which offloads each rank's local shards, or train without fully_shard "
-                         "and let the engine shard the optimizer itself (zero-offload-launch)")
     owners.check_free(params)
     src = params[0].device
     if any(p.device != src for p in params):
@@ -109,6 +102,11 @@ def prepare(engine: "OffloadEngine", model: torch.nn.Module, cfg: OffloadConfig,
     engine.counters = Counters()
     engine.coll = distributed.Collectives(engine.device, engine.rank, engine.world_size, S) \
         if engine.distributed else None
+    # True on every rank if True on every rank, over the ranks that train together (the
+    # built-in collectives, or FSDP2's group whose one-rank engines have none of their
+    # own), None alone: a choice made from what one rank reads is agreed through it
+    engine.agree_ranks = (engine.coll.all_ok if engine.coll is not None
+                          else engine.fsdp2.agree() if engine.fsdp2 is not None else None)
     engine._worker_peak = worker_peak_bytes(engine, cfg)  # HELLO's, and the undo log's spare RAM
     # mode="exact": the strategies this engine may use (runtime.exact_mode); the undo
     # log speculation needs is asked for at HELLO, so it is settled here
@@ -142,11 +140,12 @@ def exact_strategies(engine: "OffloadEngine", cfg: OffloadConfig, overlap_ok: bo
         # its copy of the model (worker_frees)
         spare = read_mem_available() + worker_frees(engine) - math.ceil((state + 6) * n) - engine._worker_peak
         undo = whole if 2 * whole <= spare else 0
-        if engine.world_size > 1:
+        if engine.agree_ranks is not None:
             # agreed before use: each rank reads its own MemAvailable (on one node, while the
             # other ranks' servers still allocate), and a rank with speculation among its
-            # candidates calls the picker's all-reduce where one without it never does
-            undo = whole if engine.coll.all_ok(undo > 0) else 0
+            # candidates calls the picker's all-reduce where one without it never does (on
+            # FSDP2 the ranks then also pick among the same candidates)
+            undo = whole if engine.agree_ranks(undo > 0) else 0
     else:
         undo = x.undo_log_bytes
     order = exact_mode.candidates(world_size=engine.world_size, overlap_ok=overlap_ok and auto_overlap,
@@ -178,7 +177,7 @@ def worker_peak_bytes(engine: "OffloadEngine", cfg: OffloadConfig) -> int:
     largest = max(trained, default=0)
     grads = (sum(trained) if cfg.grad_accumulation_steps > 1 else largest) * item
     widen = item if engine.compute_dtype != engine.dtype else 0  # the 16-bit value cast again, to fp32
-    frozen = max((p.numel() * (2 + widen) for p in engine.model.parameters()
+    frozen = max((p.numel() * (2 + widen) for p in engine.trained.parameters()
                   if not p.requires_grad and p.is_floating_point() and not p.is_cuda), default=0)
     return max(grads, frozen)
 
@@ -229,7 +228,7 @@ def connect(engine: "OffloadEngine", cfg: OffloadConfig) -> None:
                 f"{cfg.dtype!r} halves its own peak, at the cost of emulated 16-bit matmul on this CPU)",
                 code=e.code)
             refused.__cause__ = e
-    if engine.world_size > 1 and not engine.coll.all_ok(refused is None):
+    if engine.agree_ranks is not None and not engine.agree_ranks(refused is None):
         # one rank's refusal is every rank's: the others would wait in the first
         # collective for a rank that is gone (until the process group's timeout)
         if refused is None:
@@ -293,15 +292,15 @@ def init_weights(engine: "OffloadEngine") -> None:
         # them beside the trained ones: the same 16 bits, on the same device
         # (fp32 compute: their 16-bit values, held in fp32; buffers stay fp32)
         with torch.no_grad():
-            for p in engine.model.parameters():
+            for p in engine.trained.parameters():
                 if not p.requires_grad:
                     if p.is_floating_point():
                         p.data = p.data.to(engine.device, engine.dtype).to(engine.compute_dtype)
                     else:
                         p.data = p.data.to(engine.device)
-        for b in engine.model.buffers():
+        for b in engine.trained.buffers():
             b.data = b.data.to(engine.device, engine.compute_dtype if b.is_floating_point() else b.dtype)
         if engine.compute_dtype != engine.dtype and engine.flat.spans:
             # a script's 16-bit inputs (x.to(torch.bfloat16)) meet fp32 weights
-            compute_dtype.install_input_cast(engine.model, engine.dtype, engine.flat.spans[0].param)
+            compute_dtype.install_input_cast(engine.trained, engine.dtype, engine.flat.spans[0].param)
     host_memory.return_freed_heap()

@@ -129,7 +129,9 @@ def state_hashes(engine, ckpt: Path) -> dict:
             out[f"{man.stem}.{name}"] = sha(raw[i * n:(i + 1) * n])
     for f in sorted(d.glob("device16-r*.bin")) + sorted(d.glob("pending16-r*.bin")):
         out[f.stem] = sha(f.read_bytes())
-    out["flat16"] = sha(torch.cat([p.detach().reshape(-1) for p in engine.model.parameters()]))
+    # (several ranks on FSDP2: this rank's local shards)
+    out["flat16"] = sha(torch.cat([(p.to_local() if hasattr(p, "to_local") else p).detach().reshape(-1)
+                                   for p in engine.model.parameters()]))
     return out
 
 

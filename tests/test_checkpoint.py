@@ -98,7 +98,10 @@ def test_state_calls_between_backward_and_step_are_refused(tmp_path, what):
 def test_a_directory_not_every_rank_sees_is_refused(tmp_path):
     """Two ranks save to what are, for them, different directories (as node-local
     disks would be): rank 0 does not see rank 1's files, so nothing is published
-    and both ranks raise the error naming the fix."""
+    and both ranks raise the error naming the fix.  On the default path (FSDP2) every
+    rank writes its rows into the same files, so each rank leaves a mark
+    (fsdp2_checkpoint.SEEN) that rank 0 must see.  (Mutation: the marks not expected in
+    _publish's commit: each rank publishes a file of holes, and says "saved".)"""
     cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", "2",
            os.path.join(ROOT, "tests", "helpers", "dist_worker.py"), str(tmp_path), "unshared", "3"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,

@@ -42,7 +42,10 @@ MATCH_MODES = ["sync", "dpu", "groups-dpu", "unused-dpu", "bf16state-dpu", "grou
 MATCH_STEPS = 20
 
 
-OVERLAP_MODES = ("sync-clip", "overlap-clip", "overlap-spec-clip", "sync", "overlap-spec", "overlap-eval")
+# overlap_update is the built-in path's (FSDP2's all-gather reads the shards before the
+# forward): its references are the built-in path's synchronous runs
+OVERLAP_MODES = ("builtin-sync-clip", "overlap-clip", "overlap-spec-clip", "builtin-sync", "overlap-spec",
+                 "overlap-eval")
 OVERLAP_STEPS = 12
 OVERFLOW_STEPS = 5
 
@@ -95,13 +98,20 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
         print(f"rank {r}: displacement rel err against one rank {err:.2e}")
         assert err < (6e-2 if "int8" in mode else 2e-2), r
         st = res["stats"]
-        flat = _layout(mode)  # align: every parameter at a multiple of 64, zeros between
-        S = flat.shard_numel
-        if "align" not in mode:  # packed: the flat space is the parameters, padded
-            assert S == (-(-n // 512) * 256 if "int8" in mode else n // 2)
-        assert st["world_size"] == 2 and st["shard_numel"] == S
-        real = min(flat.numel, (r + 1) * S) - r * S  # no gradient goes down for the padding past the model
-        assert st["bytes_to_host"] == 2 * real * steps and st["bytes_to_device"] == 2 * S * steps
+        assert st["world_size"] == 2 and st["rank"] == r
+        # the default path is FSDP2's; int8 state and rank-dependent use are the built-in path's
+        assert st["multi_rank"] == ("builtin" if "int8" in mode or "unused" in mode else "fsdp2"), st["multi_rank"]
+        if st["multi_rank"] == "fsdp2":  # each rank's engine: its local rows of every parameter, laid out alone
+            local = _local_layout(mode, r)
+            assert st["shard_numel"] == local.shard_numel and st["bytes_to_host"] == 2 * local.numel * steps, st
+        else:
+            flat = _layout(mode)  # align: every parameter at a multiple of 64, zeros between
+            S = flat.shard_numel
+            if "align" not in mode:  # packed: the flat space is the parameters, padded
+                assert S == (-(-n // 512) * 256 if "int8" in mode else n // 2)
+            assert st["shard_numel"] == S
+            real = min(flat.numel, (r + 1) * S) - r * S  # no gradient goes down for the padding past the model
+            assert st["bytes_to_host"] == 2 * real * steps and st["bytes_to_device"] == 2 * S * steps
         # no reference cycle keeps a closed engine (and its model) alive: the all-gather and
         # the collectives' agree/barrier are the collectives' methods, not the engine's
         assert res["engine_freed"], f"rank {r}: the closed engine outlived its last reference"
@@ -128,6 +138,25 @@ def _layout(mode):
                       shard_multiple=256 if "int8" in mode else 1, align=cfg.expert.param_align_numel or 1)
 
 
+def _local_layout(mode, rank, world=2):
+    """The flat space rank's engine lays out on FSDP2: its rows of each parameter (FSDP2's
+    dim-0 chunks), in the model's order, one rank's space."""
+    from zero_offload.flat import FlatParams
+    from zero_offload.fsdp2 import chunk_rows
+    m = make_model(mode)
+    ps = list(m.parameters())
+    gs = groups(m, mode)
+    local = []
+    for p in ps:
+        r0, r1 = chunk_rows(p.shape[0], world, rank)
+        local.append(torch.empty((r1 - r0, *p.shape[1:]), device="meta"))
+    group_of = None if gs is None else [next(i for i, g in enumerate(gs) if any(p is q for q in g["params"]))
+                                        for p in ps]
+    cfg = config(mode)
+    return FlatParams(local, bucket_numel=cfg.expert.bucket_numel, world_size=1, groups=group_of,
+                      align=cfg.expert.param_align_numel or 1)
+
+
 def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     """overlap_update across ranks (step() lands the update and its all-gather), with rank
     0 alone running an evaluation forward between steps (overlap-eval: a forward hook
@@ -137,8 +166,8 @@ def test_overlap_update_on_two_ranks_is_bitwise_sync(two_rank_runs):
     res = {}
     for mode in OVERLAP_MODES:
         res[mode] = [torch.load(two_rank_runs / f"{mode}@{OVERLAP_STEPS}" / f"rank{r}.pt") for r in range(2)]
-    for ref, mode in (("sync-clip", "overlap-clip"), ("sync-clip", "overlap-spec-clip"), ("sync", "overlap-spec"),
-                      ("sync", "overlap-eval")):
+    for ref, mode in (("builtin-sync-clip", "overlap-clip"), ("builtin-sync-clip", "overlap-spec-clip"),
+                      ("builtin-sync", "overlap-spec"), ("builtin-sync", "overlap-eval")):
         for r in range(2):
             a, b = res[ref][r], res[mode][r]
             for k in a["master"]:
@@ -163,6 +192,7 @@ def test_ranks_agree_on_the_undo_log_when_their_ram_differs(two_rank_runs):
     wiring.exact_strategies: the launch hangs or a rank fails.)"""
     res = [torch.load(two_rank_runs / f"poorrank@{MATCH_STEPS}" / f"rank{r}.pt") for r in range(2)]
     st = [r["stats"] for r in res]
+    assert st[0]["multi_rank"] == st[1]["multi_rank"] == "fsdp2"  # agreed over FSDP2's group (wiring)
     assert st[0]["exact_strategy"] == st[1]["exact_strategy"] == "sync", [s["exact_strategy"] for s in st]
     assert st[0]["spec_steps"] == st[1]["spec_steps"] == 0
     for k in res[0]["master"]:
@@ -177,6 +207,7 @@ def test_ranks_agree_on_the_compute_dtype_when_their_cpus_differ(two_rank_runs):
     from wiring.prepare: gloo refuses the all-gather's sizes, or the ranks differ.)"""
     res = [torch.load(two_rank_runs / f"mixedcpu@{OVERFLOW_STEPS}" / f"rank{r}.pt") for r in range(2)]
     st = [r["stats"] for r in res]
+    assert st[0]["multi_rank"] == st[1]["multi_rank"] == "fsdp2"  # FSDP2's param_dtype, agreed (engine_fsdp2.shard)
     assert st[0]["compute_dtype"] == st[1]["compute_dtype"] == "float32", [s["compute_dtype"] for s in st]
     for k in res[0]["master"]:
         assert torch.equal(res[0]["master"][k], res[1]["master"][k]), k
@@ -198,6 +229,7 @@ def test_a_shard_refused_on_one_rank_raises_on_every_rank(two_rank_runs):
 def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):
     for r in range(2):
         st = torch.load(two_rank_runs / f"overflow@{OVERFLOW_STEPS}" / f"rank{r}.pt")["stats"]
+        assert st["multi_rank"] == "fsdp2"  # fp16 with loss scaling: the overflow is the norm's all-reduce
         assert st["skipped_steps"] == 1 and st["updates"] == OVERFLOW_STEPS - 1 and st["loss_scale"] == 2.0 ** 15
 
 

@@ -180,31 +180,54 @@ def test_parameters_without_gradient_are_left_as_torch_leaves_them(dpu, accum):
         assert steps[n] == opt.state[masters[n]]["step"].item(), n
 
 
-def test_an_fsdp2_model_is_refused_by_the_engine_naming_the_fix(tmp_path):
-    """OffloadEngine on a model under torch's fully_shard (FSDP2: DTensor parameters) is
-    refused before any process starts, naming OffloadAdamW (which takes FSDP2's local
-    shards: tests/test_fsdp2.py), and the model is left as it was; OffloadAdamW over a
-    mix of DTensors and plain tensors is refused naming fully_shard of the whole model.
-    One rank over gloo, the process group taken down after.  (Mutation: dropping the
-    engine's check gives torch's "mixed torch.Tensor and DTensor" error from inside the
-    first copy, after the server started.)"""
+def test_the_engine_trains_an_fsdp2_model_as_offload_adamw_does(tmp_path):
+    """OffloadEngine on a model under torch's fully_shard (FSDP2: DTensor parameters) takes
+    it as OffloadAdamW does (runtime.engine_fsdp2: the engine trains the rank's local
+    shards): engine.backward and step over 4 steps give bitwise OffloadAdamW's masters
+    and local shards on the same model and batches; OffloadAdamW over a mix of DTensors
+    and plain tensors is refused naming fully_shard of the whole model.  One rank over
+    gloo, the process group taken down after.  (Mutation: Fsdp2Part.copy_back not called
+    in step(): the engine's local shards stay at their first values and differ.)"""
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from zero_offload import OffloadAdamW, OffloadEngine
+    from zero_offload import OffloadAdamW
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
-        for layer in model:
-            fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        fully_shard(model)
-        before = [p.detach().full_tensor().clone() for p in model.parameters()]
-        with pytest.raises(ValueError, match="DTensors.*fully_shard.*use OffloadAdamW"):
-            OffloadEngine(model, dtype="bf16", server={"threads": 1})
-        assert all(torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))
+        def build():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+            model.to(torch.bfloat16)
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+            fully_shard(model)
+            return model
+
+        def train(model, opt, backward, step):
+            g = torch.Generator().manual_seed(7)
+            for _ in range(4):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                backward(torch.nn.functional.mse_loss(model(x.bfloat16()).float(), y))
+                step()
+            return opt.master_state_dict(), [p.detach().to_local().clone() for p in model.parameters()]
+
+        first = [p.detach().to_local().clone() for p in build().parameters()]
+        m1 = build()
+        with OffloadEngine(m1, lr=1e-2, weight_decay=0.0, dtype="bf16", server={"threads": 1},
+                           expert={"exact_strategy": "sync"}) as eng:
+            assert eng.fsdp2 is not None and eng.stats()["multi_rank"] == "fsdp2"
+            got = train(m1, eng, eng.backward, eng.step)
+        m2 = build()
+        with OffloadAdamW(m2.parameters(), model=m2, lr=1e-2, weight_decay=0.0, server={"threads": 1},
+                          expert={"exact_strategy": "sync"}) as opt:
+            want = train(m2, opt, lambda loss: loss.backward(), opt.step)
+        assert list(got[0]) == list(want[0]) == [n for n, _ in m1.named_parameters()]
+        for k in want[0]:
+            assert torch.equal(got[0][k], want[0][k]), k
+        for a, b, f in zip(got[1], want[1], first):
+            assert a.dtype == torch.bfloat16 and torch.equal(a, b) and not torch.equal(a, f)
         plain = torch.nn.Linear(4, 4)
         with pytest.raises(ValueError, match="some parameters are DTensors.*fully_shard the whole model"):
-            OffloadAdamW(list(model.parameters()) + list(plain.parameters()), lr=1e-3, server={"threads": 1})
+            OffloadAdamW(list(m2.parameters()) + list(plain.parameters()), lr=1e-3, server={"threads": 1})
     finally:
         dist.destroy_process_group()

@@ -52,7 +52,7 @@ def run_mode(out: str, mode: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = Model()
     cfg = OffloadConfig(lr=1e-3, dtype="fp16", loss_scaling={"scale": 1.0}, server={"threads": 1},
-                        expert={"bucket_numel": 1024})
+                        expert={"bucket_numel": 1024, "multi_rank": "builtin"})  # the built-in collectives
     eng = OffloadEngine(model, cfg)
     if mode == "owner":
         eng.grads.coll = copy.copy(eng.coll)

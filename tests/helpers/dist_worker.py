@@ -4,7 +4,9 @@
 
 Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
-MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1 injects an inf at step 3) | raise (rank 1
+Several ranks train through FSDP2 (the engine's default) unless MODE has "builtin" (or
+is unused*, int8state or overlap*, the built-in path's cases).
+MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1's loss is inf at step 3) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
 overlap-clip / sync-clip (overlap_update against sync, clipping at CLIP) |
@@ -72,6 +74,12 @@ def forward(model, x, t: int, lo: int):
     return model(x, (max(a - lo, 0), max(min(b - lo, x.shape[0]), 0)))
 
 
+def whole(model) -> dict:
+    """The model's weights as whole tensors (FSDP2's DTensors gathered: a collective)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
 def global_batch(step: int, bs: int = 32):
     g = torch.Generator().manual_seed(1000 * step)
     return torch.randn(bs, 16, generator=g), torch.randn(bs, 8, generator=g)
@@ -92,6 +100,12 @@ def config(mode: str) -> OffloadConfig:
                   progress_block_numel=256,  # many published blocks per shard: partial copies
                   staging_numel=500,  # the initial shard and master_state_dict in chunks
                   param_align_numel=64 if "align" in mode else 0)  # align: the GPU's layout, gaps
+    if "builtin" in mode or mode.startswith("unused"):
+        # the engine's own ZeRO-2 (else FSDP2, the default; int8 state and overlap_update
+        # take the built-in path themselves).  unused: a parameter some ranks use in a step
+        # and others do not breaks FSDP2's reduce-scatter (every rank must reduce the same
+        # parameters), so it is the built-in path's case
+        expert["multi_rank"] = "builtin"
     if not dpu and (mode.startswith("overlap") or "spec" in mode):  # else mode="exact" picks (both ranks agree)
         expert["exact_strategy"] = strategy_of(mode.startswith("overlap"), "spec" in mode)
         if "spec" in mode:
@@ -152,7 +166,7 @@ def run(out: str, mode: str, steps: int) -> None:
     if mode.startswith("load"):  # resume from a checkpoint saved with any world size
         eng.load_checkpoint(os.path.join(out, "ckpt"))
         extra["master_at_load"] = eng.master_state_dict()
-        extra["w16_at_load"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        extra["w16_at_load"] = whole(model)
     first = eng.iteration + 1
     if "spec" in mode:
         # a backward this small ends before a gloo all-reduce does: the first layer (the
@@ -167,16 +181,13 @@ def run(out: str, mode: str, steps: int) -> None:
         x, y = global_batch(t)
         n = x.shape[0] // world
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        h = None
-        if mode == "overflow" and rank == 1 and t == 3:
-            h = next(model.parameters()).register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
         loss = torch.nn.functional.mse_loss(forward(model, x.to(dt), t, rank * n).float(), y)
+        if mode.startswith("overflow") and rank == 1 and t == 3:
+            loss = loss * float("inf")  # this rank's gradients overflow (inf, and nan where they were 0)
         eng.backward(loss)
         if "spec" in mode:
             time.sleep(SPEC_WAIT_S)  # the server speculates what it heard of before the STEP
         eng.step()
-        if h is not None:
-            h.remove()
         if "eval" in mode:  # rank 0 alone evaluates, then every rank meets (a common loop's shape)
             if rank == 0:
                 with torch.no_grad():
@@ -192,7 +203,7 @@ def run(out: str, mode: str, steps: int) -> None:
             f.write(said)
     if mode.startswith("save"):
         eng.save_checkpoint(os.path.join(out, "ckpt"))
-        extra["w16_at_save"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        extra["w16_at_save"] = whole(model)
     master = eng.master_state_dict()
     eng.close()
     stats = eng.stats()
@@ -203,7 +214,7 @@ def run(out: str, mode: str, steps: int) -> None:
     del eng
     extra["engine_freed"] = ref() is None
     gc.enable()
-    torch.save({"master": master, "w16": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    torch.save({"master": master, "w16": whole(model),
                 "stats": stats, **extra}, os.path.join(out, f"rank{rank}.pt"))
 
 
