@@ -149,15 +149,18 @@ class ExpertConfig:
     """Write this process's Chrome trace here ("" = $ZERO_OFFLOAD_TRACE_DIR, which
     zero-offload-launch --trace-dir sets, else no tracing)."""
     multi_rank: str = "auto"
-    """OffloadAdamW/OffloadLion (and OffloadTrainer) with several ranks on a plain model
-    (given model=): "fsdp2-zero2" or "fsdp2-zero3": the library shards the model with
-    torch's FSDP2 (runtime.fsdp2.wrap: one unit per transformer block, the root last;
-    reshard_after_forward False or True) and offloads each rank's local shards, as for a
-    model the user wrapped; "builtin": the engine's own ZeRO-2 collectives (what
-    OffloadEngine and an optimizer built without model= use); "auto" (the default):
-    "fsdp2-zero2", but "builtin" for int8 state (its per-256 scales do not follow
-    FSDP2's rows, so FSDP2 checkpoints refuse it).  A model already wrapped with
-    fully_shard is taken as it is whatever this says."""
+    """How several ranks train a plain model (OffloadEngine, and OffloadAdamW/OffloadLion/
+    OffloadTrainer given model=): "fsdp2-zero2" or "fsdp2-zero3": the library shards the
+    model with torch's FSDP2 (runtime.engine_fsdp2: one unit per transformer block, the
+    root last; reshard_after_forward False or True) and each rank offloads its local
+    shards, as for a model the user wrapped; "builtin": the engine's own ZeRO-2
+    collectives (what an optimizer built without model= uses, and what a model whose
+    ranks use different parameters in one step needs: FSDP2 reduces the same parameters
+    on every rank); "auto" (the default): "fsdp2-zero2", but "builtin" for int8 state (its
+    per-256 scales do not follow FSDP2's rows, so FSDP2 checkpoints refuse it) and for
+    exact_strategy "overlap_update"/"overlap_update+speculation" (the update runs inside the
+    forward, where FSDP2 all-gathers first).  Agreed by every rank before use.  A model
+    already wrapped with fully_shard is taken as it is whatever this says."""
     # -- A/B switches for benchmarks and tests
     cpu_zero_copy: bool = True
     """One CPU rank: the model's 16-bit weights live in the shared segment (two slots, no

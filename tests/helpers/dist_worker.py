@@ -6,7 +6,8 @@ Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
 Several ranks train through FSDP2 (the engine's default) unless MODE has "builtin" (or
 is unused*, int8state or overlap*, the built-in path's cases).
-MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1's loss is inf at step 3) | raise (rank 1
+MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1's loss is inf at step 3) |
+fp16 (with loss scaling) | accum (two micro-batches a step: grad_accumulation_steps=2) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
 overlap-clip / sync-clip (overlap_update against sync, clipping at CLIP) |
@@ -110,7 +111,8 @@ def config(mode: str) -> OffloadConfig:
         expert["exact_strategy"] = strategy_of(mode.startswith("overlap"), "spec" in mode)
         if "spec" in mode:
             expert["undo_log_bytes"] = 1 << 30
-    return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="bf16" if mode != "overflow" else "fp16",
+    return OffloadConfig(lr=3e-3, weight_decay=0.01, dtype="fp16" if mode == "overflow" or "fp16" in mode else "bf16",
+                         grad_accumulation_steps=2 if "accum" in mode else 1,
                          mode="dpu" if dpu else "exact", clip_grad_norm=CLIP if "clip" in mode else None,
                          state_dtype="bf16" if "bf16state" in mode else "int8" if "int8state" in mode else "fp32",
                          expert=expert)
@@ -181,10 +183,12 @@ def run(out: str, mode: str, steps: int) -> None:
         x, y = global_batch(t)
         n = x.shape[0] // world
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        loss = torch.nn.functional.mse_loss(forward(model, x.to(dt), t, rank * n).float(), y)
-        if mode.startswith("overflow") and rank == 1 and t == 3:
-            loss = loss * float("inf")  # this rank's gradients overflow (inf, and nan where they were 0)
-        eng.backward(loss)
+        k = eng.cfg.grad_accumulation_steps  # accum: the rank's rows in k micro-batches
+        for xm, ym in zip(x.chunk(k), y.chunk(k)):
+            loss = torch.nn.functional.mse_loss(forward(model, xm.to(dt), t, rank * n).float(), ym)
+            if mode.startswith("overflow") and rank == 1 and t == 3:
+                loss = loss * float("inf")  # this rank's gradients overflow (inf, and nan where they were 0)
+            eng.backward(loss)
         if "spec" in mode:
             time.sleep(SPEC_WAIT_S)  # the server speculates what it heard of before the STEP
         eng.step()
