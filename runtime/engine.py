@@ -14,6 +14,7 @@ holds an fp32 master, m or v.
 
 This module is the facade; the engine owns its parts and calls them, each with one concern:
 
+    runtime.engine_fsdp2   several ranks on FSDP2: the model sharded, its local shards as the engine's parameters
     runtime.wiring         set-up: checks, device and ranks, layout, the server, the shard, first weights
     runtime.step_state     where a step is (phases and their transitions)
     runtime.grads_down     gradients down (hooks, buckets, reduces, the one-slot gate, the norm)

@@ -1,4 +1,6 @@
-"""OffloadAdamW on a model sharded by torch's FSDP2 (torch.distributed.fsdp.fully_shard).
+"""An engine on a model sharded by torch's FSDP2 (torch.distributed.fsdp.fully_shard): the
+local shards, the library's wrapping and FSDP2's row rule (runtime.engine_fsdp2 is the
+part of OffloadEngine that uses them).
 
 FSDP2 already gives each rank its part of every parameter: a DTensor sharded on dim 0
 whose local tensor (``p.to_local()``) is the rank's rows, which FSDP2 all-gathers
@@ -41,7 +43,7 @@ Choices (docs/fsdp2.md has the why):
     on a GPU the proxies are a second copy (docs/fsdp2.md);
   - fp32 local shards that FSDP2 computes in a 16-bit param_dtype (torchtitan's recipe)
     are made 16-bit in place once the engine has taken their fp32 values for its master
-    (``sixteen_bit_shards``; OffloadAdamW does it when given model=).
+    (``sixteen_bit_shards``; the engine's FSDP2 part does it where it has the FSDP2 modules).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def check_fsdp2(params: list) -> None:
     for p in params:
         pl = tuple(p.placements)
         if len(pl) != 1 or not (hasattr(pl[0], "dim") and pl[0].is_shard() and pl[0].dim == 0):
-            raise ValueError(f"a parameter is placed {pl}: OffloadAdamW takes FSDP2's sharding (fully_shard on a "
+            raise ValueError(f"a parameter is placed {pl}: the engine takes FSDP2's sharding (fully_shard on a "
                              f"1-D mesh: Shard(0)); tensor parallelism and HSDP are not supported")
 
 
