@@ -5,6 +5,7 @@ optimizer state and runs its own collectives), on 2 gloo ranks in the same launc
     python scripts/bench_fsdp2.py                  # writes BENCHMARKS.md (bench_fsdp2)
     python scripts/bench_fsdp2.py --steps 8 --no-write
     python scripts/bench_fsdp2.py --checkpoint 0.3e9      # checkpoints at scale (bench_fsdp2_checkpoint)
+    python scripts/bench_fsdp2.py --engine         # OffloadEngine's paths (bench_fsdp2_engine)
 
 One byte-level GPT-2 from its config (no download), bf16 weights, the same text rows for
 both paths (each rank its half of a fixed global batch), two param groups, clipping at
@@ -67,6 +68,8 @@ def run_path(path: str, args) -> dict:
     import torch.distributed as dist
 
     from zero_offload import OffloadAdamW
+    if args.engine:
+        return run_engine(path, args)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(args.n_embd, args.n_layer)
     if path.startswith("fsdp2"):
@@ -100,6 +103,42 @@ def run_path(path: str, args) -> dict:
     st = opt.stats()
     numel = sum(p.numel() for p in model.parameters())
     opt.close()
+    return {"times": times[WARMUP:], "losses": losses, "numel": numel, "updates": st["updates"],
+            "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"]}
+
+
+def run_engine(path: str, args) -> dict:
+    """--engine: OffloadEngine on the plain model with engine.backward, the path asked for
+    with expert.multi_rank (FSDP2's paths: the library shards the model itself)."""
+    import torch.distributed as dist
+
+    from zero_offload import OffloadConfig, OffloadEngine
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(args.n_embd, args.n_layer)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    how = {"builtin": "builtin", "fsdp2": "fsdp2-zero2", "fsdp2-zero3": "fsdp2-zero3"}[path]
+    cfg = OffloadConfig(lr=1e-3, dtype="bf16", clip_grad_norm=1.0, server={"threads": 1},
+                        expert={"exact_strategy": "sync", "multi_rank": how})
+    eng = OffloadEngine(model, cfg, param_groups=[{"params": decay, "weight_decay": 0.1},
+                                                  {"params": rest, "weight_decay": 0.0}])
+    per = ROWS // world
+    times, losses = [], []
+    for t in range(1, args.steps + 1):
+        x = text_rows(t)[rank * per:(rank + 1) * per]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        eng.backward(loss)
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        lt = loss.detach().float().reshape(1)
+        dist.all_reduce(lt)
+        losses.append(float(lt) / world)
+    st = eng.stats()
+    numel = sum(p.numel() for p in model.parameters())
+    assert st["multi_rank"] == ("builtin" if path == "builtin" else "fsdp2"), st["multi_rank"]
+    eng.close()
     return {"times": times[WARMUP:], "losses": losses, "numel": numel, "updates": st["updates"],
             "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"]}
 
@@ -211,6 +250,9 @@ def main() -> None:
     ap.add_argument("--dir", default="/var/tmp", help="where the checkpoints go (--checkpoint)")
     ap.add_argument("--fsdp2-first", action="store_true", help="--checkpoint: FSDP2's run before the built-in one")
     ap.add_argument("--nproc", type=int, default=2, help="gloo ranks")
+    ap.add_argument("--engine", action="store_true",
+                    help="OffloadEngine (engine.backward) on the plain model, the library sharding it for FSDP2's "
+                         "paths, instead of OffloadAdamW on a model wrapped here (bench_fsdp2_engine)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,7 +263,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "zero_offload.launch", "--nproc-per-node", str(args.nproc), __file__,
                "--worker", out, "--steps", str(args.steps), "--n-embd", str(args.n_embd),
                "--n-layer", str(args.n_layer), "--checkpoint", str(args.checkpoint)] + \
-            (["--fsdp2-first"] if args.fsdp2_first else [])
+            (["--fsdp2-first"] if args.fsdp2_first else []) + (["--engine"] if args.engine else [])
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
         res = json.loads(Path(out, "rank0.json").read_text())
@@ -249,7 +291,10 @@ def main() -> None:
     lines = [f"Machine: {__import__('bench_md').machine_line()}; SIMD level {cpu_adam.simd_level()}, "
              f"OpenMP {cpu_adam.openmp_enabled()}; {world} gloo ranks on the CPU device, one server thread; "
              f"GPT-2 {args.n_embd}x{args.n_layer} bytes ({res['builtin'][0]['numel'] / 1e6:.1f}M params), "
-             f"batch {ROWS}x{SEQ}, bf16, sync; median of {2 * (args.steps - WARMUP)} steps per path.",
+             f"batch {ROWS}x{SEQ}, bf16, sync; median of {2 * (args.steps - WARMUP)} steps per path; "
+             + ("OffloadEngine with engine.backward on the plain model, the path from expert.multi_rank (the "
+                "library shards it for FSDP2's)." if args.engine else "OffloadAdamW, the model wrapped by the script "
+                                                                      "for FSDP2's paths."),
              "",
              "| path | step (ms) | vs built-in | final loss | host B/param/step (down, up) | collectives B/param/step (computed) |",
              "|---|---|---|---|---|---|"]
@@ -267,9 +312,11 @@ def main() -> None:
     print(body)
     if not args.no_write:
         from bench_md import update_section
-        name = "bench_fsdp2" if world == 2 else f"bench_fsdp2_{world}ranks"
-        update_section(name, f"## FSDP2 against the built-in ZeRO-2, {world} ranks (bench_fsdp2.py --nproc {world})\n\n"
-                       + body)
+        name = ("bench_fsdp2" if world == 2 else f"bench_fsdp2_{world}ranks") + ("_engine" if args.engine else "")
+        flag = " --engine" if args.engine else ""
+        who = "OffloadEngine: " if args.engine else ""
+        update_section(name, f"## {who}FSDP2 against the built-in ZeRO-2, {world} ranks (bench_fsdp2.py --nproc "
+                             f"{world}{flag})\n\n" + body)
 
 
 def report_checkpoint(res: dict, args) -> None:

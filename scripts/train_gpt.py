@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zero_offload.demo.gpt import PRESETS  # noqa: E402
-from zero_offload.config import EXACT_STRATEGIES  # noqa: E402
+from zero_offload.config import EXACT_STRATEGIES, MULTI_RANK  # noqa: E402
 from zero_offload.demo.trainer import TrainConfig, train  # noqa: E402
 from zero_offload.exact_mode import strategy_of  # noqa: E402
 
@@ -54,6 +54,9 @@ def parse(argv=None) -> TrainConfig:
     ap.add_argument("--state-dtype", default=d.state_dtype, choices=["fp32", "bf16", "int8"],
                     help="optimizer state on the host: bf16 moments and the exact master, 10 B/param instead of 16; "
                          "int8 moments, 8 B/param (the exact master needs --dtype bf16 and --dpu-predict 0 or --no-dpu)")
+    ap.add_argument("--multi-rank", default=d.multi_rank, choices=MULTI_RANK,
+                    help="under a launcher: auto (FSDP2 ZeRO-2; the engine's own ZeRO-2 for int8 state and "
+                         "overlap_update), fsdp2-zero2, fsdp2-zero3, or builtin (the engine's own ZeRO-2)")
     ap.add_argument("--no-offload", dest="offload", action="store_false",
                     help="baseline: fp32 master + torch AdamW on the device")
     ap.add_argument("--grad-accum", type=int, default=d.grad_accum)
@@ -92,7 +95,7 @@ def parse(argv=None) -> TrainConfig:
         return TrainConfig(model=a.model, n_layer=a.n_layer, n_head=a.n_head, d_model=a.d_model, steps=a.steps,
                            batch_size=a.batch_size, seq_len=a.seq_len, device=a.device, dtype=a.dtype,
                            offload=a.offload, dpu=a.dpu, dpu_warmup=a.dpu_warmup, dpu_predict=a.dpu_predict,
-                           state_dtype=a.state_dtype, grad_accum=a.grad_accum,
+                           state_dtype=a.state_dtype, multi_rank=a.multi_rank, grad_accum=a.grad_accum,
                            exact_strategy=strategy, undo_log_bytes=a.undo_log_bytes,
                            clip=a.clip or None, lr=a.lr, warmup=a.warmup, weight_decay=a.weight_decay,
                            beta1=a.beta1, beta2=a.beta2, ckpt_dir=a.ckpt_dir, ckpt_every=a.ckpt_every,

@@ -40,6 +40,8 @@ class TrainConfig:
     state_dtype: the engine's state_dtype ("bf16": 6 B/param of optimizer state on the
         host instead of 12, the exact master where the weights are bf16 and dpu_predict 0;
         "int8": 4 B/param, block-wise 8-bit moments).
+    multi_rank: under a launcher, the engine's expert.multi_rank ("auto": FSDP2 ZeRO-2;
+        "fsdp2-zero3"; "builtin": the engine's own ZeRO-2).
     offload: False runs the baseline (fp32 master + torch AdamW on the device);
         with simulate_dpu the baseline follows the DPU schedule in plain PyTorch.
     threads: torch intra-op threads of this worker (0 = leave torch's default).
@@ -64,6 +66,7 @@ class TrainConfig:
     exact_strategy: str = "auto"
     undo_log_bytes: int = 0
     state_dtype: str = "fp32"
+    multi_rank: str = "auto"
     grad_accum: int = 1
     clip: float | None = 1.0
     lr: float = 3e-4
@@ -119,7 +122,8 @@ def make_engine(tc: TrainConfig, model: torch.nn.Module, total_updates: int, dev
     """The model arrives in fp32 on the CPU.  Offload: only its 16-bit weights go to the
     device (a model whose fp32 copy would not fit there still trains).  Baseline: all of it."""
     sched = WarmupCosine(peak=tc.lr, warmup=tc.warmup, total=total_updates, min_ratio=tc.min_lr_ratio)
-    expert = dict(dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict, trace_dir=tc.trace_dir)
+    expert = dict(dpu_warmup_steps=tc.dpu_warmup, dpu_predict=tc.dpu_predict, trace_dir=tc.trace_dir,
+                  multi_rank=tc.multi_rank)
     if not tc.dpu:
         expert["exact_strategy"] = tc.exact_strategy
         if tc.undo_log_bytes:
