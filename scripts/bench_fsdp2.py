@@ -64,27 +64,46 @@ def make_model(n_embd: int, n_layer: int):
 
 
 def run_path(path: str, args) -> dict:
+    """One path's timed steps: OffloadAdamW on a model wrapped here for FSDP2's paths, or
+    (--engine) OffloadEngine on the plain model."""
     import torch
     import torch.distributed as dist
 
-    from zero_offload import OffloadAdamW
-    if args.engine:
-        return run_engine(path, args)
+    from zero_offload import OffloadAdamW, OffloadConfig, OffloadEngine
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(args.n_embd, args.n_layer)
-    if path.startswith("fsdp2"):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        zero3 = path == "fsdp2-zero3"
-        for block in model.transformer.h:
-            fully_shard(block, mp_policy=mp, reshard_after_forward=zero3)
-        fully_shard(model, mp_policy=mp, reshard_after_forward=zero3)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    # "builtin" asks for the engine's own ZeRO-2 (the default on a plain model is FSDP2's)
-    how = {"exact_strategy": "sync", **({"multi_rank": "builtin"} if path == "builtin" else {})}
-    opt = OffloadAdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
-                       lr=1e-3, model=model, server={"threads": 1}, expert=how)
+    if args.engine:  # the path from expert.multi_rank: the library shards the model for FSDP2's
+        how = {"builtin": "builtin", "fsdp2": "fsdp2-zero2", "fsdp2-zero3": "fsdp2-zero3"}[path]
+        cfg = OffloadConfig(lr=1e-3, dtype="bf16", clip_grad_norm=1.0, server={"threads": 1},
+                            expert={"exact_strategy": "sync", "multi_rank": how})
+        opt = OffloadEngine(model, cfg, param_groups=[{"params": decay, "weight_decay": 0.1},
+                                                      {"params": rest, "weight_decay": 0.0}])
+
+        def train_step(loss):
+            opt.backward(loss)
+            opt.step()
+    else:
+        if path.startswith("fsdp2"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            zero3 = path == "fsdp2-zero3"
+            for block in model.transformer.h:
+                fully_shard(block, mp_policy=mp, reshard_after_forward=zero3)
+            fully_shard(model, mp_policy=mp, reshard_after_forward=zero3)
+            decay = [p for p in model.parameters() if p.dim() >= 2]  # (fully_shard replaced them)
+            rest = [p for p in model.parameters() if p.dim() < 2]
+        # "builtin" asks for the engine's own ZeRO-2 (the default on a plain model is FSDP2's)
+        how = {"exact_strategy": "sync", **({"multi_rank": "builtin"} if path == "builtin" else {})}
+        opt = OffloadAdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                           lr=1e-3, model=model, server={"threads": 1}, expert=how)
+
+        def train_step(loss):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
     per = ROWS // world
     times, losses = [], []
     for t in range(1, args.steps + 1):
@@ -92,53 +111,15 @@ def run_path(path: str, args) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        train_step(loss)
         times.append(time.perf_counter() - t0)
         lt = loss.detach().float().reshape(1)
         dist.all_reduce(lt)
         losses.append(float(lt) / world)
     st = opt.stats()
     numel = sum(p.numel() for p in model.parameters())
-    opt.close()
-    return {"times": times[WARMUP:], "losses": losses, "numel": numel, "updates": st["updates"],
-            "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"]}
-
-
-def run_engine(path: str, args) -> dict:
-    """--engine: OffloadEngine on the plain model with engine.backward, the path asked for
-    with expert.multi_rank (FSDP2's paths: the library shards the model itself)."""
-    import torch.distributed as dist
-
-    from zero_offload import OffloadConfig, OffloadEngine
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = make_model(args.n_embd, args.n_layer)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    how = {"builtin": "builtin", "fsdp2": "fsdp2-zero2", "fsdp2-zero3": "fsdp2-zero3"}[path]
-    cfg = OffloadConfig(lr=1e-3, dtype="bf16", clip_grad_norm=1.0, server={"threads": 1},
-                        expert={"exact_strategy": "sync", "multi_rank": how})
-    eng = OffloadEngine(model, cfg, param_groups=[{"params": decay, "weight_decay": 0.1},
-                                                  {"params": rest, "weight_decay": 0.0}])
-    per = ROWS // world
-    times, losses = [], []
-    for t in range(1, args.steps + 1):
-        x = text_rows(t)[rank * per:(rank + 1) * per]
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        eng.backward(loss)
-        eng.step()
-        times.append(time.perf_counter() - t0)
-        lt = loss.detach().float().reshape(1)
-        dist.all_reduce(lt)
-        losses.append(float(lt) / world)
-    st = eng.stats()
-    numel = sum(p.numel() for p in model.parameters())
     assert st["multi_rank"] == ("builtin" if path == "builtin" else "fsdp2"), st["multi_rank"]
-    eng.close()
+    opt.close()
     return {"times": times[WARMUP:], "losses": losses, "numel": numel, "updates": st["updates"],
             "bytes_to_host": st["bytes_to_host"], "bytes_to_device": st["bytes_to_device"]}
 
