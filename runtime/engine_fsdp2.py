@@ -101,16 +101,26 @@ def take(model: torch.nn.Module, cfg: OffloadConfig, param_groups: list | None,
     if not any(fsdp2.is_dtensor(p) for p in given):
         if not several_ranks():
             return None
-        how = resolve_path(cfg)
-        src = given[0].device if given else torch.device("cpu")
-        device = resolve_device(cfg.device, src)
-        agree_on_path(how, device)
-        if how == "builtin":
+        new, sharded = shard_if_asked(model, param_groups if param_groups is not None else given, cfg)
+        if not sharded:
             return None
-        new = shard(model, param_groups if param_groups is not None else given, cfg, device, how)
         param_groups = new if param_groups is not None else None
         given = _params_of(model, param_groups)
     return Fsdp2Part(model, given, param_groups, cfg, backward_mode)
+
+
+def shard_if_asked(model: torch.nn.Module, params: list, cfg: OffloadConfig) -> tuple[list, bool]:
+    """Several ranks and a plain model: the path resolved (resolve_path) and agreed by
+    every rank (agree_on_path), and for FSDP2's paths the model sharded here (shard).
+    params: the parameters to train, or torch.optim param groups of them.  Returns (the
+    params, replaced by the sharded ones where it sharded; whether it did)."""
+    given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
+    how = resolve_path(cfg)
+    agree_on_path(how, device)
+    if how == "builtin":
+        return params, False
+    return shard(model, params, cfg, device, how), True
 
 
 class Fsdp2Part:

@@ -46,7 +46,6 @@ import torch
 
 from . import engine_fsdp2, fsdp2
 from .config import OffloadConfig
-from .devices import resolve_device
 from .engine import OffloadEngine
 from .optimizer_proxy import optim_method
 from .optim_state import FILES_KEY, InMemoryState, load_files, refuse_dcp
@@ -142,16 +141,12 @@ class OffloadAdamW(torch.optim.Optimizer):
             return params, cfg
         if model is None:  # nothing to shard: the engine agrees on "builtin" with the other ranks
             return params, dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, multi_rank="builtin"))
-        how = engine_fsdp2.resolve_path(cfg)
         params = list(params)
-        given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-        device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
-        engine_fsdp2.agree_on_path(how, device)
-        # the engine agrees no second time: the path is settled
-        cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, multi_rank=how))
-        if how == "builtin" or any(fsdp2.is_dtensor(p) for p in given):
-            return params, cfg  # the engine's own collectives, or a model the user wrapped already
-        params = engine_fsdp2.shard(model, params, cfg, device, how)
+        if any(fsdp2.is_dtensor(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])):
+            return params, cfg  # a model the user wrapped already: the engine takes it
+        params, sharded = engine_fsdp2.shard_if_asked(model, params, cfg)
+        if not sharded:  # the built-in path (its engine agrees once more, as every engine on it does)
+            return params, cfg
         if cfg.grad_accumulation_steps > 1:
             self._sync = fsdp2.SyncEveryK(model, cfg.grad_accumulation_steps)
             cfg = dataclasses.replace(cfg, grad_accumulation_steps=1)
