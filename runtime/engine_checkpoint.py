@@ -49,9 +49,9 @@ class CheckpointAPI:
         assembles them on rank 0 alone, and the other ranks return an empty dict
         (FSDP's full state dict convention), so a node holds one fp32 model, not one
         per rank.  Every rank must call it (a collective).  On FSDP2 (runtime.engine_fsdp2)
-        every rank gets the whole model, keyed by the FSDP2 model's names."""
+        the same, keyed by the FSDP2 model's names (rank0_only: FSDP2's first rank)."""
         if self.fsdp2 is not None:
-            return self.fsdp2.gather_master(list(self._master_state_dict(False).values()))
+            return self.fsdp2.gather_master(list(self._master_state_dict(False).values()), rank0_only)
         return self._master_state_dict(rank0_only)
 
     def _master_state_dict(self, rank0_only: bool) -> "OrderedDict[str, torch.Tensor]":

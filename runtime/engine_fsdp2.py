@@ -214,10 +214,11 @@ class Fsdp2Part:
         fsdp2_checkpoint.load(engine, self.flat_map(engine), directory, self.shards)
         self.copy_back()  # the loaded device weights into the local shards
 
-    def gather_master(self, local: list[torch.Tensor]) -> dict:
+    def gather_master(self, local: list[torch.Tensor], rank0_only: bool) -> dict:
         """Whole fp32 tensors by the model's names, in its order (as model.state_dict()
-        orders them), from every rank's local masters (a collective)."""
-        out = self.shards.gather(self.names, local)
+        orders them), from every rank's local masters (a collective; rank0_only: on the
+        first rank of FSDP2's group only, {} on the others)."""
+        out = self.shards.gather(self.names, local, rank0_only)
         at = {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
         return {k: out[k] for k in sorted(out, key=lambda k: at.get(k, len(at)))}
 

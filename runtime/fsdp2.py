@@ -166,17 +166,17 @@ def is_sharded(model: torch.nn.Module) -> bool:
 def full_state_dict(model: torch.nn.Module) -> dict:
     """The whole model's state dict of an FSDP2 model, as a plain one would give it, on
     rank 0 (host tensors); an empty dict on the other ranks.  A collective: every rank
-    calls it, and every rank must.  Each sharded tensor is gathered on its own with one
-    blocking all-gather of equal padded pieces (FSDP2's dim-0 chunks: all but the last
-    ones ``ceil(rows / world)`` long), so the peak beside the model is one parameter
-    gathered, plus the host copy rank 0 builds (2 B/param with 16-bit shards: what
-    Trainer's save_pretrained writes anyway).  Each gather's buffers are held until
+    calls it, and every rank must.  Each sharded tensor is gathered to rank 0 on its own
+    with one blocking gather of equal padded pieces (FSDP2's dim-0 chunks: all but the
+    last ones ``ceil(rows / world)`` long), so the peak beside the model is one parameter
+    gathered on rank 0, plus the host copy rank 0 builds (2 B/param with 16-bit shards:
+    what Trainer's save_pretrained writes anyway).  Each gather's buffers are held until
     the backend's threads have let go of them (released_by_collective_threads)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = {}
     for name, v in model.state_dict().items():
         if is_dtensor(v):
-            v = gather_whole(v.to_local(), tuple(v.shape), v.device_mesh)
+            v = gather_whole(v.to_local(), tuple(v.shape), v.device_mesh, to_first=True)
         if rank0:
             out[name] = v.detach().to("cpu", copy=True)
     return out
@@ -205,16 +205,23 @@ def load_full_state_dict(model: torch.nn.Module, full: dict) -> None:
             v.copy_(src)
 
 
-def gather_whole(local: torch.Tensor, shape: tuple, mesh) -> torch.Tensor:
+def gather_whole(local: torch.Tensor, shape: tuple, mesh, to_first: bool = False) -> torch.Tensor | None:
     """The whole tensor of `shape` whose dim-0 chunks (FSDP2's Shard(0)) the ranks of
     `mesh` hold, `local` this rank's, on every rank: one blocking all-gather of equal
-    padded pieces (all chunks but the last ones are ``ceil(rows / world)`` long).  A
-    collective of the mesh's ranks."""
+    padded pieces (all chunks but the last ones are ``ceil(rows / world)`` long).
+    to_first: on the mesh's first rank only (one gather; the others get None and hold
+    no whole copy).  A collective of the mesh's ranks."""
     group, world = mesh.get_group(), mesh.size()
     rows = shape[0] if shape else 0
     per = chunk_rows(rows, world, 0)[1]  # every piece padded to the first (longest) chunk
     piece = local.new_zeros((per, *shape[1:]))
     piece[:local.shape[0]].copy_(local.reshape(-1, *shape[1:]))
+    if to_first:
+        first = mesh.get_local_rank() == 0
+        parts = [local.new_empty(piece.shape) for _ in range(world)] if first else None
+        dist.gather(piece, parts, dst=dist.get_global_rank(group, 0), group=group)
+        released_by_collective_threads(piece, *(parts or ()))
+        return torch.cat(parts)[:rows] if first else None
     whole = local.new_empty((per * world, *shape[1:]))
     _all_gather(whole, piece, group=group)
     released_by_collective_threads(whole, piece)
@@ -404,12 +411,16 @@ class LocalShards:
         for t, q in zip(self.local, self.proxies):
             t.copy_(q.detach().view(t.shape))
 
-    def gather(self, names: dict, local_masters: list[torch.Tensor]) -> dict:
+    def gather(self, names: dict, local_masters: list[torch.Tensor], rank0_only: bool = False) -> dict:
         """Whole fp32 tensors by name (names: id of an FSDP2 parameter -> its state_dict
         names, of which the first, its named_parameters() name, is the key) from every
         rank's local masters, and the frozen parameters' values in fp32 (a collective
-        over FSDP2's group: each rank calls it)."""
-        need = 4 * sum(p.numel() for p in (*self.params, *self.frozen))  # every rank gets the whole model
+        over FSDP2's group: each rank calls it).  rank0_only: on the group's first rank
+        only (one gather per tensor), the others return {} and hold no whole copy, so a
+        node holds one fp32 model, not one per rank."""
+        keeps = not rank0_only or self.rank == 0
+        # the whole model where it is kept
+        need = 4 * sum(p.numel() for p in (*self.params, *self.frozen)) if keeps else 0
         ok = torch.tensor([float(host_memory.has_room(need))],
                           device=self.coll_device)
         if self.world > 1:  # one rank's refusal is every rank's
@@ -419,10 +430,10 @@ class LocalShards:
             raise host_memory.room_error(need, "master_state_dict() of an FSDP2 model (the whole fp32 model on "
                                          "every rank)", host_memory.MASTER_INSTEAD)
         out = {}
-        for p in self.frozen:
-            out[names[id(p)][0]] = gather_whole(p.detach().to_local(), tuple(p.shape), p.device_mesh).float().cpu()
-        for p, m in zip(self.params, local_masters):
-            out[names[id(p)][0]] = gather_whole(m.to(p.device), tuple(p.shape), p.device_mesh).cpu()
+        for p, m in [(p, p.detach().to_local()) for p in self.frozen] + list(zip(self.params, local_masters)):
+            whole = gather_whole(m.to(p.device), tuple(p.shape), p.device_mesh, to_first=rank0_only)
+            if keeps:
+                out[names[id(p)][0]] = whole.float().cpu()
         return out
 
     def detach(self) -> None:

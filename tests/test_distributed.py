@@ -128,6 +128,9 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
     for k in a["w16"]:
         assert torch.equal(a["w16"][k], b["w16"][k])  # all-gather: every rank holds the same weights
         assert torch.equal(a["master"][k], b["master"][k])
+    # rank0_only (either path): the whole master on rank 0 alone
+    assert b["master_rank0_only"] == {} and list(a["master_rank0_only"]) == list(a["master"])
+    assert all(torch.equal(v, a["master"][k]) for k, v in a["master_rank0_only"].items())
     if mode.startswith("unused"):
         fresh = make_model(mode)
         for k in ("never.weight", "never.bias"):
@@ -156,9 +159,11 @@ def test_three_ranks_on_the_default_path_match_one_rank(tmp_path):
     """3 ranks on FSDP2 (the default), whose rows split unevenly (64 rows: 22, 22, 20; 8:
     3, 3, 2), against one rank on the same 30 rows of each step's batch (each rank takes
     32 // 3): bf16 with two param groups, and fp16 with loss scaling and two micro-batches
-    a step.  Every rank ends with the same whole master and weights.  (Mutation:
-    fsdp2.chunk_rows giving the last rank the short chunk first: the flat map's pieces and
-    the gathered master fall apart.)"""
+    a step.  Every rank ends with the same whole master and weights; master_state_dict(
+    rank0_only=True) gives it on the first rank alone.  (Mutations: fsdp2.chunk_rows
+    giving the last rank the short chunk first: the flat map's pieces and the gathered
+    master fall apart; LocalShards.gather keeping the model on every rank: ranks 1 and 2
+    return it too.)"""
     launch_modes(tmp_path, [f"{m}@{THREE_STEPS}" for m in THREE_MODES], THREE_STEPS, 400, "3 ranks hung", nproc=3)
     for mode in THREE_MODES:
         ref, _ = one_rank(mode, THREE_STEPS, rows=30)
@@ -176,6 +181,13 @@ def test_three_ranks_on_the_default_path_match_one_rank(tmp_path):
             for k in res[0]["master"]:
                 assert torch.equal(res[r]["master"][k], res[0]["master"][k]), (mode, r, k)
                 assert torch.equal(res[r]["w16"][k], res[0]["w16"][k]), (mode, r, k)
+            # rank0_only: the whole model on FSDP2's first rank alone (one gather per tensor)
+            only = res[r]["master_rank0_only"]
+            if r == 0:
+                assert list(only) == list(res[0]["master"]), (mode, list(only))
+                assert all(torch.equal(only[k], res[0]["master"][k]) for k in only), mode
+            else:
+                assert only == {}, (mode, r)
 
 
 def _local_layout(mode, rank, world=2):

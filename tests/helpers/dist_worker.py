@@ -209,6 +209,7 @@ def run(out: str, mode: str, steps: int) -> None:
         eng.save_checkpoint(os.path.join(out, "ckpt"))
         extra["w16_at_save"] = whole(model)
     master = eng.master_state_dict()
+    extra["master_rank0_only"] = eng.master_state_dict(rank0_only=True)  # {} on every rank but the first
     eng.close()
     stats = eng.stats()
     # the closed engine goes with its last reference, without the cyclic collector
