@@ -175,6 +175,10 @@ class ShardClient:
             if self._poller.poll(int(LIVENESS_POLL_S * 1000)):
                 msg = P.decode(self._sock.recv())
                 if isinstance(msg, P.Error):
+                    if msg.code == P.E_SESSION and (why := self._server_gone()):
+                        # a server restarted at our address got the request our dead one
+                        # never read (the socket reconnects by itself): the death is the error
+                        self._raise_dead(why)
                     raise OptimizerServerError(f"optimizer server: {msg.message}", code=msg.code)
                 if not isinstance(msg, expect):
                     raise OptimizerServerError(f"expected {expect.TYPE}, got {msg.TYPE} (a reply out of turn)",
