@@ -279,6 +279,10 @@ def test_a_shard_refused_on_one_rank_raises_on_every_rank(two_rank_runs):
 
 
 def test_overflow_on_one_rank_skips_everywhere(two_rank_runs):
+    """fp16 on FSDP2 (the default path): rank 1's gradient of one unit of the first layer
+    is inf at step 3; after FSDP2's reduce-scatter only rank 0's rows hold it, and both
+    ranks skip that step and halve the loss scale.  (Mutation: the engine without
+    norm_reduce: rank 1 steps where rank 0 skips.)"""
     for r in range(2):
         st = torch.load(two_rank_runs / f"overflow@{OVERFLOW_STEPS}" / f"rank{r}.pt")["stats"]
         assert st["multi_rank"] == "fsdp2"  # fp16 with loss scaling: the overflow is the norm's all-reduce

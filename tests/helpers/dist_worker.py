@@ -6,7 +6,7 @@ Trains the test MLP on a fixed global batch split across ranks and writes each
 rank's final master weights, 16-bit weights and stats to OUT_DIR.
 Several ranks train through FSDP2 (the engine's default) unless MODE has "builtin" (or
 is unused*, int8state or overlap*, the built-in path's cases).
-MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1's loss is inf at step 3) |
+MODE (or several joined by "+", each into OUT_DIR/MODE/): sync | dpu | overflow (rank 1's gradient of one unit is inf at step 3) |
 fp16 (with loss scaling) | accum (two micro-batches a step: grad_accumulation_steps=2) | raise (rank 1
 raises at step 2) | hang (sleeps, for signal tests) | save*/load* (checkpoints) |
 unshared (each rank saves into a directory of its own, which must be refused) |
@@ -183,12 +183,20 @@ def run(out: str, mode: str, steps: int) -> None:
         x, y = global_batch(t)
         n = x.shape[0] // world
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        h = None
+        if mode.startswith("overflow") and rank == 1 and t == 3:
+            # an inf in this rank's gradient of the first layer's unit 0 alone: after the reduce
+            # only row 0 of that layer holds it, which FSDP2 gives rank 0, so rank 1 skips the
+            # step only through the norm's all-reduce
+            def unit0_inf(module, inputs, out):
+                out.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
+            h = model[0].register_forward_hook(unit0_inf)
         k = eng.cfg.grad_accumulation_steps  # accum: the rank's rows in k micro-batches
         for xm, ym in zip(x.chunk(k), y.chunk(k)):
             loss = torch.nn.functional.mse_loss(forward(model, xm.to(dt), t, rank * n).float(), ym)
-            if mode.startswith("overflow") and rank == 1 and t == 3:
-                loss = loss * float("inf")  # this rank's gradients overflow (inf, and nan where they were 0)
             eng.backward(loss)
+        if h is not None:
+            h.remove()
         if "spec" in mode:
             time.sleep(SPEC_WAIT_S)  # the server speculates what it heard of before the STEP
         eng.step()
