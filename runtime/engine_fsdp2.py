@@ -12,8 +12,9 @@ FSDP2-group scalars (the gradient norm, agreements) and its checkpoints' layout
     step() / load / close ──copy_back──▶ local shards (before the next all-gather)
 
 What every rank decides alike, agreed before use: the path (agree_on_path), FSDP2's
-param_dtype (fp32 compute where any rank would emulate 16-bit matmul), and, through
-the one-rank engines' own flow, nothing else: no rank has a collective the others lack.
+param_dtype (fp32 compute where any rank would emulate 16-bit matmul), and through the
+engine's agree_ranks (Fsdp2Part.agree: FSDP2's group) a server's refusal of a rank's
+shard and speculation's undo log; no rank has a collective the others lack.
 """
 from __future__ import annotations
 
@@ -70,8 +71,7 @@ def shard(model: torch.nn.Module, params: list, cfg: OffloadConfig, device: torc
     name_of: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         name_of.setdefault(id(p), n)
-    given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
-    if any(id(p) not in name_of for p in given):
+    if any(id(p) not in name_of for p in tensors_of(params)):
         raise ValueError("a parameter to train is not one of the model's: with expert.multi_rank="
                          f"{how!r} the library shards the model, so pass the model the parameters belong to")
     compute, _ = compute_dtype.resolve(cfg.expert.compute_dtype, cfg.dtype, device)
@@ -114,7 +114,7 @@ def shard_if_asked(model: torch.nn.Module, params: list, cfg: OffloadConfig) -> 
     every rank (agree_on_path), and for FSDP2's paths the model sharded here (shard).
     params: the parameters to train, or torch.optim param groups of them.  Returns (the
     params, replaced by the sharded ones where it sharded; whether it did)."""
-    given = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    given = tensors_of(params)
     device = resolve_device(cfg.device, given[0].device if given else torch.device("cpu"))
     how = resolve_path(cfg)
     agree_on_path(how, device)
@@ -130,9 +130,9 @@ class Fsdp2Part:
 
     def __init__(self, model: torch.nn.Module, params: list, param_groups: list | None, cfg: OffloadConfig,
                  backward_mode: str):
-        """model: the FSDP2 model (or a module holding the sharded parameters); params: its
-        parameters (DTensors) in the model's order; param_groups: torch.optim's groups over
-        them (None: one group).  backward_mode: the engine's ("hooks": FSDP2's
+        """model: the FSDP2 model (or a module holding the sharded parameters); params: the
+        parameters to train (DTensors: the groups', in their order); param_groups:
+        torch.optim's groups over them (None: one group).  backward_mode: the engine's ("hooks": FSDP2's
         accumulation must then be the caller's, so grad_accumulation_steps must be 1)."""
         if backward_mode == "hooks" and cfg.grad_accumulation_steps != 1:
             raise ValueError(f"grad_accumulation_steps={cfg.grad_accumulation_steps} with an FSDP2 model: "
@@ -164,7 +164,6 @@ class Fsdp2Part:
         # the proxies are never computed with (FSDP2 computes on its own all-gathered
         # parameters): they hold the 16-bit weights whatever the CPU's matmul
         self.cfg = dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, compute_dtype=cfg.dtype))
-        self.cfg_dtype = TORCH_DTYPES[cfg.dtype]
         self.roots = _fsdp_modules(model)
         self.sync_handle = None  # fsdp2.SyncEveryK's, where the caller made one (closed with the part)
 
@@ -189,7 +188,7 @@ class Fsdp2Part:
             for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
                 if group.mp_policy.param_dtype is not None:
                     return group.mp_policy.param_dtype
-        return self.shards.params[0].dtype if self.shards.params else self.cfg_dtype
+        return self.shards.params[0].dtype if self.shards.params else TORCH_DTYPES[self.cfg.dtype]
 
     def before_backward(self, final: bool) -> None:
         """engine.backward of a micro-batch: FSDP2 reduce-scatters only on the step's last
@@ -235,11 +234,21 @@ class Fsdp2Part:
             self.sync_handle = None
 
 
+def tensors_of(params: list) -> list:
+    """The tensors of a list of tensors or of torch.optim param groups (a group's "params"
+    a list, or one tensor)."""
+    out = []
+    for g in params:
+        ps = g["params"] if isinstance(g, dict) else [g]
+        out.extend([ps] if isinstance(ps, torch.Tensor) else ps)
+    return out
+
+
 def _params_of(model: torch.nn.Module, param_groups: list | None) -> list:
     if not (isinstance(param_groups, (list, tuple))
             and all(isinstance(g, dict) and "params" in g for g in param_groups)):
         return list(model.parameters())  # (malformed groups: index_groups refuses them, naming the fix)
-    return [p for g in param_groups for p in ([g["params"]] if isinstance(g["params"], torch.Tensor) else g["params"])]
+    return tensors_of(param_groups)
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list:

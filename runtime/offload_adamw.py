@@ -142,7 +142,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         if model is None:  # nothing to shard: the engine agrees on "builtin" with the other ranks
             return params, dataclasses.replace(cfg, expert=dataclasses.replace(cfg.expert, multi_rank="builtin"))
         params = list(params)
-        if any(fsdp2.is_dtensor(p) for g in params for p in (g["params"] if isinstance(g, dict) else [g])):
+        if any(fsdp2.is_dtensor(p) for p in engine_fsdp2.tensors_of(params)):
             return params, cfg  # a model the user wrapped already: the engine takes it
         params, sharded = engine_fsdp2.shard_if_asked(model, params, cfg)
         if not sharded:  # the built-in path (its engine agrees once more, as every engine on it does)
