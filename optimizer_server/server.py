@@ -277,7 +277,8 @@ class OptimizerServer:
                 man = {"manifest": dict(shard.manifest(), groups=[])} if pieces else {}  # (groups: up to 512 ranges)
                 try:
                     snapshot, on_done = self._snapshot_room(session, shard) if msg.background else (False, None)
-                    job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done, pieces=pieces)
+                    job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done, pieces=pieces,
+                                           background=msg.background)
                     if msg.background:
                         return {"background": True, "bytes": job.total_bytes, "updates": shard.updates,
                                 "seq": shard.save_seq, "snapshot": snapshot, "note": shard.save_note, **man}

@@ -22,7 +22,7 @@ import numpy as np
 
 from zero_offload.server import checkpoint as C
 from zero_offload.server.atomic import atomic_write_bytes
-from zero_offload.server.ckpt_io import chunk_buffer, lower_this_threads_priority, write_file
+from zero_offload.server.ckpt_io import chunk_buffer, lend_back, lower_this_threads_priority, write_file
 from zero_offload.server.errors import OptimizerServerDeadError, OptimizerServerError
 from zero_offload.server.protocol import E_CHECKPOINT
 from zero_offload.server.reshard import read_range
@@ -77,8 +77,11 @@ class _EngineFiles(threading.Thread):
             finally:
                 self.live = None
                 self.copied.set()
-            lower_this_threads_priority()  # the write uses idle CPU, not the training's
+            lower_this_threads_priority(idle=True)  # the write uses idle CPU, not the training's
             self.write(dev, pend)
+            for a in (dev, pend):  # kept for the next save, counted as free until then
+                if a is not None:
+                    lend_back(a)
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             self.error = e
 
@@ -112,6 +115,10 @@ class EngineCheckpoint:
         self.tracer = tracer
         self.in_flight: InFlight | None = None  # a background save not yet published
         self._snaps: dict[int, np.ndarray] = {}  # the device weights' snapshots (_snapshot)
+        self._preparing: threading.Thread | None = None  # making them ahead of a background save
+        # superseded step directories go on a thread of theirs (C.Pruner): only a save
+        # published between steps (poll) returns before they are gone
+        self.pruner = C.Pruner()
 
     def _expected(self, k: int, pending: bool) -> list[Path]:
         W = self.world_size
@@ -137,7 +144,7 @@ class EngineCheckpoint:
         if self.in_flight is not None:
             self.finish(client)  # one save at a time: the previous one is published (or fails) first
         d = C.CheckpointDir(root, rank=self.rank, world_size=self.world_size, agree=self._agree,
-                            barrier=self._barrier, keep=keep)
+                            barrier=self._barrier, keep=keep, pruner=self.pruner)
         name = C.step_name(iteration)
         err: BaseException | None = None
         with self.tracer.span("save_checkpoint", background=background):
@@ -166,7 +173,11 @@ class EngineCheckpoint:
                 self.in_flight = InFlight(writer, self._agree, lambda ok_, err_, _st: self._commit(
                     d, tmp, ok_, err_, root, name, pending))
                 return str(tmp.with_name(name))
-            return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
+            try:
+                return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
+            finally:
+                self.pruner.wait()
+                self.prepare_snapshots(device16, pending16)
 
     def wait_snapshot(self) -> None:
         """Before the device weights can change (a backward, a step): a background save
@@ -176,15 +187,46 @@ class EngineCheckpoint:
 
     def _snapshot(self, i: int, src: np.ndarray) -> np.ndarray:
         """src copied into snapshot buffer i, kept from one background save to the next
-        (2 B/param of worker RAM once a background save has run): a fresh array's first
-        touch costs ~2 s per GB in page faults, a memcpy into a touched one ~0.2.  On the
-        writer thread, overlapping the next forward."""
+        (2 B/param of worker RAM, lent back to the kernel between saves: ckpt_io.lend_back):
+        a fresh array's first touch costs ~2 s per GB in page faults here, a memcpy into a
+        touched one ~0.1.  On the writer thread, before the next backward or step."""
+        self._wait_prepared()
         buf = self._snaps.get(i)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            # page-aligned, so that its file is written with O_DIRECT (ckpt_io.write_file)
-            buf = self._snaps[i] = chunk_buffer(src.nbytes).view(src.dtype).reshape(src.shape)
+            buf = self._snaps[i] = self._snapshot_buffer(src)
         np.copyto(buf, src)
         return buf
+
+    @staticmethod
+    def _snapshot_buffer(like: np.ndarray) -> np.ndarray:
+        # page-aligned, so that its file is written with O_DIRECT (ckpt_io.write_file)
+        return chunk_buffer(like.nbytes).view(like.dtype).reshape(like.shape)
+
+    def prepare_snapshots(self, device16: np.ndarray, pending16: np.ndarray | None) -> None:
+        """After a save: the snapshot buffers a background save of these arrays will
+        need, made and touched on a lowest-priority thread and lent back, so that the
+        first background save's copy runs at memory speed (the step after it waits for
+        that copy).  Nothing if they exist already."""
+        want = [(i, a) for i, a in enumerate((device16, pending16)) if a is not None
+                and not (i in self._snaps and self._snaps[i].shape == a.shape and self._snaps[i].dtype == a.dtype)]
+        if not want or self._preparing is not None:
+            return
+        made = {i: (a.shape, a.dtype, a.nbytes) for i, a in want}
+
+        def run() -> None:
+            lower_this_threads_priority(idle=True)
+            for i, (shape, dtype, nbytes) in made.items():
+                buf = chunk_buffer(nbytes)
+                buf[::4096] = 0  # one write per page commits it
+                lend_back(buf)
+                self._snaps[i] = buf.view(dtype).reshape(shape)
+        self._preparing = threading.Thread(target=run, name="zo-ckpt-prepare", daemon=True)
+        self._preparing.start()
+
+    def _wait_prepared(self) -> None:
+        t, self._preparing = self._preparing, None
+        if t is not None:
+            t.join()
 
     def _commit(self, d: "C.CheckpointDir", tmp: Path, ok: bool, err: BaseException | None, root: str, name: str,
                 pending: bool) -> str:
@@ -211,15 +253,25 @@ class EngineCheckpoint:
         state = client.save_status()["state"]
         if not self.in_flight.agree(state != "writing"):
             return None
-        return self.finish(client)
+        return self.finish(client, prune_later=True)
 
-    def finish(self, client) -> str | None:
+    def finish(self, client, prune_later: bool = False) -> str | None:
         """Wait for the background save in flight (bounded by its progress) and publish
         it: its step directory, or OptimizerServerError naming why it failed (the
-        previous checkpoint stays `latest`).  None if no save is in flight."""
+        previous checkpoint stays `latest`).  None if no save is in flight.
+        prune_later: the superseded directories may still be going when this returns
+        (published between steps); otherwise they are gone."""
         f, self.in_flight = self.in_flight, None
         if f is None:
+            self.pruner.wait()
             return None
+        try:
+            return self._finish(client, f)
+        finally:
+            if not prune_later:
+                self.pruner.wait()
+
+    def _finish(self, client, f: InFlight) -> str:
         err, st = None, {}
         try:
             f.writer.wait()

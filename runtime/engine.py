@@ -314,7 +314,7 @@ class OffloadEngine(BackwardAPI, CheckpointAPI):
                     self._finish_overlap()
                     self.cycle.land(copy=True)
                     ck = getattr(self, "checkpoints", None)  # (absent if set-up failed before it)
-                    if ck is not None and ck.in_flight is not None:  # a background save is published first
+                    if ck is not None:  # a background save is published first (and the old ones pruned)
                         ck.finish(self.client)
                 except OptimizerServerError as e:
                     log.warning("closing: %s", e)

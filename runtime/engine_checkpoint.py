@@ -147,7 +147,7 @@ class CheckpointAPI:
         the save failed; the previous checkpoint then stays `latest`."""
         self._check_open()
         if self.checkpoints.in_flight is None:
-            return None
+            return self.checkpoints.finish(self.client)  # None, once a prune in progress is done
         self._finish_overlap()
         self.cycle.land(copy=False)  # STATS answers only with no STEP in flight
         return self.checkpoints.finish(self.client)

@@ -237,7 +237,8 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
     for j, c in zip(fmap.span_of_local, meta["param_updates"]):
         counts[j] = c
     meta = dict(meta, version=C.ENGINE_VERSION, world_size=ONE, rank=0, numel=N, stale=stale, param_updates=counts)
-    d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep)
+    d = C.CheckpointDir(directory, rank=g.rank, world_size=g.world, agree=g.agree, barrier=g.barrier, keep=keep,
+                        pruner=engine.checkpoints.pruner)
     tmp = d.begin(engine.iteration)
     writer = _PlacedWeights(tmp, N, pieces, dev, pending, engine.checkpoints._snapshot)
     info: dict = {}
@@ -268,7 +269,11 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
                 except OptimizerServerError:
                     pass
             return publish(False, err, {})  # the error is this rank's, or "on another rank"
-        return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
+        try:
+            return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
+        finally:
+            engine.checkpoints.pruner.wait()  # a blocking save returns with the superseded ones gone
+            engine.checkpoints.prepare_snapshots(dev, pending)
 
 
 def _publish(g: Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, params: list,

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -212,3 +213,32 @@ def test_a_killed_calls_scratch_directory_is_swept_by_the_next(tmp_path, monkeyp
         torch.save(opt.state_dict(), io.BytesIO())
     names = sorted(n.name for n in tmp_path.iterdir() if n.name.startswith("zero-offload-"))
     assert names == sorted([live.name, other.name, f"zero-offload-state-{host}-{dead}-link"]), names
+
+
+def test_a_save_prepares_the_next_background_saves_buffers_and_prunes_beside_training(tmp_path):
+    """What keeps the steps around a background save at their speed (docs/checkpoint.md):
+    a blocking save leaves the device weights' snapshot buffer made (on a lowest-priority
+    thread), and the background save after it copies into that one; a background save
+    published between steps (at a step's poll) leaves the superseded directory to the
+    pruner's thread (unlinking GBs takes the file system about a second per 7 GB), and
+    wait_checkpoint() returns with it gone.  (Mutations: prepare_snapshots not called
+    after a blocking save; poll publishing with prune_later=False: fails.)"""
+    with OffloadEngine(gpt(), cfg()) as eng:
+        train_engine(eng, gpt_batch, 2, "bf16")
+        eng.save_checkpoint(str(tmp_path), keep=1)
+        ck = eng.checkpoints
+        ck._wait_prepared()
+        made = ck._snaps[0]
+        dev, _, _ = eng._checkpoint_parts()
+        assert made.shape == dev.shape and made.dtype == dev.dtype
+        train_engine(eng, gpt_batch, 1, "bf16", start=3)
+        path = eng.save_checkpoint(str(tmp_path), keep=1, background=True)
+        ck.in_flight.writer.wait_copied()
+        assert ck._snaps[0] is made
+        k, until = 4, time.monotonic() + 60  # the server's word on its save comes with its heartbeat
+        while eng.checkpoint_in_flight() and time.monotonic() < until:
+            train_engine(eng, gpt_batch, 1, "bf16", start=k)
+            k += 1
+        assert not eng.checkpoint_in_flight() and ck.pruner._thread is not None  # step-2's removal beside training
+        assert eng.wait_checkpoint() is None and ck.pruner._thread is None
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", os.path.basename(path)]

@@ -7,6 +7,8 @@ import os
 import random
 import shutil
 import tempfile
+import threading
+import time
 import zlib
 from pathlib import Path
 
@@ -321,3 +323,54 @@ def test_a_later_save_reuses_the_pools_buffers(tmp_path):
     assert jobs[0]["buffers_reused"] == 0 < jobs[0]["buffers_made"]
     assert jobs[1]["buffers_reused"] >= min(jobs[0]["buffers_made"], jobs[1]["buffers_made"] + jobs[1]["buffers_reused"])
     assert jobs[1]["buffers_reused"] > 0
+
+
+def test_a_pool_fills_itself_while_there_is_room_and_stops_at_clear():
+    """BufferPool.fill tops the pool up to a count of touched buffers on a thread of its
+    own; it adds nothing while room() (MemAvailable) is short, and a clear() in the
+    middle ends it.  (Mutations: fill ignoring room(), or clear() not ending it: fails.)"""
+    pool = BufferPool()
+    pool.fill(5, 1 << 20, room=lambda: 1 << 40).join(30)
+    assert pool.nbytes == 5 << 20
+    pool.fill(8, 1 << 20, room=lambda: 1 << 20).join(30)  # under two buffers plus the floor
+    assert pool.nbytes == 5 << 20
+    calls = []
+
+    def room():
+        calls.append(1)
+        if len(calls) == 3:
+            pool.clear()  # the shard goes away while its pool fills
+        return 1 << 40
+    pool.fill(8, 1 << 20, room=room).join(30)
+    assert pool.nbytes == 0 and len(calls) == 3  # the buffer made meanwhile not given to the cleared pool
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "blocking"])
+def test_a_save_job_tops_its_pool_up_and_runs_idle_only_beside_training(tmp_path, background):
+    """After a save job the shard's pool holds a whole snapshot (every chunk and every
+    writer's buffer), so the next background save copies into touched memory; a
+    background job's writers run in SCHED_IDLE, a blocking one's do not (nothing else
+    runs then, and other processes would starve them).  (Mutations: no fill at the
+    job's end; the writers' idle policy not set, or set for a blocking save: fails.)"""
+    rng = np.random.default_rng(SEED)
+    n = 1 << 18
+    arrays = [rng.standard_normal(n).astype(np.float32)]
+    parts, total = _parts(arrays)
+    pool = BufferPool()
+    job = SaveJob(tmp_path / "s.bin", parts, n, total, finish=lambda crc: {}, threads=2, chunk=1 << 14, pool=pool,
+                  max_bytes_per_s=4e6, background=background)  # ~0.25 s of writing: the writers are seen alive
+    writers = [t for t in threading.enumerate() if t.name.startswith("ckpt-save-")]
+    assert len(writers) == 2
+    policies = set()
+    for t in writers:
+        for _ in range(200):  # each thread sets its own policy as it starts
+            pol = os.sched_getscheduler(t.native_id)
+            if pol == os.SCHED_IDLE or not background:
+                break
+            time.sleep(0.01)
+        policies.add(pol)
+    job.wait(60)
+    assert policies == ({os.SCHED_IDLE} if background else {os.SCHED_OTHER})
+    assert (tmp_path / "s.bin").read_bytes() == arrays[0].tobytes()
+    job.fill_thread.join(30)
+    assert pool.nbytes == (job.n_chunks + 2) * job.chunk_bytes
