@@ -246,12 +246,14 @@ class EngineCheckpoint:
 
     def poll(self, client) -> str | None:
         """Between steps, while a background save is in flight: publish it if every rank's
-        server is done (a collective with several ranks; no round trip to the server:
-        the heartbeat's word).  Its path once published, else None."""
+        server is done and so is every rank's own writer of its files (a collective with
+        several ranks; no round trip to the server: the heartbeat's word; the writer runs
+        on idle CPU, and a step that waited for it would stop training that long).  Its
+        path once published, else None."""
         if self.in_flight is None:
             return None
         state = client.save_status()["state"]
-        if not self.in_flight.agree(state != "writing"):
+        if not self.in_flight.agree(state != "writing" and not self.in_flight.writer.is_alive()):
             return None
         return self.finish(client, prune_later=True)
 

@@ -85,9 +85,8 @@ def shard(model: torch.nn.Module, params: list, cfg: OffloadConfig, device: torc
                reshard_after_forward=how == "fsdp2-zero3")
     new = dict(model.named_parameters(remove_duplicate=False))
 
-    def swap(ps):
-        return [new[name_of[id(p)]] for p in ps]
-    return [dict(g, params=swap(g["params"])) if isinstance(g, dict) else new[name_of[id(g)]] for g in params]
+    return [dict(g, params=[new[name_of[id(p)]] for p in group_params(g)]) if isinstance(g, dict)
+            else new[name_of[id(g)]] for g in params]
 
 
 def take(model: torch.nn.Module, cfg: OffloadConfig, param_groups: list | None,
@@ -148,7 +147,7 @@ class Fsdp2Part:
         proxy = self.shards.proxy_of
         self.groups = None
         if param_groups is not None:  # frozen shards have no proxy: left alone, as torch.optim leaves them
-            self.groups = [dict(g, params=[proxy[id(p)] for p in g["params"] if id(p) in proxy])
+            self.groups = [dict(g, params=[proxy[id(p)] for p in group_params(g) if id(p) in proxy])
                            for g in param_groups]
         # every name model.state_dict() gives a parameter (a tied weight has several; the
         # first is its named_parameters() name, master_state_dict()'s key), for the
@@ -158,7 +157,7 @@ class Fsdp2Part:
         # the built-in path's layout of the same parameters (runtime.fsdp2_checkpoint):
         # the model's trainable ones in its order, by group
         groups = param_groups if param_groups is not None else [{"params": [p for p in params if p.requires_grad]}]
-        group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+        group_of = {id(p): gi for gi, g in enumerate(groups) for p in group_params(g)}
         self.layout = ([p for p in model.parameters() if p.requires_grad and id(p) in group_of], group_of)
         self._flat_map = None
         # the proxies are never computed with (FSDP2 computes on its own all-gathered
@@ -234,13 +233,18 @@ class Fsdp2Part:
             self.sync_handle = None
 
 
+def group_params(group: dict) -> list:
+    """A torch.optim param group's tensors: its "params" is a list of them, or one tensor
+    (torch.optim takes both; iterating a bare tensor would give its rows)."""
+    ps = group["params"]
+    return [ps] if isinstance(ps, torch.Tensor) else list(ps)
+
+
 def tensors_of(params: list) -> list:
-    """The tensors of a list of tensors or of torch.optim param groups (a group's "params"
-    a list, or one tensor)."""
+    """The tensors of a list of tensors or of torch.optim param groups."""
     out = []
     for g in params:
-        ps = g["params"] if isinstance(g, dict) else [g]
-        out.extend([ps] if isinstance(ps, torch.Tensor) else ps)
+        out.extend(group_params(g) if isinstance(g, dict) else [g])
     return out
 
 

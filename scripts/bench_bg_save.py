@@ -42,7 +42,7 @@ from bench_scale import Tables, disk_bound  # noqa: E402
 SEED = 0
 
 
-def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool, saves: int = 3) -> dict:
+def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool, saves: int = 3, gap_s: float = 30.0) -> dict:
     """One size, one server: steady steps, a blocking save, a background one."""
     rows = int(n) // 64
     torch.manual_seed(SEED)
@@ -72,8 +72,9 @@ def run(n: float, state_dtype: str, root: str, threads: int, snapshot: bool, sav
             out["blocking_save_s"] = time.perf_counter() - t0
             out["file_bytes"] = os.path.getsize(os.path.join(path, "shard-r0-of-1.bin"))
             out["saves"] = []
-            for _ in range(saves):  # the first save of a process (fresh memory), then later ones (reused buffers)
-                for _ in range(3):
+            for _ in range(saves):  # the first background save of a process, then later ones
+                t_gap = time.perf_counter()  # training between saves, as a user's run does (saves minutes apart)
+                while time.perf_counter() - t_gap < gap_s:
                     step()
                 t0 = time.perf_counter()
                 eng.save_checkpoint(d, background=True)
@@ -116,7 +117,9 @@ def main() -> None:
     ap.add_argument("--sizes", type=float, nargs="+", default=[6e8])
     ap.add_argument("--state-dtype", default="fp32", choices=["fp32", "bf16", "int8"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--saves", type=int, default=3, help="background saves per server (the first pays fresh memory)")
+    ap.add_argument("--saves", type=int, default=3, help="background saves per server")
+    ap.add_argument("--gap-s", type=float, default=30.0,
+                    help="seconds of training before each background save (a user's saves are minutes apart)")
     ap.add_argument("--dir", default="/var/tmp/zo-bench-bg")
     ap.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md")
     ap.add_argument("--section", default="", help="the BENCHMARKS.md section (default bench_bg_save_<dtype>)")
@@ -124,7 +127,7 @@ def main() -> None:
     os.makedirs(a.dir, exist_ok=True)
     rows = []
     for n in a.sizes:
-        res = [run(n, a.state_dtype, a.dir, a.threads, snap, a.saves) for snap in (True, False)]
+        res = [run(n, a.state_dtype, a.dir, a.threads, snap, a.saves, a.gap_s) for snap in (True, False)]
         w, _ = disk_bound(a.dir, res[0]["file_bytes"])
         for r in res:
             print(json.dumps(r), flush=True)

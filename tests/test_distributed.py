@@ -137,16 +137,23 @@ def test_two_ranks_match_one_rank(two_rank_runs, mode):
             assert torch.equal(a["master"][k], getattr(fresh.never, k.split(".")[1]).detach()), k
 
 
+def _group_of(model, ps, mode):
+    """Each parameter's group under mode's param groups (a group's "params" a list or one
+    bare tensor), None without groups."""
+    gs = groups(model, mode)
+    if gs is None:
+        return None
+    members = [g["params"] if isinstance(g["params"], list) else [g["params"]] for g in gs]
+    return [next(i for i, ms in enumerate(members) if any(p is q for q in ms)) for p in ps]
+
+
 def _layout(mode):
     """The flat space the engine lays out for mode on 2 ranks (runtime.flat)."""
     from zero_offload.flat import FlatParams
     m = make_model(mode)
     ps = list(m.parameters())
-    gs = groups(m, mode)
-    group_of = None if gs is None else [next(i for i, g in enumerate(gs) if any(p is q for q in g["params"]))
-                                        for p in ps]
     cfg = config(mode)
-    return FlatParams(ps, bucket_numel=cfg.expert.bucket_numel, world_size=2, groups=group_of,
+    return FlatParams(ps, bucket_numel=cfg.expert.bucket_numel, world_size=2, groups=_group_of(m, ps, mode),
                       shard_multiple=256 if "int8" in mode else 1, align=cfg.expert.param_align_numel or 1)
 
 
@@ -197,15 +204,12 @@ def _local_layout(mode, rank, world=2):
     from zero_offload.fsdp2 import chunk_rows
     m = make_model(mode)
     ps = list(m.parameters())
-    gs = groups(m, mode)
     local = []
     for p in ps:
         r0, r1 = chunk_rows(p.shape[0], world, rank)
         local.append(torch.empty((r1 - r0, *p.shape[1:]), device="meta"))
-    group_of = None if gs is None else [next(i for i, g in enumerate(gs) if any(p is q for q in g["params"]))
-                                        for p in ps]
     cfg = config(mode)
-    return FlatParams(local, bucket_numel=cfg.expert.bucket_numel, world_size=1, groups=group_of,
+    return FlatParams(local, bucket_numel=cfg.expert.bucket_numel, world_size=1, groups=_group_of(m, ps, mode),
                       align=cfg.expert.param_align_numel or 1)
 
 

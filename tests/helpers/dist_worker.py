@@ -91,8 +91,11 @@ def groups(model, mode: str):
     if not mode.startswith("groups"):
         return None
     named = list(model.named_parameters())
+    biases = [p for n, p in named if n.endswith("bias")]
+    # the last bias alone, its group's "params" one bare tensor (torch.optim's other form)
     return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.1},
-            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 6e-3}]
+            {"params": biases[:-1], "weight_decay": 0.0, "lr": 6e-3},
+            {"params": biases[-1], "weight_decay": 0.0, "lr": 6e-3}]
 
 
 def config(mode: str) -> OffloadConfig:
