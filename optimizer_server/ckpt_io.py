@@ -436,9 +436,12 @@ class BufferPool:
         lowest-priority thread: after a shard's first save, so that its next background
         save finds every snapshot buffer touched (a whole file's worth: its first update
         copies most of the state at memory speed, where fresh pages would cost 0.5-3 GB/s).
-        Lent back (MADV_FREE), they count as available, so this costs no admission room;
-        it stops while room() (MemAvailable) is under two buffers plus FILL_FLOOR, and at
-        clear()."""
+        Lent back (MADV_FREE), they count as available, so this costs no admission room.
+        It fills only while room() (the bytes admission would give a snapshot now; its
+        MemAvailable counts the pool's lent-back buffers) holds all `count` of them:
+        where a whole snapshot would not be admitted, a background save takes none, and
+        touched buffers would only push the page cache out (1.5e9 parameters with bf16
+        state on 24 GiB).  clear() ends it."""
         def run() -> None:
             lower_this_threads_priority(idle=True)
             with self._lock:
@@ -448,7 +451,7 @@ class BufferPool:
                     if (gen != self._generation or len(self._bufs) >= count
                             or (self._bufs and self._bufs[0].nbytes != nbytes)):
                         return
-                if room() < 2 * nbytes + FILL_FLOOR:
+                if room() < count * nbytes:
                     return
                 buf = chunk_buffer(nbytes)
                 buf[::4096] = 0  # one write per page commits it
@@ -460,10 +463,6 @@ class BufferPool:
         t.start()
         return t
 
-
-# fill() leaves this much of MemAvailable untouched (buffers it lends back count as
-# available, so it only stops where memory is short already)
-FILL_FLOOR = 2 << 30
 
 # A save's threads run at the lowest CPU priority: on a host with few cores the writes
 # (checksums, the kernel's copies) would otherwise take cores from the update and the
@@ -519,14 +518,17 @@ class SaveJob:
 
     direct: the aligned bulk of every write goes through O_DIRECT where the file system
     allows it (see DIRECT_ALIGN): no page cache between the copies and the disk.
-    background: training runs beside it, so its threads use only idle CPU (SCHED_IDLE)."""
+    background: training runs beside it, so its threads use only idle CPU (SCHED_IDLE).
+    pool_room: what admission would give a snapshot now; given, the pool is topped up
+    to a whole snapshot after the job where that admits it (BufferPool.fill)."""
 
     def __init__(self, path: Path, parts: list[Part], numel: int, total_bytes: int,
                  finish: Callable[[int], dict], threads: int = IO_THREADS, chunk: int = SAVE_CHUNK,
                  max_bytes_per_s: float = 0.0, snapshot: bool = True, on_done: Callable[[], None] | None = None,
                  pieces=None, file_size: int = 0, direct: bool = True, pool: BufferPool | None = None,
-                 background: bool = False):
+                 background: bool = False, pool_room: Callable[[], int] | None = None):
         self.path = Path(path)
+        self.pool_room = pool_room  # after the job, the pool is topped up while this admits it (BufferPool.fill)
         self.background = background  # its threads in SCHED_IDLE: training goes on beside them
         self.place = pieces
         self.pool = pool if pool is not None else BufferPool()
@@ -826,10 +828,9 @@ class SaveJob:
                 self._free.clear()
             self.pool.give(spare)
             self.snapshot_bytes = 0
-            if not self._cancelled:  # the next save's snapshot finds its buffers touched
-                from .admission import read_mem_available
+            if not self._cancelled and self.pool_room is not None:  # the next snapshot finds them touched
                 self.fill_thread = self.pool.fill(self.n_chunks + len(self._writers), self.chunk_bytes,
-                                                  read_mem_available)
+                                                  self.pool_room)
             if self._on_done is not None:
                 try:
                     self._on_done()

@@ -277,8 +277,9 @@ class OptimizerServer:
                 man = {"manifest": dict(shard.manifest(), groups=[])} if pieces else {}  # (groups: up to 512 ranges)
                 try:
                     snapshot, on_done = self._snapshot_room(session, shard) if msg.background else (False, None)
+                    # pool_room: after it, the next snapshot's buffers are made ready where admitted
                     job = shard.start_save(msg.dir, snapshot=snapshot, on_done=on_done, pieces=pieces,
-                                           background=msg.background)
+                                           background=msg.background, pool_room=self._ram_room)
                     if msg.background:
                         return {"background": True, "bytes": job.total_bytes, "updates": shard.updates,
                                 "seq": shard.save_seq, "snapshot": snapshot, "note": shard.save_note, **man}

@@ -65,7 +65,7 @@ class ShardCheckpoint:
         return int(self.arrays.saved_bytes() + IO_THREADS * per_elem * min(self.numel, SAVE_CHUNK) + pad)
 
     def start_save(self, directory: str, *, snapshot: bool = True, on_done=None, pieces: PieceMap | None = None,
-                   background: bool = False) -> SaveJob:
+                   background: bool = False, pool_room=None) -> SaveJob:
         """Update thread: start writing master + state as they are now (ckpt_io.SaveJob):
         the data file (random temp name, fsync'd once, renamed), then the manifest with
         the file's checksum, then the directory's fsync.  Later updates may run while
@@ -73,6 +73,7 @@ class ShardCheckpoint:
         overwrite and go on; without, they write it first); SaveJob.wait() gives what
         ``save`` returns.  on_done: called once the job has ended, however.
         background: training goes on while it writes (its threads take only idle CPU).
+        pool_room: the server's room for a snapshot (SaveJob: the pool topped up after it).
 
         pieces: this shard's elements go into directory's shared one-rank file (the
         layout of pieces.flat_numel elements, which every rank's server writes: the first
@@ -108,7 +109,8 @@ class ShardCheckpoint:
             self._io_done += self.save_job.bytes_done
         self.save_job = SaveJob(bin_path, parts, self.numel, nbytes, finish,
                                 max_bytes_per_s=self.save_max_bytes_per_s, snapshot=snapshot, on_done=on_done,
-                                pieces=pieces, file_size=file_size, pool=self.save_pool, background=background)
+                                pieces=pieces, file_size=file_size, pool=self.save_pool, background=background,
+                                pool_room=pool_room)
         self.save_seq += 1
         return self.save_job
 

@@ -109,16 +109,22 @@ def has_room(nbytes: int) -> bool:
     MemoryError to raise is built by ``room_error`` (callers with several ranks agree
     first, so that one rank's refusal is every rank's).  The server's RAM fraction
     switch, so that 0 turns both checks off (a VM whose RAM grows as it is used)."""
-    try:
-        fraction = float(os.environ.get(RAM_FRACTION_ENV, "0.9"))
-    except ValueError:
-        fraction = 0.9
+    fraction = _ram_fraction()
     return not fraction or nbytes <= read_mem_available() * fraction
 
 
+def _ram_fraction() -> float:
+    try:
+        return float(os.environ.get(RAM_FRACTION_ENV, "0.9"))
+    except ValueError:
+        return 0.9
+
+
 def room_error(nbytes: int, what: str, instead: str) -> MemoryError:
+    avail, fraction = read_mem_available(), _ram_fraction() or 1.0
     return MemoryError(f"{what} needs {nbytes / 2**30:.2f} GiB of host RAM in this process and "
-                       f"{read_mem_available() / 2**30:.2f} GiB is available beside the optimizer server's state: "
+                       f"{avail * fraction / 2**30:.2f} GiB may be taken beside the optimizer server's state "
+                       f"({fraction:g} of the {avail / 2**30:.2f} GiB available): "
                        f"refused before anything was built (the OOM killer would take the server, and the training "
                        f"since the last checkpoint with it). {instead} (ZERO_OFFLOAD_MAX_RAM_FRACTION=0 turns this "
                        f"check off)")

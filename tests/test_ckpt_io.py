@@ -327,12 +327,12 @@ def test_a_later_save_reuses_the_pools_buffers(tmp_path):
 
 def test_a_pool_fills_itself_while_there_is_room_and_stops_at_clear():
     """BufferPool.fill tops the pool up to a count of touched buffers on a thread of its
-    own; it adds nothing while room() (MemAvailable) is short, and a clear() in the
-    middle ends it.  (Mutations: fill ignoring room(), or clear() not ending it: fails.)"""
+    own; it adds nothing unless room() (what admission would give a snapshot) holds all
+    of them, and a clear() in the middle ends it.  (Mutations: fill ignoring room(), or clear() not ending it: fails.)"""
     pool = BufferPool()
     pool.fill(5, 1 << 20, room=lambda: 1 << 40).join(30)
     assert pool.nbytes == 5 << 20
-    pool.fill(8, 1 << 20, room=lambda: 1 << 20).join(30)  # under two buffers plus the floor
+    pool.fill(8, 1 << 20, room=lambda: (8 << 20) - 1).join(30)  # 8 buffers would not be admitted
     assert pool.nbytes == 5 << 20
     calls = []
 
@@ -358,7 +358,8 @@ def test_a_save_job_tops_its_pool_up_and_runs_idle_only_beside_training(tmp_path
     parts, total = _parts(arrays)
     pool = BufferPool()
     job = SaveJob(tmp_path / "s.bin", parts, n, total, finish=lambda crc: {}, threads=2, chunk=1 << 14, pool=pool,
-                  max_bytes_per_s=4e6, background=background)  # ~0.25 s of writing: the writers are seen alive
+                  max_bytes_per_s=4e6, background=background,  # ~0.25 s of writing: the writers are seen alive
+                  pool_room=lambda: 1 << 40)
     writers = [t for t in threading.enumerate() if t.name.startswith("ckpt-save-")]
     assert len(writers) == 2
     policies = set()
