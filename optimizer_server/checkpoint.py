@@ -20,6 +20,7 @@ beside it and is verified before anything is read into memory that matters.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from typing import Callable
 
 from .atomic import atomic_write_bytes, fsync_dir
 from .ckpt_io import file_crc, lower_this_threads_priority
+
+log = logging.getLogger("zero_offload")  # the pruner runs in the worker (the engine's CheckpointDir)
 
 LATEST = "latest"
 STEP_PREFIX = "step-"
@@ -213,6 +216,17 @@ def check_shard_manifest(path: Path, man: dict) -> None:
             need(False, f"a group's hparams: {e}")
 
 
+def _size_of(dirs: list[Path]) -> int:
+    """The bytes of the files directly in dirs (a step directory is flat); 0 for what is gone."""
+    n = 0
+    for d in dirs:
+        try:
+            n += sum(f.lstat().st_size for f in d.iterdir())
+        except OSError:
+            pass
+    return n
+
+
 class Pruner:
     """Removes the step directories a newer checkpoint superseded, on a thread of its own.
 
@@ -225,12 +239,16 @@ class Pruner:
     first.  A crash midway leaves part of a superseded step-N; the next commit removes
     the rest (it is still older than ``latest``)."""
 
+    MIN_BYTES_PER_S = 50e6  # wait() goes on past this slow a removal (plus a minute), saying so
+
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
+        self._bound_s = 0.0
 
     def prune(self, dirs: list[Path]) -> None:
         self.wait()
         if dirs:
+            self._bound_s = 60.0 + _size_of(dirs) / self.MIN_BYTES_PER_S
             self._thread = threading.Thread(target=self._remove, args=(list(dirs),), name="ckpt-prune", daemon=True)
             self._thread.start()
 
@@ -241,9 +259,18 @@ class Pruner:
             shutil.rmtree(p, ignore_errors=True)
 
     def wait(self) -> None:
-        t, self._thread = self._thread, None
-        if t is not None:
-            t.join()
+        """Until the removal is done, at most its bound: past it the caller goes on (the
+        log says so; a file system that slow is not a reason to stop training), and the
+        next wait waits again."""
+        t = self._thread
+        if t is None:
+            return
+        t.join(self._bound_s)
+        if t.is_alive():
+            log.warning("removing superseded checkpoints is still running after %.0f s; going on without it",
+                        self._bound_s)
+        else:
+            self._thread = None
 
 
 class CheckpointDir:

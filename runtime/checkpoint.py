@@ -116,6 +116,7 @@ class EngineCheckpoint:
         self.in_flight: InFlight | None = None  # a background save not yet published
         self._snaps: dict[int, np.ndarray] = {}  # the device weights' snapshots (_snapshot)
         self._preparing: threading.Thread | None = None  # making them ahead of a background save
+        self._prepare_bound_s = 0.0
         # superseded step directories go on a thread of theirs (C.Pruner): only a save
         # published between steps (poll) returns before they are gone
         self.pruner = C.Pruner()
@@ -212,6 +213,8 @@ class EngineCheckpoint:
         if not want or self._preparing is not None:
             return
         made = {i: (a.shape, a.dtype, a.nbytes) for i, a in want}
+        # a first touch runs at 0.5-3 GB/s on a VM; past this slow (plus a minute) the save gives up
+        self._prepare_bound_s = 60.0 + sum(n for _, _, n in made.values()) / _EngineFiles.MIN_BYTES_PER_S
 
         def run() -> None:
             lower_this_threads_priority(idle=True)
@@ -226,7 +229,9 @@ class EngineCheckpoint:
     def _wait_prepared(self) -> None:
         t, self._preparing = self._preparing, None
         if t is not None:
-            t.join()
+            t.join(self._prepare_bound_s)
+            if t.is_alive():
+                raise OSError(f"making the snapshot buffers for a checkpoint took over {self._prepare_bound_s:.0f} s")
 
     def _commit(self, d: "C.CheckpointDir", tmp: Path, ok: bool, err: BaseException | None, root: str, name: str,
                 pending: bool) -> str:
