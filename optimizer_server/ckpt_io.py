@@ -359,11 +359,12 @@ class Part:
     scratch_bytes: int = 0  # a conversion's buffer per chunk (0: a view, no buffer)
 
 
-def chunk_buffer(nbytes: int) -> np.ndarray:
+def chunk_buffer(nbytes: int, touch: bool = False) -> np.ndarray:
     """A fresh uint8 buffer for one chunk's copy, on transparent huge pages where the
     kernel offers them (madvise): a snapshot fills GBs of fresh memory inside an update,
     and 4 KiB first touches ran at 0.7-2 GB/s where 2 MiB pages ran at 5-8 (a 2-core
-    VM, BENCHMARKS.md bench_bg_save)."""
+    VM, BENCHMARKS.md bench_bg_save).  touch: every page written once (committed), for a
+    buffer made ahead of the copy that will need it."""
     if nbytes <= 0:
         return np.empty(0, np.uint8)
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -372,7 +373,10 @@ def chunk_buffer(nbytes: int) -> np.ndarray:
             m.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass  # no THP here: 4 KiB pages, slower first touches, the same bytes
-    return np.frombuffer(m, np.uint8)
+    buf = np.frombuffer(m, np.uint8)
+    if touch:
+        buf[::4096] = 0  # one write per page commits it (a huge page takes one per 2 MiB too)
+    return buf
 
 
 def lend_back(buf: np.ndarray) -> None:
@@ -453,8 +457,7 @@ class BufferPool:
                         return
                 if room() < count * nbytes:
                     return
-                buf = chunk_buffer(nbytes)
-                buf[::4096] = 0  # one write per page commits it
+                buf = chunk_buffer(nbytes, touch=True)
                 with self._lock:
                     if gen != self._generation:
                         return
@@ -476,9 +479,8 @@ BACKGROUND_NICE = 19
 def lower_this_threads_priority(nice: int = BACKGROUND_NICE, idle: bool = False) -> None:
     """Linux: this thread alone (its tid) at `nice`; idle: in SCHED_IDLE as well (it runs
     only where no other thread wants the core, and a waking training thread takes the
-    core from it at once, which nice 19 does not do: measured, the steps during a
-    background save of 0.6e9 parameters went from up to 1.6x the steady step to
-    1.3x).  Elsewhere nothing."""
+    core from it at once, which nice 19 does not do: BENCHMARKS.md, bench_bg_save).
+    Elsewhere nothing."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):

@@ -192,24 +192,24 @@ class EngineCheckpoint:
         a fresh array's first touch costs ~2 s per GB in page faults here, a memcpy into a
         touched one ~0.1.  On the writer thread, before the next backward or step."""
         self._wait_prepared()
-        buf = self._snaps.get(i)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = self._snaps[i] = self._snapshot_buffer(src)
+        if not self._has_snapshot_buffer(i, src):
+            # page-aligned, so that its file is written with O_DIRECT (ckpt_io.write_file)
+            self._snaps[i] = chunk_buffer(src.nbytes).view(src.dtype).reshape(src.shape)
+        buf = self._snaps[i]
         np.copyto(buf, src)
         return buf
 
-    @staticmethod
-    def _snapshot_buffer(like: np.ndarray) -> np.ndarray:
-        # page-aligned, so that its file is written with O_DIRECT (ckpt_io.write_file)
-        return chunk_buffer(like.nbytes).view(like.dtype).reshape(like.shape)
+    def _has_snapshot_buffer(self, i: int, like: np.ndarray) -> bool:
+        buf = self._snaps.get(i)
+        return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
 
     def prepare_snapshots(self, device16: np.ndarray, pending16: np.ndarray | None) -> None:
         """After a save: the snapshot buffers a background save of these arrays will
         need, made and touched on a lowest-priority thread and lent back, so that the
         first background save's copy runs at memory speed (the step after it waits for
         that copy).  Nothing if they exist already."""
-        want = [(i, a) for i, a in enumerate((device16, pending16)) if a is not None
-                and not (i in self._snaps and self._snaps[i].shape == a.shape and self._snaps[i].dtype == a.dtype)]
+        want = [(i, a) for i, a in enumerate((device16, pending16))
+                if a is not None and not self._has_snapshot_buffer(i, a)]
         if not want or self._preparing is not None:
             return
         made = {i: (a.shape, a.dtype, a.nbytes) for i, a in want}
@@ -219,8 +219,7 @@ class EngineCheckpoint:
         def run() -> None:
             lower_this_threads_priority(idle=True)
             for i, (shape, dtype, nbytes) in made.items():
-                buf = chunk_buffer(nbytes)
-                buf[::4096] = 0  # one write per page commits it
+                buf = chunk_buffer(nbytes, touch=True)
                 lend_back(buf)
                 self._snaps[i] = buf.view(dtype).reshape(shape)
         self._preparing = threading.Thread(target=run, name="zo-ckpt-prepare", daemon=True)

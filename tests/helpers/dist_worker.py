@@ -137,6 +137,14 @@ def main():
         run(d, mode, int(n) if n else steps)
         dist.barrier()
     dist.destroy_process_group()
+    # Everything is written (rank*.pt): leave without the interpreter's teardown.  After
+    # the "unshared" mode (an FSDP2 save refused on both ranks) one rank in 7-10 aborted
+    # there, "terminate called without an active exception" with no Python frame, in
+    # C++ static destruction (seen with the code of 2026-12-07 before and after the sixth
+    # session's changes; the cause is not found), which failed the test at random.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(out: str, mode: str, steps: int) -> None:
