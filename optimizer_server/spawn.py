@@ -56,6 +56,15 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
+        if self.proc.returncode is not None and self.proc.returncode < 0:
+            # killed: its segments stay in /dev/shm unless each worker saw the death before it
+            # was stopped itself (torchrun stops the other ranks when one raises); the parent
+            # that saw it die sweeps what its registry names, as the next server would
+            from .files import ServerFiles
+            try:
+                ServerFiles(self.address_file).sweep_leftovers()
+            except (OSError, RuntimeError, ValueError):
+                pass  # nothing of ours to sweep there
         if self._cleanup is not None:
             self._cleanup()
             self._cleanup = None

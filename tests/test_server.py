@@ -844,3 +844,22 @@ def test_load_reads_its_file_once_and_a_corrupt_one_changes_nothing(tmp_path, he
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     finally:
         sh.close()
+
+
+def test_the_parent_of_a_killed_server_sweeps_its_segments():
+    """A SIGKILLed server cannot unlink its segments; each worker does when it sees the
+    death, but one that is stopped first (torchrun stops the other ranks when one raises)
+    never sees it.  The handle that spawned the server sweeps what the dead server's
+    registry names when it stops it.  (Mutation: ServerHandle.stop without the sweep: the
+    segment stays.)"""
+    from zero_offload.server.client import ShardClient
+    before = set(our_segments())
+    srv = spawn(threads=1)
+    c = ShardClient(srv.address, srv.token, numel=4096, server_proc=srv.proc)
+    made = set(our_segments()) - before
+    assert len(made) == 1
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(30)
+    srv.stop()  # (the client has made no request since: it has not looked)
+    assert set(our_segments()) - before == set()
+    c.close()
