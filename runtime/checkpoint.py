@@ -177,8 +177,7 @@ class EngineCheckpoint:
             try:
                 return self._commit(d, tmp, ok, err, root, name, pending16 is not None)
             finally:
-                self.pruner.wait()
-                self.prepare_snapshots(device16, pending16)
+                self.after_blocking_save(device16, pending16)
 
     def wait_snapshot(self) -> None:
         """Before the device weights can change (a backward, a step): a background save
@@ -202,6 +201,12 @@ class EngineCheckpoint:
     def _has_snapshot_buffer(self, i: int, like: np.ndarray) -> bool:
         buf = self._snaps.get(i)
         return buf is not None and buf.shape == like.shape and buf.dtype == like.dtype
+
+    def after_blocking_save(self, device16: np.ndarray, pending16: np.ndarray | None) -> None:
+        """What a blocking save (this engine's or FSDP2's) does before it returns: the
+        superseded checkpoints gone, the next background save's buffers on their way."""
+        self.pruner.wait()
+        self.prepare_snapshots(device16, pending16)
 
     def prepare_snapshots(self, device16: np.ndarray, pending16: np.ndarray | None) -> None:
         """After a save: the snapshot buffers a background save of these arrays will

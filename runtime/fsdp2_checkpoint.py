@@ -272,8 +272,7 @@ def save(engine, fmap: FlatMap, shards, directory: str, keep: int, background: b
         try:
             return publish(ok, err, {"state": "done", "crc": info.get("crc", -1)})
         finally:
-            engine.checkpoints.pruner.wait()  # a blocking save returns with the superseded ones gone
-            engine.checkpoints.prepare_snapshots(dev, pending)
+            engine.checkpoints.after_blocking_save(dev, pending)
 
 
 def _publish(g: Group, d: "C.CheckpointDir", tmp: Path, info: dict, meta: dict, params: list,
