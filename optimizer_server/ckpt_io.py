@@ -290,27 +290,73 @@ def _each_span(fn: Callable[[int, int], object], spans: list, threads: int, name
 def parallel_read(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> None:
     """out's bytes = the file's bytes [offset, offset + out.nbytes), read in large
     pieces on several threads."""
-    _read_pieces(path, offset, out, threads, checksum=False)
-
-
-def parallel_read_crc(path: Path, offset: int, out: np.ndarray, threads: int = IO_THREADS) -> list:
-    """parallel_read, checksumming each piece on the thread that read it: the
-    [(file offset, length, CRC-32)] pieces (combine_pieces makes the file's CRC), so a
-    file is verified in the pass that reads it."""
-    return _read_pieces(path, offset, out, threads, checksum=True)
-
-
-def _read_pieces(path: Path, offset: int, out: np.ndarray, threads: int, checksum: bool) -> list:
     view = memoryview(out).cast("B")
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-
-    def piece(a: int, b: int) -> tuple[int, int, int]:
-        _pread_exact(fd, view[a:b], offset + a, str(path))
-        return offset + a, b - a, zlib.crc32(view[a:b]) if checksum else 0
     try:
-        return _each_span(piece, _spans(len(view), IO_CHUNK_BYTES), threads, "ckpt-read")
+        _each_span(lambda a, b: _pread_exact(fd, view[a:b], offset + a, str(path)),
+                   _spans(len(view), IO_CHUNK_BYTES), threads, "ckpt-read")
     finally:
         os.close(fd)
+
+
+Sink = Callable[[int, int, np.ndarray], None]
+
+
+def read_file_verified(path: Path, size: int, regions: list[tuple[int, int, Sink]],
+                       threads: int = IO_THREADS) -> list:
+    """A whole file of `size` bytes read once, in IO_CHUNK_BYTES blocks on several threads,
+    each block checksummed on the thread that read it and then handed out: regions are
+    (file offset, nbytes, sink), and sink(a, b, raw) receives the region's bytes [a, b)
+    (counted from its offset) as a uint8 view of the block, to copy or convert where the
+    state will live.  Returns the blocks' [(file offset, length, CRC-32)] for
+    combine_pieces, which the caller compares before it uses what the sinks wrote.
+
+    The blocks go through O_DIRECT into each thread's page-aligned buffer where the file
+    system allows it: a buffered read costs the kernel a page-cache page per 4 KiB, a
+    copy and later the reclaim, which on a 2-core VM was 0.5-1.5 s of system CPU per GB
+    read and held a LOAD to 1.0-2.0 GB/s where O_DIRECT read at 2.3-2.6 (BENCHMARKS.md
+    bench_load).  Where it does not (tmpfs), the same blocks are read buffered."""
+    if IO_CHUNK_BYTES % DIRECT_ALIGN:
+        raise ValueError("IO_CHUNK_BYTES must be a multiple of DIRECT_ALIGN")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    dfd = open_direct(fd, os.O_RDONLY)
+    local = threading.local()
+
+    def block(a: int, b: int) -> tuple[int, int, int]:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = chunk_buffer(IO_CHUNK_BYTES)
+        n = b - a
+        got = 0
+        if dfd >= 0:  # the whole aligned length: a read that ends at the end of the file is short
+            try:
+                got = os.preadv(dfd, [memoryview(buf)[:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], a)
+            except OSError:
+                got = 0  # this file system refused it after all: buffered below
+        if got < n:
+            _pread_exact(fd, memoryview(buf)[got:n], a + got, str(path))
+        raw = buf[:n]
+        crc = zlib.crc32(raw)
+        for base, nbytes, sink in regions:
+            lo, hi = max(a, base), min(b, base + nbytes)
+            if lo < hi:
+                sink(lo - base, hi - base, raw[lo - a:hi - a])
+        return a, n, crc
+    try:
+        return _each_span(block, _spans(size, IO_CHUNK_BYTES), threads, "ckpt-read")
+    finally:
+        _close_quietly(dfd)
+        os.close(fd)
+
+
+def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
+    """dst[:] = src (1-D, one dtype) on up to `threads` threads (numpy's copy releases
+    the GIL): a memory-bound copy of GBs that one thread would run at a fraction of the
+    machine's bandwidth."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"parallel_copy of {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+    step = max(1, IO_CHUNK_BYTES // max(1, src.itemsize))
+    _each_span(lambda a, b: np.copyto(dst[a:b], src[a:b]), _spans(src.size, step), max(1, threads), "ckpt-copy")
 
 
 def file_crc(path: Path, threads: int = IO_THREADS) -> tuple[int, int]:
@@ -377,6 +423,46 @@ def chunk_buffer(nbytes: int, touch: bool = False) -> np.ndarray:
     if touch:
         buf[::4096] = 0  # one write per page commits it (a huge page takes one per 2 MiB too)
     return buf
+
+
+def _libc_madvise():
+    try:
+        import ctypes
+        import ctypes.util
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        f = libc.madvise
+        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return f
+    except (OSError, AttributeError):
+        return None
+
+
+_MADVISE = _libc_madvise()  # through ctypes, which lets go of the GIL for the call
+MADV_POPULATE_WRITE = 23    # Linux 5.14: fault pages in writable without writing them
+
+
+def touch_ahead(groups: list[list[np.ndarray]], stop: threading.Event, step: int = 32 << 20) -> None:
+    """Commit fresh arrays' pages in the order a reader will write them (each group's
+    arrays side by side, `step` bytes of each at a time; the groups one after another),
+    until stop is set: on a thread of its own beside a read into them (a one-pass LOAD),
+    the first touches (the kernel zeroing each page, and on a VM the host backing it,
+    0.5-2 GB/s for memory not used recently) are paid while the readers wait for the
+    disk.  madvise(MADV_POPULATE_WRITE) commits a page without writing it, so a page the
+    reader filled first keeps its bytes; where the kernel has none (before 5.14), nothing
+    is done and the reader pays the touches itself."""
+    if _MADVISE is None:
+        return
+    for group in groups:
+        views = [a.view(np.uint8) for a in group if a is not None and a.nbytes]
+        for at in range(0, max((v.size for v in views), default=0), step):
+            for v in views:
+                if stop.is_set():
+                    return
+                part = v[at:at + step]
+                if part.size:
+                    lo = part.ctypes.data // DIRECT_ALIGN * DIRECT_ALIGN
+                    if _MADVISE(lo, part.ctypes.data + part.size - lo, MADV_POPULATE_WRITE):
+                        return  # EINVAL: an older kernel; the reader touches them
 
 
 def lend_back(buf: np.ndarray) -> None:

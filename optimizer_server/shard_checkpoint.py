@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from . import checkpoint as C
 from . import protocol as P
 from .shard_phase import ShardPhase
 from .atomic import atomic_write_bytes, fsync_dir
-from .ckpt_io import DIRECT_ALIGN, IO_THREADS, SAVE_CHUNK, SaveJob, combine_pieces
+from .ckpt_io import DIRECT_ALIGN, IO_THREADS, SAVE_CHUNK, SaveJob, chunk_buffer, combine_pieces, parallel_copy
 from .piece_map import PieceMap
 from .state import ShardStateArrays
 
@@ -135,8 +137,9 @@ class ShardCheckpoint:
         return dict(st, crc=(self.save_job.result or {}).get("crc", -1) if st["state"] == "done" else -1)
 
     def verified_read_bytes(self) -> int:
-        """Host RAM a one-pass LOAD takes beside the running state: a second state."""
-        return self.arrays.state_bytes
+        """Host RAM a one-pass LOAD takes beside the running state: a second state (and
+        the exact master's high halves, staged)."""
+        return self.arrays.verified_read_bytes()
 
     def load(self, directory: str, weights_slot: int = 0, room: int = 0, pieces: PieceMap | None = None,
              verified: bool = False) -> dict:
@@ -209,7 +212,7 @@ class ShardCheckpoint:
         mine_k = mans[self.rank] if src == self.world_size and not placed else None
         if (mine_k is not None and mine_k.get("checksum") and self.arrays.can_read_verified(saved_dtypes)
                 and self.verified_read_bytes() <= room):
-            self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, expect)
+            self._load_one_pass(bins[self.rank], mine_k["checksum"], saved_dtypes, expect, weights_slot)
             return dict(self._loaded(man, weights_slot), passes=1)
         for k, path in enumerate(bins):
             if not verified and any(k * per_file < f + (y - x) and f < (k + 1) * per_file  # a file this shard reads
@@ -230,13 +233,17 @@ class ShardCheckpoint:
                           f"overwritten: LOAD a good checkpoint (or INIT) before the next step") from e
         return dict(self._loaded(man, weights_slot), passes=2)
 
-    def _load_one_pass(self, path: Path, checksum: str, dtypes: dict, expect: int) -> None:
+    def _load_one_pass(self, path: Path, checksum: str, dtypes: dict, expect: int, weights_slot: int) -> None:
         """The shard's own file, read once into a new state while its checksum is computed;
-        the running state untouched until it has verified."""
+        the running state untouched until it has verified.  The exact master's high halves
+        are staged and copied into the weights slot once verified: the slot holds the
+        running state's (2 B/param copied at memory speed, against a second pass over the
+        disk's 8-10 B/param)."""
         new = ShardStateArrays(self.optimizer, self.numel, state_dtype=self.arrays.state_dtype,
                                exact_master=self.arrays.exact_master, seed=self.arrays.seed)
+        hi = chunk_buffer(2 * self.numel).view(np.uint16) if new.exact_master else None
         try:
-            pieces = new.read_verified(path, dtypes)
+            pieces = new.read_verified(path, dtypes, hi_out=hi)
         except OSError as e:
             raise OSError(f"reading checkpoint file {path} failed ({e}); this shard's state is untouched") from e
         got = C.checksum_str(combine_pieces(pieces, size=expect))
@@ -244,6 +251,9 @@ class ShardCheckpoint:
             raise C.CheckpointError(f"checkpoint file {path} is corrupt: its checksum is {got}, the manifest says "
                                     f"{checksum}; load another checkpoint (an earlier step-N beside it)")
         self._await_save()  # (nothing is saving the old state any more: LOAD replaces it)
+        if hi is not None:
+            parallel_copy(self.weights16_slots[weights_slot], hi, self.threads)
+            new.hi_slot = weights_slot
         twin = self.arrays.twin is not None
         self.arrays = new  # the old state goes with its last reference
         if twin:  # speculation's twin, as HELLO granted it

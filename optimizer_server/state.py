@@ -40,12 +40,14 @@ fp32 -> bf16 -> int8, rounds to nearest: that loses precision; up is exact).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from zero_offload.kernels import cpu_adam
 
 from .checkpoint import LEGACY_INT8
-from .ckpt_io import IO_THREADS, parallel_read_crc
+from .ckpt_io import IO_THREADS, read_file_verified, touch_ahead
 from .protocol import COMPACT_OPTIMIZERS, QBLOCK, STATE_DTYPES
 from .reshard import read_range
 from .update_rules import rule_for
@@ -385,28 +387,56 @@ class ShardStateArrays:
                            self.scales[name])
 
     def can_read_verified(self, dtypes: dict) -> bool:
-        """read_verified takes a file whose arrays are this state's, byte for byte (fp32
-        state).  The exact master (bf16 and int8 state) splits the saved fp32 master on
-        the way: in one pass that ran at 1.05-1.22 GB/s against 2.1-2.2 for two passes
-        (1e9, bf16 state, bench_load), so it, and any other conversion, takes two."""
-        return not self.exact_master and all(
-            dtypes.get(name, "fp32") == ("fp32" if name == "master" else self.state_dtype) for name in self.names)
+        """read_verified takes a file whose arrays are saved in this state's dtypes (the
+        master as fp32, whatever the state dtype): no conversion but the exact master's
+        split."""
+        return dtypes.get("master", "fp32") == "fp32" and all(
+            dtypes.get(name, "fp32") == self.state_dtype for name in self.moments)
 
-    def read_verified(self, path, dtypes: dict) -> list:
+    def verified_read_bytes(self) -> int:
+        """Host RAM read_verified's new state takes beside the running one: a state, and
+        the exact master's high halves staged until the file has verified (the running
+        state's are the weights slot's)."""
+        return self.state_bytes + (2 * self.numel if self.exact_master else 0)
+
+    def read_verified(self, path, dtypes: dict, hi_out: np.ndarray | None = None) -> list:
         """One pass over one whole shard file of this shard's size into this state, which
         nothing uses yet (Shard.load swaps it in once the file verified; can_read_verified
-        says which files): every array read where it will live, each piece checksummed as
-        it is read.  Returns the pieces' (offset, length, CRC) for combine_pieces."""
+        says which files): each block of the file checksummed as it is read, then copied
+        where its arrays live.  The exact master is split on the reading threads, its high
+        halves into hi_out (uint16, numel: staged, since the weights slot holds the running
+        state's), the remainder into this state.  Returns the blocks' (offset, length, CRC)
+        for combine_pieces."""
         assert self.can_read_verified(dtypes)
         n = self.numel
-        bases, _ = self.file_layout(self.names, dtypes, n)
-        pieces = []
+        bases, size = self.file_layout(self.names, dtypes, n)
+
+        def into(dst: np.ndarray):
+            u8 = dst.view(np.uint8)
+            return lambda a, b, raw: np.copyto(u8[a:b], raw)
+
+        def split(a: int, b: int, raw: np.ndarray) -> None:  # a, b on elements: the master starts the file
+            cpu_adam.split_master(raw.view(np.float32), hi_out[a // 4:b // 4], self.remainder[a // 4:b // 4],
+                                  num_threads=1)
+        regions = []
         for name in self.names:
-            dst = self.master if name == "master" else self.moments[name]
-            pieces += parallel_read_crc(path, bases[name], dst, threads=IO_THREADS)
+            if name == "master":
+                sink = split if self.exact_master else into(self.master)
+                regions.append((bases[name], 4 * n, sink))
+                continue
+            regions.append((bases[name], self.moments[name].nbytes, into(self.moments[name])))
             if name in self.scales:
-                pieces += parallel_read_crc(path, bases[name + ".scale"], self.scales[name], threads=IO_THREADS)
-        return pieces
+                regions.append((bases[name + ".scale"], self.scales[name].nbytes, into(self.scales[name])))
+        stop = threading.Event()
+        first = [hi_out, self.remainder] if self.exact_master else [self.master]
+        toucher = threading.Thread(target=touch_ahead, name="ckpt-touch", daemon=True,
+                                   args=([first] + [[a] for a in self.moments.values()], stop))
+        toucher.start()
+        try:
+            return read_file_verified(path, size, regions, threads=IO_THREADS)
+        finally:
+            stop.set()
+            toucher.join()
 
     def _read_converted(self, src: "_Source", want: str, dst, threads: int, scales=None) -> None:
         """Read the shard's elements of src piece by piece, as fp32, into dst in `want`:

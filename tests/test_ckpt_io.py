@@ -141,6 +141,57 @@ def test_parallel_read_reads_every_byte(tmp_path):
     assert np.array_equal(out, data[3:])
 
 
+def test_a_file_read_once_hands_every_byte_to_its_region(save_dir, monkeypatch):
+    """read_file_verified (a one-pass LOAD): a file of 13 blocks and 5 bytes (64 KiB
+    blocks), regions whose bounds fall inside blocks and on them, on 4 threads, through
+    O_DIRECT on the disk and buffered on tmpfs: every region's array is its bytes, the
+    blocks cover the file once and their CRCs combine into zlib's of the whole file.
+    (Mutations: a region's part of a block taken at the block's start, not at the
+    region's offset in it; the last, short block dropped: each fails.)"""
+    from zero_offload.server import ckpt_io
+    monkeypatch.setattr(ckpt_io, "IO_CHUNK_BYTES", 64 << 10)
+    rng = np.random.default_rng(SEED)
+    print("seed", SEED)
+    size = 13 * (64 << 10) + 5
+    data = rng.integers(0, 255, size, dtype=np.uint8)
+    (save_dir / "f").write_bytes(data.tobytes())
+    cuts = sorted({0, size, 64 << 10, 3 * (64 << 10) + 1, *map(int, rng.integers(1, size, 6))})
+    outs = [np.zeros(b - a, np.uint8) for a, b in zip(cuts, cuts[1:])]
+
+    def into(out):
+        return lambda a, b, raw: np.copyto(out[a:b], raw)
+    pieces = ckpt_io.read_file_verified(save_dir / "f", size, [(a, b - a, into(out)) for (a, b), out in
+                                                               zip(zip(cuts, cuts[1:]), outs)], threads=4)
+    for (a, b), out in zip(zip(cuts, cuts[1:]), outs):
+        assert np.array_equal(out, data[a:b]), (a, b)
+    assert sorted((a, n) for a, n, _ in pieces) == [(a, min(64 << 10, size - a)) for a in range(0, size, 64 << 10)]
+    assert combine_pieces(pieces, size=size) == zlib.crc32(data.tobytes())
+
+
+def test_touching_ahead_commits_pages_and_keeps_what_a_reader_wrote():
+    """touch_ahead runs beside a one-pass LOAD's readers: every page it reaches is
+    committed (resident), and bytes a reader already wrote stay; a set stop ends it before
+    it touches anything.  (Mutation: committing by writing a zero per page: the reader's
+    byte is lost.)"""
+    from zero_offload.server import ckpt_io
+    if ckpt_io._MADVISE is None:
+        pytest.skip("no libc madvise here")
+    a, b = chunk_buffer(8 << 20), chunk_buffer(8 << 20)
+    a[4096 * 3] = b[0] = 7  # pages the readers filled first
+    stopped = threading.Event()
+    stopped.set()
+    ckpt_io.touch_ahead([[a, b]], stopped, step=1 << 20)
+    before = _resident_kib()
+    ckpt_io.touch_ahead([[a, b]], threading.Event(), step=1 << 20)
+    assert a[4096 * 3] == 7 and b[0] == 7
+    assert _resident_kib() - before >= 12 << 10  # 16 MiB, less the pages already touched
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1])
+
+
 @pytest.mark.parametrize("writers", [2, 3])
 def test_placed_save_jobs_fill_one_shared_file_and_their_crcs_join(tmp_path, writers):
     """FSDP2's save on one machine: `writers` save jobs (one per rank), each with a piece

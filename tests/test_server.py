@@ -789,16 +789,22 @@ def test_update_rules_cover_exactly_what_hello_accepts():
         rule_for("adagrad", "bf16")
 
 
-@pytest.mark.parametrize("hello", [dict(), dict(dtype="bf16", state_dtype="bf16", exact_master=True)],
-                         ids=["fp32-state", "bf16-exact"])
-def test_load_reads_its_file_once_and_a_corrupt_one_changes_nothing(tmp_path, hello):
-    """LOAD of the shard's own file (same world size, fp32 state) in one pass: read into a
-    new state while its checksum is computed, swapped in once it verifies (passes=1,
-    bitwise the two-pass load, which it takes where the server admits no second
-    state, room=0, and for the exact master of bf16 state).  A flipped bit is refused naming the file, with the running master,
-    moments and weights slot untouched.  (Mutation: swapping the new state in before
-    the checksum is compared: the corrupt file's bytes reach the state.)"""
+@pytest.mark.parametrize("hello", [dict(), dict(dtype="bf16", state_dtype="bf16", exact_master=True),
+                                   dict(dtype="bf16", state_dtype="int8", exact_master=True)],
+                         ids=["fp32-state", "bf16-exact", "int8-exact"])
+def test_load_reads_its_file_once_and_a_corrupt_one_changes_nothing(tmp_path, monkeypatch, hello):
+    """LOAD of the shard's own file (same world size, same state dtype) in one pass: read
+    into a new state while its checksum is computed (the exact master split on the
+    reading threads, its high halves staged), swapped in once it verifies (passes=1,
+    bitwise the two-pass load, which it takes where the server admits no second state,
+    room=0).  A flipped bit, in the moments or in the master, is refused naming the file,
+    with the running master, moments and weights slot untouched.  Reads of 4 KiB, so the
+    file comes in many pieces on several threads.  (Mutations: swapping the new state in
+    before the checksum is compared: the corrupt file's bytes reach the state; the split
+    writing the high halves straight into the weights slot: a corrupt master changes it.)"""
     from zero_offload.server import checkpoint as C
+    from zero_offload.server import ckpt_io
+    monkeypatch.setattr(ckpt_io, "IO_CHUNK_BYTES", 4096)
     n = 5000
     rng = seeded_rng()
     sh = _shard(numel=n, **hello)
@@ -822,26 +828,31 @@ def test_load_reads_its_file_once_and_a_corrupt_one_changes_nothing(tmp_path, he
         moved = [_master(sh).copy()] + [a.copy() for a in sh.arrays.moments.values()]
         assert not np.array_equal(moved[0], saved[0])
         info = sh.load(str(tmp_path / "ck"), room=1 << 40)
-        assert info["passes"] == (2 if sh.arrays.exact_master else 1)  # the exact master splits: two passes
+        assert info["passes"] == 1
         got = [_master(sh)] + list(sh.arrays.moments.values())
         for a, b in zip(got, saved):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
         assert np.array_equal(sh.weights16, w_saved)
         assert sh.load(str(tmp_path / "ck"), room=0)["passes"] == 2  # no room: verify, then read
+        # room for a second state only: the exact master's staged high halves do not fit
+        assert sh.load(str(tmp_path / "ck"), room=sh.arrays.state_bytes)["passes"] == (
+            2 if sh.arrays.exact_master else 1)
         for a, b in zip([_master(sh)] + list(sh.arrays.moments.values()), saved):
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
-        # a flipped bit in the moments: refused, nothing changed
+        # a flipped bit in the moments, then in the master: refused, nothing changed
         step()
         before = [_master(sh).copy()] + [a.copy() for a in sh.arrays.moments.values()] + [sh.weights16.copy()]
         f = tmp_path / "ck" / "shard-r0-of-1.bin"
-        data = bytearray(f.read_bytes())
-        data[len(data) * 2 // 3] ^= 0x04
-        f.write_bytes(bytes(data))
-        with pytest.raises(C.CheckpointError, match="shard-r0-of-1.bin is corrupt"):
-            sh.load(str(tmp_path / "ck"), room=1 << 40)
-        after = [_master(sh)] + list(sh.arrays.moments.values()) + [sh.weights16]
-        for a, b in zip(after, before):
-            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+        good = f.read_bytes()
+        for at in (len(good) * 2 // 3, 4 * (n // 2) + 3):  # a moment's byte; a master's high half
+            data = bytearray(good)
+            data[at] ^= 0x04
+            f.write_bytes(bytes(data))
+            with pytest.raises(C.CheckpointError, match="shard-r0-of-1.bin is corrupt"):
+                sh.load(str(tmp_path / "ck"), room=1 << 40)
+            after = [_master(sh)] + list(sh.arrays.moments.values()) + [sh.weights16]
+            for a, b in zip(after, before):
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     finally:
         sh.close()
 
