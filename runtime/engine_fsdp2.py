@@ -173,10 +173,14 @@ class Fsdp2Part:
 
     def attach(self, engine) -> None:
         """Once the engine holds the shards' values (its master started from them): fp32
-        shards computed in a 16-bit param_dtype become 16-bit, and FSDP2's gradient shards
-        go to the engine."""
+        shards computed in a 16-bit param_dtype become 16-bit; where the engine's weights
+        are a device tensor of its own (not the CPU's zero-copy slots, which alternate),
+        the local shards become views of it (LocalShards.alias: 2 B/param/world on the
+        device, not 4); and FSDP2's gradient shards go to the engine."""
         if fsdp2.sixteen_bit_shards(self.model, engine.dtype):
             self.shards.refresh()
+        if not engine._zero_copy:
+            self.shards.alias(self.model)
         self.shards.attach(engine)
 
     def compute_dtype(self) -> torch.dtype:

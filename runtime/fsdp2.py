@@ -333,6 +333,48 @@ def sixteen_bit_shards(model: torch.nn.Module, dtype: torch.dtype) -> int:
     return done
 
 
+def fsdp_params(model: torch.nn.Module) -> dict:
+    """id(a sharded parameter) -> FSDP2's FSDPParam for it, over every FSDP2 unit of model."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    out = {}
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            for group in getattr(mod._get_fsdp_state(), "_fsdp_param_groups", None) or []:
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp
+    return out
+
+
+def alias_into(p: torch.nn.Parameter, fp, view: torch.Tensor) -> bool:
+    """Make FSDP2's local shard of p (FSDPParam fp) the memory of `view` (the engine's
+    weights of that shard, on the device), so the engine's copy up of new weights is also
+    FSDP2's next all-gather input: one 2 B/param/world copy of the weights on the device
+    instead of two (the engine's and FSDP2's), and no copy between them after a step.
+
+    Only where the view is exactly FSDP2's padded shard (its rows divide evenly, or this
+    rank's shard is the full padded size) and of its dtype: FSDP2 re-pads any other shard
+    into fresh memory.  Done as sixteen_bit_shards does (torch.utils.swap_tensors keeps p
+    the same object; FSDPParam.reset_sharded_param re-derives its flat shard, which then
+    views `view`).  Returns whether p now views it."""
+    DTensor = dtensor_class()
+    local = p._local_tensor
+    padded = tuple(fp.padded_sharded_param_size)
+    if (not hasattr(fp, "reset_sharded_param") or DTensor is None or local.numel() == 0
+            or tuple(local.shape) != padded or view.dtype != local.dtype or view.numel() != local.numel()
+            or view.device != local.device):
+        return False
+    with torch.no_grad():
+        new = torch.nn.Parameter(DTensor.from_local(view.view(padded), p.device_mesh, p.placements, shape=p.shape,
+                                                    stride=p.stride(), run_check=False),
+                                 requires_grad=p.requires_grad)
+        torch.utils.swap_tensors(p, new)
+        fp.reset_sharded_param()
+    return p._local_tensor.data_ptr() == view.data_ptr() and fp._sharded_param_data.data_ptr() == view.data_ptr()
+
+
 class _Proxies(torch.nn.Module):
     def __init__(self, proxies: list[torch.nn.Parameter]):
         super().__init__()
@@ -357,6 +399,7 @@ class LocalShards:
         # holds no second copy of the shards (2-4 B/param/world more on the device)
         self.proxies = [torch.nn.Parameter(t.detach()) for t in self.local]
         self.proxy_of = {id(p): q for p, q in zip(params, self.proxies)}  # id(a trainable DTensor) -> its proxy
+        self.aliased = [False] * len(params)  # the local shard is its proxy's memory (alias)
         self.module = _Proxies(self.proxies)
         self.group = params[0].device_mesh.get_group() if params else None
         # this rank's place in FSDP2's group: where its rows of each parameter lie
@@ -405,11 +448,28 @@ class LocalShards:
         self.local = [p.to_local() for p in self.params]
         self.copy_back()
 
+    def alias(self, model: torch.nn.Module) -> int:
+        """Where the engine's weights are its own device tensor (a GPU, or a CPU without
+        zero-copy; each proxy then views it), the local shards become those views
+        (alias_into), before any hook is registered on them.  Returns how many did; the
+        rest are copied back after each step, as before."""
+        fps = fsdp_params(model)
+        done = 0
+        for i, (p, q) in enumerate(zip(self.params, self.proxies)):
+            fp = fps.get(id(p))
+            if fp is not None and alias_into(p, fp, q.detach().view(-1)):
+                self.aliased[i] = True
+                done += 1
+        self.local = [p.to_local() for p in self.params]
+        return done
+
     @torch.no_grad()
     def copy_back(self) -> None:
-        """The engine's weights into the local shards, in place (FSDP2 all-gathers from them)."""
-        for t, q in zip(self.local, self.proxies):
-            t.copy_(q.detach().view(t.shape))
+        """The engine's weights into the local shards, in place (FSDP2 all-gathers from
+        them); an aliased shard is the engine's weights already."""
+        for t, q, same in zip(self.local, self.proxies, self.aliased):
+            if not same:
+                t.copy_(q.detach().view(t.shape))
 
     def gather(self, names: dict, local_masters: list[torch.Tensor], rank0_only: bool = False) -> dict:
         """Whole fp32 tensors by name (names: id of an FSDP2 parameter -> its state_dict

@@ -51,7 +51,7 @@ def two_ranks(tmp_path_factory):
     # arithmetic: the ZeRO-2 runs are held to the ZeRO-3 references
     launch(out, ["ref", "offload", "ref+dpu", "dpu", "offload+zero2", "dpu+zero2", "offload+resume", "dpu+resume",
                  "ref+frozen+accum", "offload+frozen+accum", "offload+resume+statedir",
-                 "offload+sync+shadow", "offload+speculation",
+                 "offload+sync+shadow", "offload+speculation", "offload+nozerocopy", "dpu+nozerocopy",
                  # fp32 shards: torchtitan's recipe (bf16 param_dtype), and fp32 compute
                  "ref+fp32shards", "offload+fp32shards", "ref+fp32shards+fp32compute",
                  "offload+fp32shards+fp32compute", "offload+fp32shards+resume",
@@ -167,6 +167,27 @@ def test_mode_exact_on_fsdp2_is_bitwise_sync(two_ranks):
     assert load(two_ranks, "offload+speculation", 2)[0]["stats"]["spec_steps"] > 0
 
 
+def test_local_shards_are_the_engines_device_weights_where_it_has_its_own(two_ranks):
+    """Where the engine's weights are a tensor of its own (a GPU; here a CPU without
+    zero-copy), FSDP2's local shards are views of it (LocalShards.alias): one copy of the
+    16-bit weights on the device, 2 B/param/world, not the engine's and FSDP2's.  Every
+    trainable shard of this model divides evenly over 2 ranks, so every one is aliased;
+    with zero-copy (the CPU's default) none is (the engine's weights move between two
+    slots).  Training is bitwise the zero-copy run's: losses, clip norms, final masters,
+    with and without DPU.  (Mutations: alias() not called: the count is 0; the copy back
+    skipped for every shard, aliased or not, fails the zero-copy run's losses.)"""
+    for mode, base in (("offload+nozerocopy", "offload"), ("dpu+nozerocopy", "dpu")):
+        res, ref = load(two_ranks, mode, 2), load(two_ranks, base, 2)
+        for r in range(2):
+            n_trained = len(res[r]["local"])  # every parameter trains in these runs
+            assert res[r]["in_flat16"] == n_trained, (mode, r, res[r]["in_flat16"], n_trained)
+            assert ref[r]["in_flat16"] == 0, (base, r)
+            assert res[r]["losses"] == ref[r]["losses"], (mode, r)
+            assert res[r]["norms"] == ref[r]["norms"], (mode, r)
+            for k, v in ref[r]["master"].items():
+                assert torch.equal(res[r]["master"][k], v), (mode, r, k)
+
+
 def test_the_device_holds_16_bit_local_shards_of_1_over_world(two_ranks):
     """Each rank's local shards are bf16 and about 1/world of the model: FSDP2's rows
     of every parameter (torch.chunk on dim 0), nothing gathered or widened.  (Mutation:
@@ -186,14 +207,24 @@ def test_the_device_holds_16_bit_local_shards_of_1_over_world(two_ranks):
 
 def test_three_ranks_uneven_shards(tmp_path):
     """3 ranks: FSDP2's rows of 32-row parameters are 11, 11 and 10; sync OffloadAdamW
-    against the reference as above."""
-    launch(tmp_path, ["ref", "offload"], 3, steps=12)
+    against the reference as above; and without zero-copy, where only some shards can
+    view the engine's weights, bitwise the zero-copy run."""
+    launch(tmp_path, ["ref", "offload", "offload+nozerocopy"], 3, steps=12)
     p0 = initial()
     for r in range(3):
         ref, res = torch.load(tmp_path / "ref" / f"rank{r}.pt"), torch.load(tmp_path / "offload" / f"rank{r}.pt")
         a, b = torch.tensor(res["losses"]), torch.tensor(ref["losses"])
         assert ((a - b).abs() / b.abs()).max() < 1e-2
         assert moved_rel(res["master"], ref["master"], p0) < 0.10
+        # without zero-copy a shard of FSDP2's full padded size views the engine's weights
+        # (ranks 0 and 1: 11 of 32 rows, 86 of 256), a shorter one is copied back (rank
+        # 2's 10 and 84 rows; its 96-element biases divide evenly); the same bits
+        own = torch.load(tmp_path / "offload+nozerocopy" / f"rank{r}.pt")
+        if r < 2:
+            assert own["in_flat16"] == len(own["local"]), (r, own["in_flat16"])
+        else:
+            assert 0 < own["in_flat16"] < len(own["local"]), (r, own["in_flat16"])
+        assert own["losses"] == res["losses"] and own["norms"] == res["norms"], r
 
 
 def test_torch_distributed_checkpoint_is_refused_naming_the_fix(tmp_path):

@@ -23,6 +23,8 @@ each "+"-joined options:
   libwrap  the model left plain: OffloadAdamW shards it (expert.multi_rank "fsdp2-zero3", with
            zero2 "fsdp2-zero2")
   mixedcpu rank 1 reads a CPU without native bf16 matmul (it alone would compute in fp32)
+  nozerocopy expert.cpu_zero_copy=False: the engine's weights a tensor of its own (as on a
+           GPU), which the local shards then view
 The model is cast to bf16 before fully_shard (16-bit local shards) with
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32).
 Both use two param groups (weight decay 0.1 on matrices, 0 on the rest) and clip at CLIP.
@@ -115,6 +117,8 @@ def offload(model, opts: set, out: str):
         kw.setdefault("expert", {})["multi_rank"] = "fsdp2-zero2" if "zero2" in opts else "fsdp2-zero3"
         if "fp32compute" in opts:  # asked for: the library then wraps with no param_dtype
             kw["expert"]["compute_dtype"] = "fp32"
+    if "nozerocopy" in opts:  # the engine's weights a tensor of its own, as on a GPU: the local shards view it
+        kw.setdefault("expert", {})["cpu_zero_copy"] = False
     if "statedir" in opts:  # state_dict() writes the state there (a checkpoint, a collective)
         kw["state_dir"] = os.path.join(out, "+".join(sorted(opts)) + "-state")
     return OffloadAdamW(groups(model), lr=LR, betas=(0.9, 0.99), weight_decay=0.1, model=model,
@@ -180,6 +184,9 @@ def run(out: str, mode: str, steps: int) -> None:
         res["master"] = opt.master_state_dict()
     else:
         res["stats"] = opt.stats()
+        flat16 = opt.engine.flat16  # how many local shards are the engine's weights' memory
+        lo, hi = flat16.data_ptr(), flat16.data_ptr() + flat16.numel() * flat16.element_size()
+        res["in_flat16"] = sum(lo <= p.to_local().data_ptr() < hi for p in model.parameters() if p.requires_grad)
         res["master"] = opt.master_state_dict()  # a collective: whole tensors from every rank's shards
         if "shadow" in opts:
             res["shadow"] = model.shadow.master_state_dict()
