@@ -324,9 +324,13 @@ def fsdp2_run(tmp_path, kind: str, dpu: bool, device: str = "cuda", steps: int =
             losses.append(float(loss.detach().float()))
         master = {k: v.float().cpu() for k, v in opt.master_state_dict().items()}
         local = {n: (p.to_local().dtype, p.to_local().device.type) for n, p in model.named_parameters()}
-        if kind != "ref":
+        in_flat16 = 0
+        if kind != "ref":  # the local shards the engine's device weights themselves (one rank: all of them)
+            f = opt.engine.flat16
+            lo, hi = f.data_ptr(), f.data_ptr() + f.numel() * f.element_size()
+            in_flat16 = sum(lo <= p.to_local().data_ptr() < hi for p in model.parameters())
             opt.close()
-        return {"losses": losses, "master": master, "local": local}
+        return {"losses": losses, "master": master, "local": local, "in_flat16": in_flat16}
     finally:
         dist.destroy_process_group()
 
@@ -337,7 +341,8 @@ def test_cuda_fsdp2_matches_fsdp2_with_torch_adamw(tmp_path, lagging_side_stream
     FSDP2's gradient shards reach the host after their reduce-scatter, and the new
     weights reach the local shards before the next all-gather; losses within 1e-2 and
     masters within 10% of how far the reference moved them; the local shards stay bf16
-    on the GPU."""
+    on the GPU, as views of the engine's device weights (one copy of them on the device:
+    LocalShards.alias)."""
     ref = fsdp2_run(tmp_path, "ref", dpu)
     res = fsdp2_run(tmp_path, "offload", dpu)
     p0 = {n: p.detach().float() for n, p in gpt().to(torch.bfloat16).named_parameters()}
@@ -347,3 +352,4 @@ def test_cuda_fsdp2_matches_fsdp2_with_torch_adamw(tmp_path, lagging_side_stream
     moved = torch.cat([(ref["master"][k] - p0[k]).reshape(-1) for k in sorted(p0)])
     assert float(d.norm() / moved.norm()) < 0.10
     assert all(v == (torch.bfloat16, "cuda") for v in res["local"].values()), res["local"]
+    assert res["in_flat16"] == len(res["local"]), res["in_flat16"]
