@@ -653,11 +653,14 @@ class SaveJob:
         self._next = 0
         self._cv = threading.Condition()
         self._done = threading.Event()
-        # a chunk's bytes; in a chunk large enough for O_DIRECT to matter, each part's piece
-        # shifted to match its file offset's alignment (at most a page per part more)
+        # a chunk's bytes; in a chunk large enough for O_DIRECT to matter, each run (a part's
+        # piece, or each of the runs a piece map splits it into) shifted to match its file
+        # offset's alignment (at most a page per run more)
         self.chunk_bytes = max((self._chunk_size(c) for c in range(self.n_chunks)), default=0)
         self.align = DIRECT_ALIGN if self.chunk_bytes >= DIRECT_MIN_CHUNK else 1
-        self.chunk_bytes += len(parts) * (self.align - 1)
+        runs = max((sum(len(self._runs(self.parts[i], ia, ib)) for i, ia, ib in self._ranges(c))
+                    for c in range(self.n_chunks)), default=0)
+        self.chunk_bytes += runs * (self.align - 1)
         if pieces is not None:
             if any(p.per != 1 for p in parts):
                 raise ValueError("a piece map places elements, not int8 blocks: int8 state cannot be placed")
@@ -740,27 +743,30 @@ class SaveJob:
         pieces, at = [], 0
         for i, ia, ib in self._ranges(c):
             part = self.parts[i]
-            n = (ib - ia) * part.itemsize
-            # where its address matches its file offset modulo DIRECT_ALIGN, so that the
-            # bulk of it can be written with O_DIRECT (chunk_bytes leaves room for this)
-            off = part.base + ia * part.itemsize
-            at += (off - at) % self.align
-            dst = buf[at:at + n]
-            got = np.frombuffer(part.get(ia, ib, dst if part.scratch_bytes else None), np.uint8)
-            if not np.may_share_memory(got, dst):
-                dst[:] = got
-            pieces += self._placed(part, ia, dst)
-            at += n
+            for x, y, off in self._runs(part, ia, ib):
+                n = (y - x) * part.itemsize
+                # where its address matches its file offset modulo DIRECT_ALIGN, so that the
+                # bulk of it can be written with O_DIRECT (chunk_bytes leaves room for this)
+                at += (off - at) % self.align
+                dst = buf[at:at + n]
+                got = np.frombuffer(part.get(x, y, dst if part.scratch_bytes else None), np.uint8)
+                if not np.may_share_memory(got, dst):
+                    dst[:] = got
+                pieces.append((off, dst))
+                at += n
         return pieces
 
-    def _placed(self, part: Part, ia: int, view) -> list:
-        """[(file offset, bytes)] of part's items from ia on (view: their bytes): one
-        run, or, with a piece map, the runs it puts in the shared file."""
+    def _runs(self, part: Part, ia: int, ib: int) -> list:
+        """[(first item, end item, file offset)] of part's items [ia, ib): one run, or, with
+        a piece map, the runs it puts in the shared file (an FSDP2 rank's rows)."""
         if self.place is None:
-            return [(part.base + ia * part.itemsize, view)]
+            return [(ia, ib, part.base + ia * part.itemsize)]
+        return [(x, y, part.base + f * part.itemsize) for x, y, f in self.place.split(ia, ib)]
+
+    def _placed(self, part: Part, ia: int, view) -> list:
+        """[(file offset, bytes)] of part's items from ia on (view: their bytes)."""
         k = part.itemsize
-        return [(part.base + f * k, view[(x - ia) * k:(y - ia) * k])
-                for x, y, f in self.place.split(ia, ia + len(view) // k)]
+        return [(off, view[(x - ia) * k:(y - ia) * k]) for x, y, off in self._runs(part, ia, ia + len(view) // k)]
 
     def _write_pieces(self, c: int, pieces: list) -> None:
         """pwrite chunk c's private copy, then WRITTEN."""
