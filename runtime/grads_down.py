@@ -165,6 +165,11 @@ class GradStep:
         buckets = down.flat.buckets
         self.remaining = [len(b.params) for b in buckets]  # parameters still without a gradient
         self.bufs: list = [None] * len(buckets)           # device buffers of this step (transient)
+        # CUDA: each bucket's writers' streams (a gradient is copied into its bucket on the
+        # stream that produced it: a part of the model on a side stream writes from there),
+        # and the event after a zero-filled buffer's fill, which a writer on another stream waits for
+        self.writers: list = [None] * len(buckets)
+        self.zeroed: list = [None] * len(buckets)
         self.front = 0   # buckets [0, front) are done: their weights are free on the device
         # Across ranks every rank issues its buckets' collectives in index order (DDP's
         # rule): a bucket that completes before its predecessors waits for them.
@@ -338,13 +343,30 @@ class DeviceBucketStep(GradStep):
             gaps = self.d.flat.has_gaps and any(s.lead for s in b.params)
             self.bufs[b.index] = (torch.zeros if gaps else torch.empty)(b.numel, dtype=self.d.dtype,
                                                                         device=self.d.device)
+            if self.d.cuda and gaps:
+                self.zeroed[b.index] = torch.cuda.Event()
+                self.zeroed[b.index].record(torch.cuda.current_stream(self.d.device))
         return self.bufs[b.index]
 
+    def _writing(self, b: Bucket) -> torch.Tensor:
+        """The bucket's buffer, for a write on the current stream: on CUDA that stream is
+        remembered (the bucket's reduce and copy down wait for every writer's, not only the
+        last hook's) and, where the buffer was zero-filled on another, waits for the fill."""
+        buf = self._buf(b)
+        if self.d.cuda:
+            cur = torch.cuda.current_stream(self.d.device)
+            seen = self.writers[b.index] = self.writers[b.index] or {}
+            if cur.cuda_stream not in seen:
+                seen[cur.cuda_stream] = cur
+                if self.zeroed[b.index] is not None:
+                    cur.wait_event(self.zeroed[b.index])
+        return buf
+
     def _take(self, s: ParamSpan, b: Bucket, g: torch.Tensor) -> None:
-        self._buf(b)[s.offset - b.lo:s.offset - b.lo + s.numel].copy_(g)
+        self._writing(b)[s.offset - b.lo:s.offset - b.lo + s.numel].copy_(g)
 
     def _fill_unused(self, b: Bucket) -> None:
-        buf = self._buf(b)
+        buf = self._writing(b)
         for s in self._unseen(b):
             buf[s.offset - b.lo:s.offset - b.lo + s.numel].zero_()
 
@@ -362,6 +384,12 @@ class DeviceBucketStep(GradStep):
         d = self.d
         lo, hi = self._shard_part(b)
         buf = self.bufs[b.index]
+        if d.cuda:  # the current stream (which the reduce and the copy stream follow) after every writer's
+            cur = torch.cuda.current_stream(d.device)
+            for st in (self.writers[b.index] or {}).values():
+                if st.cuda_stream != cur.cuda_stream:
+                    cur.wait_stream(st)
+            self.writers[b.index] = self.zeroed[b.index] = None
         with d.tracer.span("grad_bucket", bucket=b.index, bytes=2 * max(0, hi - lo)):
             red = d.coll.start_bucket_reduce(buf, b.lo) if d.world_size > 1 else None
             if not d.cuda:  # a CPU device with a process group (GlooStep serves gloo)

@@ -150,6 +150,7 @@ class UpdateCycle:
              groups: list | None = None, reverse: bool = False) -> None:
         """reverse: the server updates back to front (runtime.overlap's forward pipeline)."""
         self._expect("send", CyclePhase.IDLE, CyclePhase.ON_DEVICE)
+        self._incoming_read()
         self.reverse = reverse
         kw = {"groups": groups} if groups else {}
         if reverse:
@@ -165,14 +166,19 @@ class UpdateCycle:
         """SPECULATE for update k (runtime.speculation): what send() is expected to carry,
         and that the gradients of [0, upto) are final.  Nothing may be in flight."""
         self._expect("speculate", CyclePhase.IDLE, CyclePhase.ON_DEVICE)
-        if self._reads is not None:
-            # the server is about to rewrite the incoming slot; copies the forward pipeline
-            # queued from it must have run (long done by the time backward's first bucket is)
-            self._reads.synchronize()
-            self._reads = None
+        self._incoming_read()
         self.client.announce(k, upto)  # first: the server follows the word once SPECULATE is in
         self.client.speculate(k, grad_slot, lr, grad_scale, hparams, upto=upto, predict=predict,
                               weights_slot=self.incoming_slot, groups=groups or [], reverse=reverse)
+
+    def _incoming_read(self) -> None:
+        """Before a STEP or SPECULATE lets the server rewrite the incoming slot: the copies
+        the forward pipeline queued from it (CUDA, asynchronous) have run.  Long done by
+        the end of the backward that follows them; without this wait only a host sync
+        elsewhere (a loss's float()) kept a lagging copy from reading the next weights."""
+        if self._reads is not None:
+            self._reads.synchronize()
+            self._reads = None
 
     def announce(self, k: int, upto: int) -> None:
         """After update k's SPECULATE: the gradients of [0, upto) are final (the ready

@@ -278,6 +278,57 @@ def test_cuda_side_stream_copies_that_run_late_are_waited_for(lagging_side_strea
     assert st["bytes_to_device"] > 0
 
 
+class _SideBranch(torch.nn.Module):
+    """Three layers whose middle one runs on a side stream (side: a torch.cuda.Stream, or
+    None: all on the current stream), its backward queued behind ~10 ms of GPU sleep: its
+    gradients reach the engine's hooks on that stream, late, and their bucket's last hook
+    (the first layer's) on the current one."""
+
+    def __init__(self, side):
+        super().__init__()
+        self.a, self.b, self.head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+        self.side = side
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.side is None:
+            return self.head(h + self.b(h))
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            s = self.b(h)
+        main.wait_stream(self.side)
+        s.register_hook(self._late)
+        return self.head(h + s)
+
+    def _late(self, g):
+        _lagged(self.side)  # before the side layer's backward kernels, which autograd queues there
+        return g
+
+
+def test_cuda_gradients_from_a_side_stream_are_waited_for():
+    """A model with a layer on a side stream (forward and backward; the backward late):
+    the gradient bucket it shares with layers on the current stream goes down only after
+    every writer's stream (DeviceBucketStep._writing), so 5 steps end with the masters
+    bitwise those of the same model on one stream.  (Mutation: _bucket_done waiting for the
+    last hook's stream only, as before: the side layer's gradient is read before it is
+    copied.)"""
+    out = []
+    for side in (None, torch.cuda.Stream()):
+        torch.manual_seed(0)
+        model = _SideBranch(side).cuda()
+        with OffloadEngine(model, OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1})) as eng:
+            assert len(eng.flat.buckets) == 1  # the side layer's gradient and the others' in one bucket
+            g = torch.Generator().manual_seed(7)
+            for _ in range(5):
+                x = torch.randn(32, 64, generator=g).cuda().bfloat16()
+                y = torch.randint(0, 8, (32,), generator=g).cuda()
+                eng.backward(torch.nn.functional.cross_entropy(model(x).float(), y))
+                eng.step()
+            out.append(torch.cat([v.reshape(-1) for v in eng.master_state_dict().values()]))
+    assert torch.equal(out[0], out[1])
+
+
 def test_cuda_overlap_copies_that_run_late_are_waited_for(tmp_path, lagging_side_streams):
     """overlap_update's per-module copies up on the weights-up stream, each queued late:
     the module's forward must wait for its own copy (bitwise sync)."""
@@ -286,6 +337,34 @@ def test_cuda_overlap_copies_that_run_late_are_waited_for(tmp_path, lagging_side
     sync = run(tmp_path, mlp, mlp_batch, "bf16", False, **kw)
     over = run(tmp_path, mlp, mlp_batch, "bf16", True, **kw)
     assert_bitwise(over, sync, kw)
+
+
+def test_cuda_weights_read_between_step_and_forward_under_overlap(lagging_side_streams):
+    """Under overlap_update the update lands during the next forward; code that reads the
+    weights after step() (an EMA) calls engine.synchronize(copy_weights=True) first (README,
+    "exact").  With every copy up queued late and no host sync in the loop (no float() of
+    the loss), the EMA of the weights and the masters after 8 steps are bitwise those of
+    the synchronous strategy.  (Mutations: synchronize not finishing the forward
+    pipeline; UpdateCycle.send not waiting for the copies from the incoming slot before
+    the next STEP lets the server rewrite it: either reads other weights.)"""
+    out = []
+    for strategy in ("sync", "overlap_update"):
+        model = mlp().cuda()
+        cfg = OffloadConfig(lr=1e-3, dtype="bf16", server={"threads": 1},
+                            expert={"exact_strategy": strategy, "bucket_numel": 1024})
+        with OffloadEngine(model, cfg) as eng:
+            ema = None
+            for t in range(1, 9):
+                eng.backward(mlp_batch(t, "bf16")(model))
+                eng.step()
+                eng.synchronize(copy_weights=True)
+                w = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+                ema = w.clone() if ema is None else ema.mul_(0.9).add_(w, alpha=0.1)
+            if strategy == "overlap_update":
+                assert eng.stats()["overlap_steps"] > 0
+            out.append((ema.cpu(), torch.cat([v.reshape(-1) for v in eng.master_state_dict().values()])))
+    assert torch.equal(out[0][0], out[1][0])
+    assert torch.equal(out[0][1], out[1][1])
 
 
 def fsdp2_run(tmp_path, kind: str, dpu: bool, device: str = "cuda", steps: int = 8) -> dict:
