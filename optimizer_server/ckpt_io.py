@@ -922,6 +922,9 @@ class SaveJob:
                 self._free.clear()
             self.pool.give(spare)
             self.snapshot_bytes = 0
+            # the live arrays' views go: a LOAD that replaces the state frees the old one
+            # (this job, the shard's last, would keep it resident until the next save)
+            self.parts = []
             if not self._cancelled and self.pool_room is not None:  # the next snapshot finds them touched
                 self.fill_thread = self.pool.fill(self.n_chunks + len(self._writers), self.chunk_bytes,
                                                   self.pool_room)
