@@ -52,7 +52,22 @@ class Refused(Exception):
 
 
 def read_rss() -> int:
-    """This process's resident bytes (/proc/self/statm)."""
+    """This process's resident bytes, less what it lent back to the kernel (MADV_FREE:
+    the save pool's idle buffers, which the kernel takes at need and MemAvailable counts
+    as free): /proc/self/smaps_rollup's Rss - LazyFree, else /proc/self/statm's resident
+    pages.  Counted whole, a filled pool made the admitted shards' reservations look
+    resident already, and a later HELLO was admitted against RAM they will take."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            kb = {}
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "LazyFree"):
+                    kb[key] = int(rest.split()[0])
+        if "Rss" in kb:
+            return (kb["Rss"] - kb.get("LazyFree", 0)) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -221,3 +221,23 @@ def test_close_unmaps_the_shared_segment(zero_copy):
     with open("/proc/self/maps") as f:
         assert name not in f.read(), "the closed engine still maps its segment"
     assert eng.closed  # (the engine itself is still here)
+
+
+def test_lent_back_save_buffers_leave_admissions_reservations_alone():
+    """Reservations.outstanding (what admitted shards may still take) subtracts the
+    server's resident growth; the save pool's buffers are lent back to the kernel
+    (MADV_FREE) and counted as free by MemAvailable, so they must not count as a shard
+    having taken its reservation: 256 MiB touched and lent back leave outstanding as it
+    was, 256 MiB touched and kept lower it by that much.  (Mutation: read_rss from statm,
+    which counts lent-back pages: outstanding falls by 256 MiB.)"""
+    from zero_offload.server.admission import Reservations
+    from zero_offload.server.ckpt_io import chunk_buffer, lend_back
+    r = Reservations()
+    r.add("s", 4 << 30)
+    before = r.outstanding
+    lent = chunk_buffer(256 << 20, touch=True)
+    lend_back(lent)
+    assert abs(r.outstanding - before) < 32 << 20, (before, r.outstanding)
+    kept = chunk_buffer(256 << 20, touch=True)
+    assert 224 << 20 < before - r.outstanding < 288 << 20, (before, r.outstanding)
+    del lent, kept
