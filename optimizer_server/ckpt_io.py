@@ -329,8 +329,9 @@ def read_file_verified(path: Path, size: int, regions: list[tuple[int, int, Sink
         n = b - a
         got = 0
         if dfd >= 0:  # the whole aligned length: a read that ends at the end of the file is short
+            whole = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
             try:
-                got = os.preadv(dfd, [memoryview(buf)[:-(-n // DIRECT_ALIGN) * DIRECT_ALIGN]], a)
+                got = os.preadv(dfd, [memoryview(buf)[:whole]], a)
             except OSError:
                 got = 0  # this file system refused it after all: buffered below
         if got < n:

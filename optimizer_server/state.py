@@ -418,6 +418,8 @@ class ShardStateArrays:
         def split(a: int, b: int, raw: np.ndarray) -> None:  # a, b on elements: the master starts the file
             cpu_adam.split_master(raw.view(np.float32), hi_out[a // 4:b // 4], self.remainder[a // 4:b // 4],
                                   num_threads=1)
+        if bases["master"] % 4:  # (file_layout puts it first: blocks split it on elements)
+            raise AssertionError("the master must start on a 4-byte file offset")
         regions = []
         for name in self.names:
             if name == "master":
