@@ -161,19 +161,22 @@ def _pread_exact(fd: int, view: memoryview, offset: int, name: str) -> None:
         got += k
 
 
-def _libc_sync_file_range():
+def _libc_function(name: str, *argtypes: str):
+    """libc's `name` through ctypes (which lets go of the GIL for the call), its
+    arguments the ctypes types named; None where this system's libc has none."""
     try:
         import ctypes
         import ctypes.util
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        f = libc.sync_file_range
-        f.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        f = getattr(libc, name)
+        f.argtypes = tuple(getattr(ctypes, t) for t in argtypes)
         return f
     except (OSError, AttributeError):
         return None
 
 
-_SYNC_FILE_RANGE = _libc_sync_file_range()  # Linux; elsewhere the final fsync does it all
+# Linux; elsewhere the final fsync does it all
+_SYNC_FILE_RANGE = _libc_function("sync_file_range", "c_int", "c_int64", "c_int64", "c_uint")
 SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -426,19 +429,7 @@ def chunk_buffer(nbytes: int, touch: bool = False) -> np.ndarray:
     return buf
 
 
-def _libc_madvise():
-    try:
-        import ctypes
-        import ctypes.util
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        f = libc.madvise
-        f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return f
-    except (OSError, AttributeError):
-        return None
-
-
-_MADVISE = _libc_madvise()  # through ctypes, which lets go of the GIL for the call
+_MADVISE = _libc_function("madvise", "c_void_p", "c_size_t", "c_int")
 MADV_POPULATE_WRITE = 23    # Linux 5.14: fault pages in writable without writing them
 
 
